@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# Builds every Go component of the embedded cluster from the Go module proxy into a cache directory
+# keyed by the versions in hack/versions.env, so a second run is a no-op. Never writes into the repo.
+#   hack/build-binaries.sh [component...]   components: kube etcd coredns helm kubeconform (default: all)
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=hack/versions.env
+source "$here/versions.env"
+
+CACHE_ROOT=${DDPJOB_CACHE:-$HOME/.cache/ddpjob}
+export GOTOOLCHAIN=local GOFLAGS=-mod=mod GOPROXY=${GOPROXY:-https://proxy.golang.org,direct}
+log() { printf '[build %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+# Each component gets its own scratch module so dependency graphs never mix.
+scratch() { local d="$CACHE_ROOT/src/$1"; mkdir -p "$d"; echo "$d"; }
+
+build_kube() {
+  local out="$CACHE_ROOT/kube-$KUBE_VERSION"
+  [[ -x $out/kubelet && -x $out/kubectl && -x $out/kube-proxy ]] && { log "kube $KUBE_VERSION cached"; return; }
+  local src; src=$(scratch "kube-$KUBE_VERSION")
+  cd "$src"
+  if [[ ! -f go.mod ]]; then
+    go mod init local.build/kube >/dev/null 2>&1
+    # k8s.io/kubernetes requires its staging modules at v0.0.0 and replaces them with ./staging;
+    # replaces of a dependency are ignored, so point each one at its published tag instead.
+    local gomod
+    gomod=$(go mod download -json "k8s.io/kubernetes@$KUBE_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["GoMod"])')
+    local goline; goline=$(awk '$1=="go"{print $2; exit}' "$gomod")
+    go mod edit -go="$goline"
+    for m in $(awk '$1 ~ /^k8s\.io\// && $2=="v0.0.0" {print $1}' "$gomod" | sort -u); do
+      go mod edit -replace="$m=$m@$KUBE_STAGING_VERSION"
+    done
+    cat > tools.go <<'GO'
+//go:build tools
+
+package tools
+
+import (
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
+	_ "k8s.io/kubernetes/cmd/kube-proxy"
+	_ "k8s.io/kubernetes/cmd/kube-scheduler"
+	_ "k8s.io/kubernetes/cmd/kubelet"
+	_ "k8s.io/kubernetes/cmd/kubectl"
+)
+GO
+    go get "k8s.io/kubernetes@$KUBE_VERSION"
+    # godebug defaults of the Go version kubernetes itself declares
+    grep -q '^godebug' go.mod || printf '\ngodebug default=go%s\n' "$(echo "$goline" | cut -d. -f1,2)" >> go.mod
+  fi
+  local minor; minor=$(echo "$KUBE_VERSION" | cut -d. -f2)
+  local ldf="-s -w" kv
+  for kv in "gitVersion=$KUBE_VERSION" gitMajor=1 "gitMinor=$minor" gitTreeState=clean gitCommit=0000000000000000000000000000000000000000 buildDate=2026-01-01T00:00:00Z; do
+    ldf="$ldf -X k8s.io/component-base/version.$kv -X k8s.io/client-go/pkg/version.$kv"
+  done
+  mkdir -p "$out.tmp"
+  log "building kube $KUBE_VERSION (cold: tens of minutes on 2 cores)"
+  CGO_ENABLED=0 go build -trimpath -ldflags "$ldf" -o "$out.tmp/" \
+    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl k8s.io/kubernetes/cmd/kube-proxy \
+    k8s.io/kubernetes/cmd/kubelet
+  rm -rf "$out"; mv "$out.tmp" "$out"
+  log "kube done"
+}
+
+build_etcd() {
+  local out="$CACHE_ROOT/etcd-$ETCD_VERSION"
+  [[ -x $out/etcd ]] && { log "etcd cached"; return; }
+  local src; src=$(scratch "etcd-$ETCD_VERSION"); cd "$src"
+  if [[ ! -f go.mod ]]; then
+    go mod init local.build/etcd >/dev/null 2>&1
+    # exactly what etcd's own main.go does; server/v3 has replace directives, so `go install` refuses it
+    printf 'package main\n\nimport (\n\t"os"\n\n\t"go.etcd.io/etcd/server/v3/etcdmain"\n)\n\nfunc main() { etcdmain.Main(os.Args) }\n' > main.go
+    go get "go.etcd.io/etcd/server/v3@$ETCD_VERSION"
+  fi
+  mkdir -p "$out.tmp"; CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$out.tmp/etcd" .
+  rm -rf "$out"; mv "$out.tmp" "$out"; log "etcd done"
+}
+
+build_coredns() {
+  local out="$CACHE_ROOT/coredns-$COREDNS_VERSION"
+  [[ -x $out/coredns ]] && { log "coredns cached"; return; }
+  local src; src=$(scratch "coredns-$COREDNS_VERSION"); cd "$src"
+  if [[ ! -f go.mod ]]; then
+    go mod init local.build/coredns >/dev/null 2>&1
+    # only the plugins the cluster uses, a fraction of the full build (core/plugin imports all of them)
+    cat > main.go <<'GO'
+package main
+
+import (
+	"github.com/coredns/coredns/core/dnsserver"
+	"github.com/coredns/coredns/coremain"
+	_ "github.com/coredns/coredns/plugin/cache"
+	_ "github.com/coredns/coredns/plugin/errors"
+	_ "github.com/coredns/coredns/plugin/health"
+	_ "github.com/coredns/coredns/plugin/kubernetes"
+	_ "github.com/coredns/coredns/plugin/log"
+	_ "github.com/coredns/coredns/plugin/ready"
+	_ "github.com/coredns/coredns/plugin/reload"
+)
+
+func init() {
+	dnsserver.Directives = []string{"reload", "errors", "log", "health", "ready", "cache", "kubernetes"}
+}
+
+func main() { coremain.Run() }
+GO
+    go get "github.com/coredns/coredns@$COREDNS_VERSION"
+  fi
+  mkdir -p "$out.tmp"; CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$out.tmp/coredns" .
+  rm -rf "$out"; mv "$out.tmp" "$out"; log "coredns done"
+}
+
+build_gotool() {  # name version module-path package-path
+  local name=$1 ver=$2 mod=$3 pkg=$4
+  local out="$CACHE_ROOT/$name-$ver"
+  [[ -x $out/$name ]] && { log "$name cached"; return; }
+  mkdir -p "$out.tmp"
+  GOBIN="$out.tmp" CGO_ENABLED=0 go install -trimpath -ldflags "-s -w" "$pkg@$ver"
+  rm -rf "$out"; mv "$out.tmp" "$out"; log "$name done"
+}
+
+mkdir -p "$CACHE_ROOT"
+components=("$@"); [[ ${#components[@]} -gt 0 ]] || components=(etcd coredns helm kubeconform kube)
+for c in "${components[@]}"; do
+  case $c in
+    kube) build_kube ;;
+    etcd) build_etcd ;;
+    coredns) build_coredns ;;
+    helm) build_gotool helm "$HELM_VERSION" helm.sh/helm/v3 helm.sh/helm/v3/cmd/helm ;;
+    kubeconform) build_gotool kubeconform "$KUBECONFORM_VERSION" github.com/yannh/kubeconform github.com/yannh/kubeconform/cmd/kubeconform ;;
+    *) echo "unknown component $c" >&2; exit 2 ;;
+  esac
+done
