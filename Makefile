@@ -1,0 +1,86 @@
+# DDPJob — every entry point a newcomer or CI needs. `make demo` and `make test` are the two that matter.
+SHELL := /bin/bash
+PY    := .venv/bin/python
+export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)
+
+.PHONY: help deps binaries cluster-up cluster-down cluster-status image images generate \
+        test test-unit test-trainer test-cluster test-integration test-e2e test-chart \
+        demo demo-down kind-e2e \
+        bench-trainer-recovery bench-overhead bench-e2e-recovery bench-startup bench-api bench-scale
+
+help: ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-24s %s\n", $$1, $$2}'
+
+deps: ## system packages + .venv (idempotent)
+	hack/install-deps.sh
+
+binaries: ## build Kubernetes, etcd, CoreDNS, Helm, kubeconform from the Go module proxy (cached)
+	hack/build-binaries.sh
+
+cluster-up: deps binaries ## start the embedded single-node cluster (kubeconfig: .cluster/kubeconfig)
+	$(PY) hack/cluster.py up
+
+cluster-down: ## stop it and remove every trace
+	$(PY) hack/cluster.py down
+
+cluster-status: ## component health and memory
+	$(PY) hack/cluster.py status
+
+image: ## build one Dockerfile offline: make image NAME=x DOCKERFILE=path [TAG=0.1.0]
+	$(PY) hack/image.py build -f $(DOCKERFILE) -t localhost/$(NAME):$(or $(TAG),0.1.0) .
+
+images: ## build the operator and trainer images and import them into containerd
+	hack/build-images.sh
+
+generate: ## regenerate every copy of the CRD from its single source
+	$(PY) -m ddp_operator.crd --write
+
+test: deps binaries ## the whole suite, exactly as CI runs it
+	$(PY) hack/cluster.py up
+	hack/build-images.sh
+	$(PY) -m pytest -ra tests/unit tests/trainer tests/cluster tests/integration tests/chart tests/e2e tests/benchmarks
+
+test-unit: ## pure unit tests (no cluster)
+	$(PY) -m pytest -ra tests/unit
+
+test-trainer: ## trainer tests: real torchrun agents on loopback
+	$(PY) -m pytest -ra tests/trainer
+
+test-cluster: ## embedded-cluster tests
+	$(PY) -m pytest -ra tests/cluster
+
+test-integration: ## operator against the real API server
+	$(PY) -m pytest -ra tests/integration
+
+test-e2e: ## real pods running torchrun (embedded cluster or $$KUBECONFIG, e.g. kind)
+	$(PY) -m pytest -ra tests/e2e
+
+test-chart: ## helm lint, template validation, install/upgrade/uninstall
+	$(PY) -m pytest -ra tests/chart
+
+demo: ## fresh machine → cluster, images, chart, a digits job that survives a killed pod
+	hack/demo.sh
+
+demo-down: ## remove what the demo added
+	hack/demo.sh down
+
+kind-e2e: ## for users with Docker: the e2e suite on kind
+	hack/kind-e2e.sh
+
+bench-trainer-recovery: ## trainer recovery vs stock torchrun (JSON)
+	$(PY) tests/benchmarks/trainer_recovery.py
+
+bench-overhead: ## snapshot/checkpoint overhead vs a bare DDP loop (JSON)
+	$(PY) tests/benchmarks/trainer_overhead.py
+
+bench-e2e-recovery: ## pod kills on the cluster (JSON)
+	$(PY) tests/benchmarks/e2e_recovery.py
+
+bench-startup: ## apply → running → first step vs hand-written pods (JSON)
+	$(PY) tests/benchmarks/startup.py
+
+bench-api: ## API writes for one clean job, from the audit log (JSON)
+	$(PY) tests/benchmarks/api_writes.py
+
+bench-scale: ## 200 DDPJobs at once, control plane only (JSON)
+	$(PY) tests/benchmarks/scale.py
