@@ -1,0 +1,121 @@
+"""Every string that crosses a boundary: API names, labels, annotations, env vars, reasons, ports.
+
+Other modules import these constants; nothing else in the package spells them out.
+"""
+
+# --- API ------------------------------------------------------------------------------------------
+GROUP = "ddp.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "DDPJob"
+PLURAL = "ddpjobs"
+SINGULAR = "ddpjob"
+SHORT_NAMES = ("ddpj",)
+CATEGORIES = ("all", "ddp")
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+# --- Children -------------------------------------------------------------------------------------
+TRAINER_CONTAINER = "trainer"
+RDZV_CONTAINER = "rdzv-store"
+RDZV_POD_SUFFIX = "rdzv"
+SHM_VOLUME = "dshm"
+SHM_PATH = "/dev/shm"
+CHECKPOINT_VOLUME = "checkpoint"
+TERMINATION_LOG = "/dev/termination-log"
+
+# Longest job name that keeps `<job>-rdzv` and `<job>-<index>` (index < MAX_NODES) within 63 characters.
+MAX_NODES = 1000
+MAX_NAME_LENGTH = 63 - len("-" + RDZV_POD_SUFFIX)
+
+# --- Labels and annotations -----------------------------------------------------------------------
+LABEL_JOB_NAME = f"{GROUP}/job-name"
+LABEL_NODE_INDEX = f"{GROUP}/node-index"
+LABEL_ROLE = f"{GROUP}/role"
+LABEL_GROUP = f"{GROUP}/group"
+ROLE_TRAINER = "trainer"
+ROLE_RDZV = "rdzv"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "ddp-operator"
+
+# --- Ports ----------------------------------------------------------------------------------------
+DEFAULT_RDZV_PORT = 29400
+PROGRESS_PORT = 29401
+PROGRESS_PATH = "/progress"
+DEFAULT_METRICS_PORT = 8080
+DEFAULT_LIVENESS_PORT = 8081
+
+# --- Trainer environment (docs/contract.md) -------------------------------------------------------
+ENV_NNODES = "PET_NNODES"
+ENV_NPROC_PER_NODE = "PET_NPROC_PER_NODE"
+ENV_RDZV_BACKEND = "PET_RDZV_BACKEND"
+ENV_RDZV_ENDPOINT = "PET_RDZV_ENDPOINT"
+ENV_RDZV_ID = "PET_RDZV_ID"
+ENV_RDZV_CONF = "PET_RDZV_CONF"
+ENV_LOCAL_ADDR = "PET_LOCAL_ADDR"
+ENV_MAX_RESTARTS = "PET_MAX_RESTARTS"
+ENV_DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+ENV_OMP_NUM_THREADS = "OMP_NUM_THREADS"
+ENV_PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
+ENV_JOB_NAME = "DDPJOB_NAME"
+ENV_JOB_NAMESPACE = "DDPJOB_NAMESPACE"
+ENV_POD_INDEX = "DDPJOB_POD_INDEX"
+ENV_CHECKPOINT_DIR = "DDPJOB_CHECKPOINT_DIR"
+ENV_SNAPSHOT_DIR = "DDPJOB_SNAPSHOT_DIR"
+ENV_PROGRESS_PORT = "DDPJOB_PROGRESS_PORT"
+ENV_RDZV_PORT = "DDPJOB_RDZV_PORT"
+RDZV_BACKEND = "c10d"
+SNAPSHOT_DIR = "/dev/shm/ddpjob"
+# torchrun options the operator owns; `torchrun.extraArgs` may not set them.
+RESERVED_TORCHRUN_OPTIONS = (
+    "nnodes", "nproc-per-node", "nproc_per_node", "rdzv-backend", "rdzv_backend", "rdzv-endpoint",
+    "rdzv_endpoint", "rdzv-id", "rdzv_id", "rdzv-conf", "rdzv_conf", "local-addr", "local_addr",
+    "max-restarts", "max_restarts", "node-rank", "node_rank", "master-addr", "master_addr",
+    "master-port", "master_port", "standalone",
+)
+GPU_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu")
+
+# --- Status ---------------------------------------------------------------------------------------
+PHASE_PENDING = "Pending"
+PHASE_RUNNING = "Running"
+PHASE_RESTARTING = "Restarting"
+PHASE_SUCCEEDED = "Succeeded"
+PHASE_FAILED = "Failed"
+PHASE_SUSPENDED = "Suspended"
+PHASES = (PHASE_PENDING, PHASE_RUNNING, PHASE_RESTARTING, PHASE_SUCCEEDED, PHASE_FAILED, PHASE_SUSPENDED)
+FINISHED_PHASES = (PHASE_SUCCEEDED, PHASE_FAILED)
+
+COND_CREATED = "Created"
+COND_RUNNING = "Running"
+COND_RESTARTING = "Restarting"
+COND_SUSPENDED = "Suspended"
+COND_SUCCEEDED = "Succeeded"
+COND_FAILED = "Failed"
+CONDITION_TYPES = (COND_CREATED, COND_RUNNING, COND_RESTARTING, COND_SUSPENDED, COND_SUCCEEDED, COND_FAILED)
+
+# Condition reasons double as Event reasons.
+REASON_CREATED = "JobCreated"
+REASON_RUNNING = "AllNodesRunning"
+REASON_WAITING = "WaitingForNodes"
+REASON_NODE_FAILED = "NodeFailed"
+REASON_NODE_DISRUPTED = "NodeDisrupted"
+REASON_NODE_MISSING = "NodeMissing"
+REASON_RDZV_LOST = "RendezvousStoreLost"
+REASON_SUSPENDED = "JobSuspended"
+REASON_RESUMED = "JobResumed"
+REASON_SUCCEEDED = "TrainingSucceeded"
+REASON_BACKOFF_LIMIT = "BackoffLimitExceeded"
+REASON_PERMANENT_EXIT = "PermanentExitCode"
+REASON_DEADLINE = "DeadlineExceeded"
+REASON_INVALID_SPEC = "InvalidSpec"
+REASON_FORCE_DELETED = "StuckPodForceDeleted"
+REASON_SCALED = "Scaled"
+
+# Pod condition / status reasons that mark a disruption (not the training's fault).
+DISRUPTION_CONDITION = "DisruptionTarget"
+DISRUPTION_REASONS = (
+    "Evicted", "Preempting", "PreemptionByScheduler", "DeletionByTaintManager", "EvictionByEvictionAPI",
+    "DeletionByPodGC", "TerminationByKubelet", "NodeLost", "NodeShutdown", "Shutdown", "Terminated",
+    "UnexpectedAdmissionError", "OutOfcpu", "OutOfmemory",
+)
+
+ATTEMPTS_HISTORY = 20
