@@ -63,6 +63,9 @@ would install an operator unable to see anything.
 {{- if and (eq .Values.rbac.scope "namespace") (not .Values.watch.namespaces) }}
 {{- fail "rbac.scope=namespace needs watch.namespaces (e.g. --set 'watch.namespaces={team-a}'); leave rbac.scope=cluster to watch every namespace" }}
 {{- end }}
+{{- if eq .Values.image.tag "latest" }}
+{{- fail "image.tag=latest is refused: pin a version (leave it empty for the chart's appVersion)" }}
+{{- end }}
 {{- if and (gt (int .Values.replicaCount) 1) (eq .Values.operator.peering.mode "off") }}
 {{- fail "replicaCount > 1 needs peering (operator.peering.mode auto or on): two active operators would both act on every DDPJob" }}
 {{- end }}

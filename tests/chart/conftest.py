@@ -1,0 +1,68 @@
+"""Shared helpers for the chart and manifest tests: the pinned helm binary, rendering, kustomize."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+
+import pytest
+import yaml
+
+from tests import tools
+
+CHART = tools.REPO_ROOT / "helm" / "ddp-operator"
+MANIFESTS = tools.REPO_ROOT / "manifests"
+SAMPLES = sorted((MANIFESTS / "samples").glob("*.yaml"))
+VALUES_ALL = pathlib.Path(__file__).with_name("values-all.yaml")
+# `go install` builds of helm do not carry the Kubernetes version they were built against (the
+# default capabilities say v1.20); offline rendering states the version we target instead.
+KUBE_VERSION = tools.versions()["KUBE_VERSION"]
+
+
+def run(cmd: list[str], *, check: bool = True, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def documents(text: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+@pytest.fixture(scope="session")
+def helm_bin() -> str:
+    return tools.tool("helm")
+
+
+@pytest.fixture(scope="session")
+def render(helm_bin):
+    """render(*helm template args) -> list of objects of `helm template` for the chart."""
+    def _render(*args: str, release: str = "ddp-operator", namespace: str = "ddp-system",
+                include_crds: bool = False) -> list[dict]:
+        cmd = [helm_bin, "template", release, str(CHART), "--namespace", namespace,
+               "--kube-version", KUBE_VERSION, *args]
+        if include_crds:
+            cmd.append("--include-crds")
+        return documents(run(cmd).stdout)
+    return _render
+
+
+@pytest.fixture(scope="session")
+def kustomize():
+    """kustomize(path) -> list of objects of `kubectl kustomize path`."""
+    kubectl = tools.tool("kubectl")
+
+    def _kustomize(path: pathlib.Path) -> list[dict]:
+        return documents(run([kubectl, "kustomize", str(path)]).stdout)
+    return _kustomize
+
+
+def by_kind(objs: list[dict], kind: str) -> list[dict]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def one(objs: list[dict], kind: str) -> dict:
+    found = by_kind(objs, kind)
+    assert len(found) == 1, f"expected one {kind}, got {[o['metadata']['name'] for o in found]}"
+    return found[0]

@@ -1,0 +1,207 @@
+"""The Helm chart without a cluster: lint, what the templates render, and what the values schema rejects."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from tests.chart.conftest import CHART, KUBE_VERSION, VALUES_ALL, by_kind, one, run
+
+OPERATOR_VERBS_FORBIDDEN = {"*", "escalate", "bind", "impersonate"}
+
+
+@pytest.mark.parametrize("values", [None, VALUES_ALL], ids=["defaults", "all-options"])
+def test_helm_lint_strict(helm_bin, values):
+    cmd = [helm_bin, "lint", "--strict", str(CHART)]
+    if values:
+        cmd += ["--values", str(values)]
+    out = run(cmd).stdout
+    assert "1 chart(s) linted, 0 chart(s) failed" in out
+
+
+def test_chart_metadata():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["version"] == "0.1.0" and chart["appVersion"] == "0.1.0"
+    assert chart["kubeVersion"].startswith(">=1.28")
+
+
+# Blocks described as a whole (their content is a Kubernetes type, documented upstream).
+WHOLE_BLOCKS = {"resources", "podSecurityContext", "securityContext"}
+
+
+def test_every_value_is_commented():
+    """Each value in values.yaml has a comment right above it: values.yaml is the chart's manual."""
+    undocumented, stack, previous = [], [], ""
+    for line in (CHART / "values.yaml").read_text().splitlines():
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if stripped.startswith("#") or stripped.startswith("-"):
+            previous = stripped
+            continue
+        indent = len(line) - len(line.lstrip())
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        key, _, value = stripped.partition(":")
+        in_whole_block = any(k in WHOLE_BLOCKS for _, k in stack)
+        is_section = value.strip() == ""
+        if not (previous.startswith("#") or is_section or in_whole_block):
+            undocumented.append(".".join([k for _, k in stack] + [key]))
+        stack.append((indent, key))
+        previous = stripped
+    assert not undocumented, f"values.yaml keys without a comment: {undocumented}"
+
+
+def test_defaults_render_hardened_operator(render):
+    objs = render()
+    kinds = sorted(o["kind"] for o in objs)
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    dep = one(objs, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["image"] == "localhost/ddp-operator:0.1.0"
+    assert c["imagePullPolicy"] == "IfNotPresent"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert c["livenessProbe"]["httpGet"]["port"] == "health"
+    assert c["readinessProbe"]["httpGet"]["port"] == "health"
+    assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+    assert "--all-namespaces" in c["args"] and "--standalone" in c["args"]
+    assert "--log-format=json" in c["args"]
+    assert dep["spec"]["strategy"]["type"] == "Recreate"
+    svc = one(objs, "Service")
+    assert svc["spec"]["ports"][0]["targetPort"] == "metrics"
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+
+
+def test_cluster_rbac_is_least_privilege(render):
+    role = one(render(), "ClusterRole")
+    granted = {}
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                granted.setdefault((group, res), set()).update(rule["verbs"])
+                assert not OPERATOR_VERBS_FORBIDDEN & set(rule["verbs"]), rule
+                assert res != "*" and group != "*", rule
+    assert granted[("ddp.dev", "ddpjobs")] >= {"get", "list", "watch", "patch"}
+    assert granted[("ddp.dev", "ddpjobs/status")] >= {"patch"}
+    assert granted[("", "pods")] == {"get", "list", "watch", "create", "delete", "patch"}
+    assert granted[("", "services")] == {"get", "list", "watch", "create", "delete"}
+    assert granted[("", "events")] == {"create", "patch"}
+    assert granted[("", "nodes")] == {"get", "list", "watch"}
+    assert not any(res in {"secrets", "configmaps", "pods/exec"} for _, res in granted)
+    assert not any(g == "kopf.dev" for g, _ in granted), "peering rules only when peering is on"
+
+
+def test_namespace_scope_creates_only_namespaced_rbac(render):
+    objs = render("--set", "rbac.scope=namespace", "--set", "watch.namespaces={team-a,team-b}")
+    assert not by_kind(objs, "ClusterRole") and not by_kind(objs, "ClusterRoleBinding")
+    roles = by_kind(objs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    for role in roles:
+        assert not any("nodes" in rule["resources"] for rule in role["rules"])
+    bindings = by_kind(objs, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    assert all(b["subjects"][0]["namespace"] == "ddp-system" for b in bindings)
+    args = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args
+    assert "--all-namespaces" not in args
+
+
+def test_more_replicas_turn_peering_on(render):
+    objs = render("--set", "replicaCount=2")
+    dep = one(objs, "Deployment")
+    assert dep["spec"]["strategy"]["type"] == "RollingUpdate"
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--peering=ddp-operator" in args and "--standalone" not in args
+    rules = one(objs, "ClusterRole")["rules"]
+    assert any("clusterkopfpeerings" in r["resources"] for r in rules)
+
+
+def test_all_options_render(render):
+    objs = render("--values", str(VALUES_ALL))
+    kinds = sorted(o["kind"] for o in objs)
+    assert kinds == ["Deployment", "Role", "Role", "RoleBinding", "RoleBinding", "Service",
+                     "ServiceAccount", "ServiceMonitor"]
+    sm = one(objs, "ServiceMonitor")
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    dep = one(objs, "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert {"containerPort": 9090, "name": "metrics", "protocol": "TCP"} in c["ports"]
+    assert "--metrics-port=9090" in c["args"] and "--liveness-port=9091" in c["args"]
+    for role in by_kind(objs, "Role"):
+        assert any("kopfpeerings" in r["resources"] for r in role["rules"])
+
+
+def test_metrics_off_removes_service_and_port(render):
+    objs = render("--set", "metrics.enabled=false")
+    assert not by_kind(objs, "Service")
+    c = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert [p["name"] for p in c["ports"]] == ["health"]
+    assert not any(a.startswith("--metrics-port") for a in c["args"])
+
+
+# --- values schema: bad input fails `helm template/install` with a message naming the value ----------
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--set", "replicaCount=two"], "replicaCount"),
+        (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
+        (["--set", "rbac.scope=everywhere"], "scope"),
+        (["--set", "operator.logFormat=xml"], "logFormat"),
+        (["--set", "metrics.port=70000"], "port"),
+        (["--set", "metrics.enabled=yes-please"], "enabled"),
+        (["--set", "watch.namespaces=team-a"], "namespaces"),
+        (["--set", "unknownKey=1"], "unknownKey"),
+        (["--set", "image.registry=docker.io"], "registry"),
+        (["--set", "securityContext.runAsRoot=true"], "runAsRoot"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else v[-1],
+)
+def test_values_schema_rejects(helm_bin, args, expected):
+    proc = run([helm_bin, "template", "x", str(CHART), "--kube-version", KUBE_VERSION, *args], check=False)
+    assert proc.returncode != 0, f"{args} was accepted"
+    assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
+    assert expected in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--set", "rbac.scope=namespace"], "rbac.scope=namespace needs watch.namespaces"),
+        (["--set", "replicaCount=2", "--set", "operator.peering.mode=off"], "replicaCount > 1 needs peering"),
+        (["--set", "image.tag=latest"], "image.tag=latest is refused"),
+    ],
+    ids=["namespace-scope-without-namespaces", "replicas-without-peering", "latest-tag"],
+)
+def test_inconsistent_values_fail_with_the_fix(helm_bin, args, expected):
+    proc = run([helm_bin, "template", "x", str(CHART), "--kube-version", KUBE_VERSION, *args], check=False)
+    assert proc.returncode != 0
+    assert expected in proc.stderr, proc.stderr
+
+
+def test_schema_forbids_unknown_keys_everywhere():
+    def walk(node, path):
+        if node.get("type") == "object" and "properties" in node:
+            assert node.get("additionalProperties") is False, f"{path or '<root>'} allows unknown keys"
+            for key, child in node["properties"].items():
+                walk(child, f"{path}.{key}".lstrip("."))
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    walk(schema, "")
+    # and every value in values.yaml is described by the schema
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def covered(v, node, path):
+        props = node.get("properties")
+        if isinstance(v, dict) and props is not None:
+            for k, child in v.items():
+                assert k in props, f"{path}{k} is not in values.schema.json"
+                covered(child, props[k], f"{path}{k}.")
+    covered(values, schema, "")
