@@ -79,17 +79,18 @@ build_etcd() {
 
 build_coredns() {
   local out="$CACHE_ROOT/coredns-$COREDNS_VERSION"
-  [[ -x $out/coredns ]] && { log "coredns cached"; return; }
+  # rebuild a cached binary that predates the plugin list below (bind was added later)
+  [[ -x $out/coredns ]] && "$out/coredns" -plugins | grep -qx 'bind' && { log "coredns cached"; return; }
   local src; src=$(scratch "coredns-$COREDNS_VERSION"); cd "$src"
-  if [[ ! -f go.mod ]]; then
-    go mod init local.build/coredns >/dev/null 2>&1
-    # only the plugins the cluster uses, a fraction of the full build (core/plugin imports all of them)
-    cat > main.go <<'GO'
+  # Only the plugins the cluster uses, a fraction of the full build (core/plugin imports all of them).
+  # bind: listen on the bridge address only, never on the host's real interfaces.
+  cat > main.go <<'GO'
 package main
 
 import (
 	"github.com/coredns/coredns/core/dnsserver"
 	"github.com/coredns/coredns/coremain"
+	_ "github.com/coredns/coredns/plugin/bind"
 	_ "github.com/coredns/coredns/plugin/cache"
 	_ "github.com/coredns/coredns/plugin/errors"
 	_ "github.com/coredns/coredns/plugin/health"
@@ -100,11 +101,13 @@ import (
 )
 
 func init() {
-	dnsserver.Directives = []string{"reload", "errors", "log", "health", "ready", "cache", "kubernetes"}
+	dnsserver.Directives = []string{"bind", "reload", "errors", "log", "health", "ready", "cache", "kubernetes"}
 }
 
 func main() { coremain.Run() }
 GO
+  if [[ ! -f go.mod ]]; then
+    go mod init local.build/coredns >/dev/null 2>&1
     go get "github.com/coredns/coredns@$COREDNS_VERSION"
   fi
   mkdir -p "$out.tmp"; CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$out.tmp/coredns" .
