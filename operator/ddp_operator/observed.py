@@ -1,0 +1,128 @@
+"""What an observed pod means to the operator: `observe_pod(pod)` reduces a Pod object to a frozen PodState."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Mapping
+
+from ddp_operator import names
+
+# torchrun's failure summary: "  exitcode  : 3 (pid: 812)"
+_WORKER_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
+MESSAGE_TAIL = 512
+
+
+def parse_time(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(timezone.utc)
+
+
+def format_time(value: datetime) -> str:
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class PodState:
+    name: str
+    uid: str
+    role: str
+    index: int | None
+    group: int
+    phase: str                     # Pending | Running | Succeeded | Failed | Unknown | Gone (tombstone)
+    deleting: bool
+    deletion_time: datetime | None  # deletionTimestamp (grace period already included by the API server)
+    node: str
+    ready: bool
+    exit_code: int | None          # the main container's, once terminated
+    worker_exit_codes: tuple[int, ...]
+    reason: str
+    message: str
+    disruption: str | None         # disruption reason (eviction, preemption, node loss), or None
+    final_report: Mapping[str, Any] | None  # rank 0's termination-log JSON, when present
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in ("Succeeded", "Failed", "Gone")
+
+    @property
+    def active(self) -> bool:
+        return not self.terminal and not self.deleting
+
+    @property
+    def running(self) -> bool:
+        return self.phase == "Running" and not self.deleting
+
+    @property
+    def succeeded(self) -> bool:
+        return self.phase == "Succeeded" or (self.terminal and self.exit_code == 0)
+
+    @property
+    def exit_codes(self) -> tuple[int, ...]:
+        return ((self.exit_code,) if self.exit_code is not None else ()) + self.worker_exit_codes
+
+
+def _main_container_status(pod: Mapping, container_name: str) -> Mapping:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if cs.get("name") == container_name:
+            return cs
+    return {}
+
+
+def _final_report(message: str) -> Mapping[str, Any] | None:
+    try:
+        report = json.loads(message)
+    except (TypeError, ValueError):
+        return None
+    return report if isinstance(report, dict) and report.get("final") else None
+
+
+def _disruption(pod: Mapping) -> str | None:
+    status = pod.get("status") or {}
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == names.DISRUPTION_CONDITION and cond.get("status") == "True":
+            return cond.get("reason") or names.DISRUPTION_CONDITION
+    if status.get("reason") in names.DISRUPTION_REASONS:
+        return status["reason"]
+    return None
+
+
+def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
+    """`gone`: the pod's last state from a DELETED watch event (a tombstone)."""
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    labels = meta.get("labels") or {}
+    role = labels.get(names.LABEL_ROLE, names.ROLE_TRAINER)
+    index = labels.get(names.LABEL_NODE_INDEX)
+    container = names.TRAINER_CONTAINER if role == names.ROLE_TRAINER else names.RDZV_CONTAINER
+    cs = _main_container_status(pod, container)
+    terminated = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated") or {}
+    message = (terminated.get("message") or status.get("message") or "").strip()
+    exit_code = terminated.get("exitCode")
+    reason = terminated.get("reason") or status.get("reason") or ""
+    phase = status.get("phase") or "Pending"
+    if gone:
+        phase = "Gone" if phase not in ("Succeeded", "Failed") else phase
+        reason = reason or "Deleted"
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    return PodState(
+        name=meta.get("name", ""),
+        uid=meta.get("uid", ""),
+        role=role,
+        index=int(index) if index is not None and str(index).isdigit() else None,
+        group=int(labels.get(names.LABEL_GROUP, "0") or 0),
+        phase=phase,
+        deleting=bool(meta.get("deletionTimestamp")),
+        deletion_time=parse_time(meta.get("deletionTimestamp")),
+        node=(pod.get("spec") or {}).get("nodeName") or "",
+        ready=ready and phase == "Running",
+        exit_code=exit_code,
+        worker_exit_codes=tuple(int(c) for c in _WORKER_EXIT.findall(message)),
+        reason=reason,
+        message=message[-MESSAGE_TAIL:],
+        disruption=_disruption(pod),
+        final_report=_final_report(message),
+    )

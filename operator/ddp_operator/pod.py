@@ -1,0 +1,84 @@
+"""Rendering of the training pods `<job>-<index>`."""
+
+from __future__ import annotations
+
+import copy
+
+from ddp_operator import names
+from ddp_operator.env import merge_env, trainer_env
+from ddp_operator.labels import owner_reference, pod_labels
+from ddp_operator.spec import Job
+
+# Keeps the scheduler honest on small machines without reserving a core per pod.
+DEFAULT_CPU_REQUEST = "10m"
+
+
+def trainer_pod_name(job: Job, index: int) -> str:
+    return f"{job.name}-{index}"
+
+
+def _has_mount(container: dict, path: str) -> bool:
+    return any(m.get("mountPath") == path for m in container.get("volumeMounts") or [])
+
+
+def _trainer_container(job: Job, container: dict, index: int, group: int) -> dict:
+    c = container
+    c["env"] = merge_env(trainer_env(job, index, group), c.get("env"))
+    mounts = list(c.get("volumeMounts") or [])
+    if not _has_mount(c, names.SHM_PATH):
+        mounts.append({"name": names.SHM_VOLUME, "mountPath": names.SHM_PATH})
+    if job.spec.checkpoint and not _has_mount(c, job.spec.checkpoint.mount_path):
+        mounts.append({"name": names.CHECKPOINT_VOLUME, "mountPath": job.spec.checkpoint.mount_path})
+    if mounts:
+        c["volumeMounts"] = mounts
+    # The trainer's final JSON goes to /dev/termination-log; a crash leaves the log tail instead, which is
+    # where torchrun prints the failing workers' exit codes.
+    c.setdefault("terminationMessagePolicy", "FallbackToLogsOnError")
+    ports = list(c.get("ports") or [])
+    if not any(p.get("containerPort") == names.PROGRESS_PORT for p in ports):
+        ports.append({"name": "progress", "containerPort": names.PROGRESS_PORT, "protocol": "TCP"})
+    c["ports"] = ports
+    resources = c.setdefault("resources", {})
+    if "cpu" not in (resources.get("requests") or {}) and "cpu" not in (resources.get("limits") or {}):
+        resources.setdefault("requests", {})["cpu"] = DEFAULT_CPU_REQUEST
+    return c
+
+
+def render_trainer_pod(job: Job, index: int, group: int) -> dict:
+    """Pod `<job>-<index>` of whole-group generation `group`. restartPolicy Never: a failed pod is replaced
+    under the same name by the operator, which keeps the restart budget."""
+    template = copy.deepcopy(dict(job.spec.template))
+    meta = template.get("metadata") or {}
+    spec = template["spec"]
+    name = trainer_pod_name(job, index)
+    spec["hostname"] = name
+    spec["subdomain"] = job.name
+    spec["restartPolicy"] = "Never"
+    spec["containers"] = [
+        _trainer_container(job, c, index, group) if c.get("name") == names.TRAINER_CONTAINER else c
+        for c in spec["containers"]
+    ]
+    trainer = next(c for c in spec["containers"] if c["name"] == names.TRAINER_CONTAINER)
+    volumes = list(spec.get("volumes") or [])
+    if any(m["name"] == names.SHM_VOLUME for m in trainer.get("volumeMounts", [])) and \
+            not any(v.get("name") == names.SHM_VOLUME for v in volumes):
+        empty_dir = {"medium": job.spec.shm.medium}
+        if job.spec.shm.size_limit is not None:
+            empty_dir["sizeLimit"] = job.spec.shm.size_limit
+        volumes.append({"name": names.SHM_VOLUME, "emptyDir": empty_dir})
+    if job.spec.checkpoint and not any(v.get("name") == names.CHECKPOINT_VOLUME for v in volumes):
+        volumes.append({"name": names.CHECKPOINT_VOLUME, **copy.deepcopy(dict(job.spec.checkpoint.volume))})
+    if volumes:
+        spec["volumes"] = volumes
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": job.namespace,
+            "labels": {**(meta.get("labels") or {}), **pod_labels(job, names.ROLE_TRAINER, group, index)},
+            **({"annotations": dict(meta["annotations"])} if meta.get("annotations") else {}),
+            "ownerReferences": [owner_reference(job)],
+        },
+        "spec": spec,
+    }

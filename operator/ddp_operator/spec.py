@@ -1,0 +1,343 @@
+"""The typed DDPJob model: `parse_job(body)` turns an API object into frozen dataclasses once, at the edge.
+
+Defaults come from crd.DEFAULTS (the same values the API server applies), so an object that skipped
+server-side defaulting parses identically. Everything the CRD's CEL rules check is checked again here
+(the operator may meet objects created before a rule existed); any violation raises SpecError, whose
+message names the field and says what to do.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ddp_operator import crd, names
+
+
+class SpecError(ValueError):
+    """A DDPJob that cannot be run as written. `field` is the JSON path of the offending field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Torchrun:
+    rdzv_port: int
+    join_timeout_seconds: int
+    last_call_timeout_seconds: int
+    keep_alive_interval_seconds: int
+    keep_alive_max_attempts: int
+    max_restarts: int
+    extra_args: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    backoff_limit: int
+    permanent_exit_codes: frozenset[int]
+    retryable_exit_codes: frozenset[int] | None
+    count_disruptions: bool
+    incident_window_seconds: int
+    stuck_terminating_timeout_seconds: int
+
+    def is_permanent(self, exit_codes: tuple[int, ...]) -> bool:
+        """Whether any of the exit codes (trainer container and workers) rules out a retry."""
+        failing = [c for c in exit_codes if c != 0]
+        if any(c in self.permanent_exit_codes for c in failing):
+            return True
+        if self.retryable_exit_codes is not None:
+            return any(c not in self.retryable_exit_codes for c in failing)
+        return False
+
+
+@dataclass(frozen=True)
+class RunPolicy:
+    suspend: bool
+    active_deadline_seconds: int | None
+    ttl_seconds_after_finished: int | None
+    clean_pod_policy: str
+
+
+@dataclass(frozen=True)
+class Shm:
+    medium: str
+    size_limit: str | int | None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    volume: Mapping[str, Any]
+    mount_path: str
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    nodes: int
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    omp_num_threads: int
+    progress_period_seconds: int
+    template: Mapping[str, Any]  # a private deep copy; renderers copy it again before changing it
+    torchrun: Torchrun
+    failure_policy: FailurePolicy
+    run_policy: RunPolicy
+    shm: Shm
+    checkpoint: Checkpoint | None
+
+    @property
+    def trainer_container(self) -> Mapping[str, Any]:
+        return next(c for c in self.template["spec"]["containers"] if c.get("name") == names.TRAINER_CONTAINER)
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: JobSpec
+
+    @property
+    def selector(self) -> dict[str, str]:
+        return {names.LABEL_JOB_NAME: self.name}
+
+
+# --- helpers --------------------------------------------------------------------------------------
+def _section(spec: Mapping, key: str) -> Mapping:
+    value = spec.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(f"spec.{key}", "must be an object")
+    return value
+
+
+def _int(section: Mapping, key: str, path: str, *, default: int | None = None, minimum: int = 0,
+         maximum: int | None = None) -> int | None:
+    value = section.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(path, f"must be an integer, got {value!r}")
+    if value < minimum:
+        raise SpecError(path, f"must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SpecError(path, f"must be <= {maximum}, got {value}")
+    return value
+
+
+_CPU = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m?)$")
+
+
+def _cpus(quantity: Any) -> float | None:
+    """CPU quantity ('2', '500m', 1.5) in cores; None if absent or not a plain CPU quantity."""
+    if quantity is None:
+        return None
+    m = _CPU.match(str(quantity))
+    if not m:
+        return None
+    return float(m.group(1)) / (1000 if m.group(2) else 1)
+
+
+def _gpus(container: Mapping) -> int:
+    resources = container.get("resources") or {}
+    for kind in ("limits", "requests"):
+        for gpu in names.GPU_RESOURCES:
+            value = (resources.get(kind) or {}).get(gpu)
+            if value is not None:
+                try:
+                    return int(str(value))
+                except ValueError:
+                    raise SpecError(f"spec.template.spec.containers[trainer].resources.{kind}[{gpu}]",
+                                    f"must be a whole number of GPUs, got {value!r}") from None
+    return 0
+
+
+def _template(spec: Mapping) -> dict:
+    template = spec.get("template")
+    if not isinstance(template, Mapping) or not isinstance(template.get("spec"), Mapping):
+        raise SpecError("spec.template.spec", "is required: a pod spec with a container named 'trainer'")
+    pod = template["spec"]
+    containers = pod.get("containers")
+    if not isinstance(containers, list) or not containers:
+        raise SpecError("spec.template.spec.containers", "must list at least the 'trainer' container")
+    seen = [c.get("name") for c in containers if isinstance(c, Mapping)]
+    if names.TRAINER_CONTAINER not in seen:
+        raise SpecError("spec.template.spec.containers",
+                        "must contain a container named 'trainer' (the one that runs torchrun)")
+    if len(set(seen)) != len(seen):
+        raise SpecError("spec.template.spec.containers", "container names must be unique")
+    if pod.get("restartPolicy") not in (None, "Never"):
+        raise SpecError("spec.template.spec.restartPolicy",
+                        "must be Never or unset: the operator replaces failed pods itself")
+    for key in ("hostname", "subdomain"):
+        if pod.get(key):
+            raise SpecError(f"spec.template.spec.{key}", "is set by the operator (<job>-<index>.<job>); remove it")
+    return copy.deepcopy(dict(template))
+
+
+def _extra_args(section: Mapping) -> tuple[str, ...]:
+    args = section.get("extraArgs") or []
+    if not isinstance(args, list):
+        raise SpecError("spec.torchrun.extraArgs", "must be a list of '--option=value' strings")
+    for arg in args:
+        if not isinstance(arg, str) or not re.match(crd.EXTRA_ARG_PATTERN, arg):
+            raise SpecError("spec.torchrun.extraArgs", f"{arg!r} is not of the form --option=value or --flag")
+        if arg.split("=", 1)[0][2:] in names.RESERVED_TORCHRUN_OPTIONS:
+            raise SpecError("spec.torchrun.extraArgs",
+                            f"{arg!r} sets an option the operator owns; use the matching spec field instead")
+    return tuple(args)
+
+
+def _exit_codes(section: Mapping, key: str) -> frozenset[int] | None:
+    codes = section.get(key)
+    if codes is None:
+        return None
+    if not isinstance(codes, list) or not all(isinstance(c, int) and 1 <= c <= 255 for c in codes):
+        raise SpecError(f"spec.failurePolicy.{key}", "must be a list of exit codes between 1 and 255")
+    return frozenset(codes)
+
+
+# --- the parser -----------------------------------------------------------------------------------
+def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
+    """Validate and default `spec`; raise SpecError naming the first offending field."""
+    if not isinstance(spec, Mapping):
+        raise SpecError("spec", "must be an object")
+    d = crd.DEFAULTS
+    nodes = _int(spec, "nodes", "spec.nodes", minimum=1, maximum=names.MAX_NODES)
+    if nodes is None:
+        raise SpecError("spec.nodes", "is required: the number of training pods")
+    min_nodes = _int(spec, "minNodes", "spec.minNodes", default=nodes, minimum=1, maximum=names.MAX_NODES)
+    max_nodes = _int(spec, "maxNodes", "spec.maxNodes", default=nodes, minimum=1, maximum=names.MAX_NODES)
+    if min_nodes > max_nodes:
+        raise SpecError("spec.minNodes", f"must be <= spec.maxNodes ({min_nodes} > {max_nodes})")
+    if not min_nodes <= nodes <= max_nodes:
+        raise SpecError("spec.nodes", f"must be within [minNodes, maxNodes] = [{min_nodes}, {max_nodes}], got {nodes}")
+
+    template = _template(spec)
+    trainer = next(c for c in template["spec"]["containers"] if c.get("name") == names.TRAINER_CONTAINER)
+
+    nproc = spec.get("nprocPerNode", d["nprocPerNode"])
+    if nproc == "auto":
+        nproc = _gpus(trainer) or 1
+    elif isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise SpecError("spec.nprocPerNode", f'must be an integer >= 1 or "auto", got {nproc!r}')
+
+    omp = _int(spec, "ompNumThreads", "spec.ompNumThreads", minimum=1, maximum=1024)
+    if omp is None:
+        resources = trainer.get("resources") or {}
+        cpus = _cpus((resources.get("limits") or {}).get("cpu")) or _cpus((resources.get("requests") or {}).get("cpu"))
+        omp = max(1, math.floor(cpus / nproc)) if cpus else 1
+
+    t = _section(spec, "torchrun")
+    td = d["torchrun"]
+    torchrun = Torchrun(
+        rdzv_port=_int(t, "rdzvPort", "spec.torchrun.rdzvPort", default=td["rdzvPort"], minimum=1, maximum=65535),
+        join_timeout_seconds=_int(t, "joinTimeoutSeconds", "spec.torchrun.joinTimeoutSeconds",
+                                  default=td["joinTimeoutSeconds"], minimum=1),
+        last_call_timeout_seconds=_int(t, "lastCallTimeoutSeconds", "spec.torchrun.lastCallTimeoutSeconds",
+                                       default=td["lastCallTimeoutSeconds"]),
+        keep_alive_interval_seconds=_int(t, "keepAliveIntervalSeconds", "spec.torchrun.keepAliveIntervalSeconds",
+                                         default=td["keepAliveIntervalSeconds"], minimum=1),
+        keep_alive_max_attempts=_int(t, "keepAliveMaxAttempts", "spec.torchrun.keepAliveMaxAttempts",
+                                     default=td["keepAliveMaxAttempts"], minimum=1),
+        max_restarts=_int(t, "maxRestarts", "spec.torchrun.maxRestarts", default=td["maxRestarts"]),
+        extra_args=_extra_args(t),
+    )
+    if torchrun.rdzv_port == names.PROGRESS_PORT:
+        raise SpecError("spec.torchrun.rdzvPort", f"must differ from the progress port {names.PROGRESS_PORT}")
+
+    f = _section(spec, "failurePolicy")
+    fd = d["failurePolicy"]
+    permanent = _exit_codes(f, "permanentExitCodes")
+    retryable = _exit_codes(f, "retryableExitCodes")
+    if permanent is not None and retryable is not None:
+        raise SpecError("spec.failurePolicy", "set permanentExitCodes or retryableExitCodes, not both")
+    count_disruptions = f.get("countDisruptions", fd["countDisruptions"])
+    if not isinstance(count_disruptions, bool):
+        raise SpecError("spec.failurePolicy.countDisruptions", "must be true or false")
+    failure_policy = FailurePolicy(
+        backoff_limit=_int(f, "backoffLimit", "spec.failurePolicy.backoffLimit", default=fd["backoffLimit"]),
+        permanent_exit_codes=permanent or frozenset(),
+        retryable_exit_codes=retryable,
+        count_disruptions=count_disruptions,
+        incident_window_seconds=_int(f, "incidentWindowSeconds", "spec.failurePolicy.incidentWindowSeconds",
+                                     default=fd["incidentWindowSeconds"]),
+        stuck_terminating_timeout_seconds=_int(
+            f, "stuckTerminatingTimeoutSeconds", "spec.failurePolicy.stuckTerminatingTimeoutSeconds",
+            default=fd["stuckTerminatingTimeoutSeconds"], minimum=1),
+    )
+
+    r = _section(spec, "runPolicy")
+    suspend = r.get("suspend", d["runPolicy"]["suspend"])
+    if not isinstance(suspend, bool):
+        raise SpecError("spec.runPolicy.suspend", "must be true or false")
+    clean = r.get("cleanPodPolicy", d["runPolicy"]["cleanPodPolicy"])
+    if clean not in crd.CLEAN_POD_POLICIES:
+        raise SpecError("spec.runPolicy.cleanPodPolicy", f"must be one of {', '.join(crd.CLEAN_POD_POLICIES)}, got {clean!r}")
+    run_policy = RunPolicy(
+        suspend=suspend,
+        active_deadline_seconds=_int(r, "activeDeadlineSeconds", "spec.runPolicy.activeDeadlineSeconds", minimum=1),
+        ttl_seconds_after_finished=_int(r, "ttlSecondsAfterFinished", "spec.runPolicy.ttlSecondsAfterFinished"),
+        clean_pod_policy=clean,
+    )
+
+    s = _section(spec, "shm")
+    medium = s.get("medium", d["shm"]["medium"])
+    if medium not in ("Memory", ""):
+        raise SpecError("spec.shm.medium", f'must be "Memory" or "", got {medium!r}')
+    shm = Shm(medium=medium, size_limit=s.get("sizeLimit"))
+
+    checkpoint = None
+    if spec.get("checkpoint") is not None:
+        c = _section(spec, "checkpoint")
+        volume = c.get("volume")
+        if not isinstance(volume, Mapping) or not volume:
+            raise SpecError("spec.checkpoint.volume",
+                            "is required: a volume source such as {persistentVolumeClaim: {claimName: ckpt}}")
+        mount_path = c.get("mountPath", d["checkpoint"]["mountPath"])
+        if not isinstance(mount_path, str) or not mount_path.startswith("/"):
+            raise SpecError("spec.checkpoint.mountPath", f"must be an absolute path, got {mount_path!r}")
+        checkpoint = Checkpoint(volume=copy.deepcopy(dict(volume)), mount_path=mount_path)
+
+    return JobSpec(
+        nodes=nodes,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        omp_num_threads=omp,
+        progress_period_seconds=_int(spec, "progressPeriodSeconds", "spec.progressPeriodSeconds",
+                                     default=d["progressPeriodSeconds"]),
+        template=template,
+        torchrun=torchrun,
+        failure_policy=failure_policy,
+        run_policy=run_policy,
+        shm=shm,
+        checkpoint=checkpoint,
+    )
+
+
+def parse_job(body: Mapping[str, Any]) -> Job:
+    """A DDPJob API object (dict or kopf Body) as a Job; raises SpecError."""
+    meta = body.get("metadata") or {}
+    name = meta.get("name") or ""
+    if len(name) > names.MAX_NAME_LENGTH:
+        raise SpecError("metadata.name", f"must be at most {names.MAX_NAME_LENGTH} characters so pod names "
+                                         f"<job>-rdzv and <job>-<index> stay within 63")
+    if not re.match(crd.NAME_PATTERN, name):
+        raise SpecError("metadata.name", "must be a DNS-1035 label (lowercase letters, digits and '-', "
+                                         "starting with a letter)")
+    return Job(
+        name=name,
+        namespace=meta.get("namespace") or "default",
+        uid=meta.get("uid") or "",
+        generation=int(meta.get("generation") or 0),
+        spec=parse_spec(body.get("spec") or {}),
+    )

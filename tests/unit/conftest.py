@@ -1,0 +1,81 @@
+"""Builders shared by the unit tests: DDPJob bodies and observed pods."""
+
+import copy
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from ddp_operator import names
+from ddp_operator.observed import format_time, observe_pod
+from ddp_operator.spec import parse_job
+
+NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+IMAGE = "localhost/ddp-trainer:0.1.0"
+
+
+def job_body(name="mnist", namespace="ml", **spec):
+    body = {
+        "apiVersion": names.API_VERSION,
+        "kind": names.KIND,
+        "metadata": {"name": name, "namespace": namespace, "uid": "0b5c-uid", "generation": 1},
+        "spec": {
+            "nodes": 2,
+            "template": {"spec": {"containers": [
+                {"name": "trainer", "image": IMAGE, "command": ["torchrun", "-m", "ddp_trainer.digits"]}]}},
+        },
+    }
+    body["spec"].update(copy.deepcopy(spec))
+    return body
+
+
+def make_job(**spec):
+    return parse_job(job_body(**spec))
+
+
+def pod(name, *, role="trainer", index=None, group=0, phase="Running", exit_code=None, reason=None,
+        message=None, deleting_since=None, node="node-1", disruption=None, status_reason=None, uid=None,
+        ready=None):
+    labels = {names.LABEL_JOB_NAME: "mnist", names.LABEL_ROLE: role, names.LABEL_GROUP: str(group)}
+    if index is not None:
+        labels[names.LABEL_NODE_INDEX] = str(index)
+    container = names.TRAINER_CONTAINER if role == "trainer" else names.RDZV_CONTAINER
+    cs = {"name": container}
+    if exit_code is not None:
+        cs["state"] = {"terminated": {"exitCode": exit_code, "reason": reason or ("Completed" if exit_code == 0 else "Error")}}
+        if message is not None:
+            cs["state"]["terminated"]["message"] = message
+    conditions = []
+    if ready if ready is not None else phase == "Running":
+        conditions.append({"type": "Ready", "status": "True"})
+    if disruption:
+        conditions.append({"type": "DisruptionTarget", "status": "True", "reason": disruption})
+    meta = {"name": name, "uid": uid or f"uid-{name}-{group}", "labels": labels}
+    if deleting_since is not None:
+        meta["deletionTimestamp"] = format_time(deleting_since)
+    status = {"phase": phase, "containerStatuses": [cs], "conditions": conditions}
+    if status_reason:
+        status["reason"] = status_reason
+    return {"metadata": meta, "spec": {"nodeName": node}, "status": status}
+
+
+def trainer(index, **kw):
+    return pod(f"mnist-{index}", index=index, **kw)
+
+
+def rdzv(**kw):
+    return pod("mnist-rdzv", role="rdzv", **kw)
+
+
+def observed(*pods, gone=(), **kw):
+    from ddp_operator.plan import Observed
+    states = tuple(observe_pod(p) for p in pods) + tuple(observe_pod(p, gone=True) for p in gone)
+    return Observed(pods=states, **kw)
+
+
+@pytest.fixture
+def now():
+    return NOW
+
+
+def later(seconds):
+    return NOW + timedelta(seconds=seconds)
