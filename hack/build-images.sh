@@ -3,7 +3,8 @@
 #   hack/build-images.sh [operator|trainer ...]      (default: both)
 # Offline (default): hack/image.py builds each Dockerfile without a Docker engine and imports the image
 # into the embedded cluster's containerd; an image whose inputs (Dockerfile, requirements, package
-# sources) have not changed since its last build is skipped.
+# sources) have not changed since its last build, and which containerd still has, is skipped without
+# even starting the builder (whose own step cache makes a source-only change a seconds-long rebuild).
 # DDPJOB_IMAGE_BUILDER=docker: `docker build` into the local Docker engine instead (kind users, then
 # `kind load docker-image`); Docker's own layer cache does the skipping.
 # DDPJOB_IMAGE_FORCE=1 rebuilds even when nothing changed.
@@ -35,13 +36,8 @@ inputs_digest() {
     | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1
 }
 
-image_present() {  # best effort: a stamp is only trusted while containerd still has the image
-  local ref=$1
-  if "$PY" hack/image.py --help 2>/dev/null | grep -qw exists; then
-    "$PY" hack/image.py exists "$ref" >/dev/null 2>&1
-  else
-    return 0
-  fi
+image_present() {  # a stamp is only trusted while the cluster's containerd still has the image
+  "$PY" hack/image.py has "$1" >/dev/null 2>&1
 }
 
 build_one() {
