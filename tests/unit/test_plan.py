@@ -1,0 +1,286 @@
+"""plan.plan: tables of observed situations -> status, actions and Events."""
+
+from ddp_operator import names
+from ddp_operator.plan import CREATE, DELETE, DELETE_JOB, FORCE_DELETE, plan
+
+from conftest import NOW, later, make_job, observed, rdzv, trainer
+
+
+def _acts(p):
+    return sorted((a.verb, a.name) for a in p.actions)
+
+
+def _running(job=None, n=2, **kw):
+    """Status after a healthy start: everything created and running."""
+    job = job or make_job(**kw)
+    first = plan(job, {}, observed(service_exists=False), NOW)
+    return job, plan(job, first.status, observed(rdzv(), *(trainer(i) for i in range(n))), NOW).status
+
+
+def test_fresh_job_creates_service_store_and_pods():
+    p = plan(make_job(), {}, observed(service_exists=False), NOW)
+    assert _acts(p) == [(CREATE, "mnist"), (CREATE, "mnist-0"), (CREATE, "mnist-1"), (CREATE, "mnist-rdzv")]
+    assert p.status["phase"] == "Pending"
+    assert p.status["startTime"] == "2025-01-01T12:00:00Z"
+    assert [e.reason for e in p.events] == [names.REASON_CREATED]
+    assert p.status["rendezvousId"] == "0b5c-uid-0"
+
+
+def test_nothing_to_do_when_children_exist():
+    job = make_job()
+    first = plan(job, {}, observed(service_exists=False), NOW)
+    pending = observed(rdzv(phase="Pending"), trainer(0, phase="Pending"), trainer(1, phase="Pending"))
+    p = plan(job, first.status, pending, later(1))
+    assert p.actions == () and p.events == ()
+    assert p.status["nodes"]["active"] == 2 and p.status["phase"] == "Pending"
+    again = plan(job, p.status, pending, later(2))
+    assert again.status == p.status and again.actions == ()
+
+
+def test_all_running_is_running_and_stable():
+    job, status = _running()
+    assert status["phase"] == "Running" and status["nodesReady"] == "2/2"
+    again = plan(job, status, observed(rdzv(), trainer(0), trainer(1)), later(60))
+    assert again.status == status and again.actions == () and again.events == ()
+
+
+def test_failed_pod_is_recorded_deleted_and_counted_once():
+    job, status = _running()
+    obs = observed(rdzv(), trainer(0), trainer(1, phase="Failed", exit_code=1))
+    p = plan(job, status, obs, later(10))
+    assert _acts(p) == [(DELETE, "mnist-1")]
+    assert p.status["restarts"] == 1 and p.status["phase"] == "Restarting"
+    assert p.status["attempts"][-1]["pod"] == "mnist-1" and p.status["attempts"][-1]["counted"] is True
+    assert sorted((e.type, e.reason) for e in p.events) == [("Normal", names.REASON_NODE_FAILED),
+                                                             ("Warning", names.REASON_NODE_FAILED)]
+    # The same failed pod seen again (delete still in flight) is not counted twice.
+    again = plan(job, p.status, obs, later(11))
+    assert again.status["restarts"] == 1 and len(again.status["attempts"]) == 1
+    # Gone -> recreated under the same name; back to Running reports the recovery time.
+    gone = plan(job, again.status, observed(rdzv(), trainer(0)), later(12))
+    assert _acts(gone) == [(CREATE, "mnist-1")]
+    back = plan(job, gone.status, observed(rdzv(), trainer(0), trainer(1, uid="new")), later(20))
+    assert back.status["phase"] == "Running" and back.recovery_seconds == 10.0
+    assert "recoveryStartTime" not in back.status
+
+
+def test_survivor_crash_in_the_same_incident_counts_once():
+    job, status = _running()
+    p1 = plan(job, status, observed(rdzv(), trainer(0), trainer(1, phase="Failed", exit_code=1)), later(10))
+    p2 = plan(job, p1.status, observed(rdzv(), trainer(0, phase="Failed", exit_code=1)), later(20))
+    assert p2.status["restarts"] == 1
+    assert p2.status["attempts"][-1]["counted"] is False
+    p3 = plan(job, p2.status, observed(rdzv(), trainer(0, phase="Failed", exit_code=1, uid="x2")), later(200))
+    assert p3.status["restarts"] == 2
+
+
+def test_budget_exhaustion_fails_and_stops_pods():
+    job, status = _running(failurePolicy={"backoffLimit": 1, "incidentWindowSeconds": 0})
+    p1 = plan(job, status, observed(rdzv(), trainer(0), trainer(1, phase="Failed", exit_code=1)), later(1))
+    assert p1.status["restarts"] == 1 and p1.status["phase"] == "Restarting"
+    p2 = plan(job, p1.status, observed(rdzv(), trainer(0), trainer(1, phase="Failed", exit_code=1, uid="b")),
+              later(2))
+    assert p2.status["phase"] == "Failed" and p2.status["reason"] == names.REASON_BACKOFF_LIMIT
+    assert "spec.failurePolicy.backoffLimit=1" in p2.status["message"]
+    assert _acts(p2) == [(DELETE, "mnist-0"), (DELETE, "mnist-rdzv")]
+    assert p2.status["completionTime"] == "2025-01-01T12:00:02Z"
+    assert ("Warning", names.REASON_BACKOFF_LIMIT) in [(e.type, e.reason) for e in p2.events]
+
+
+def test_permanent_exit_code_fails_at_once():
+    job, status = _running(failurePolicy={"permanentExitCodes": [3]})
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(1, phase="Failed", exit_code=3)), later(1))
+    assert p.status["phase"] == "Failed" and p.status["reason"] == names.REASON_PERMANENT_EXIT
+    assert "exit code 3" in p.status["message"] and "permanentExitCodes" in p.status["message"]
+    assert p.status["restarts"] == 0
+
+
+def test_worker_exit_code_from_torchrun_summary_is_permanent():
+    job, status = _running(failurePolicy={"permanentExitCodes": [3]})
+    summary = "ChildFailedError\n[0]:\n  time      : 2025\n  rank      : 1\n  exitcode  : 3 (pid: 81)\n"
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(1, phase="Failed", exit_code=1, message=summary)),
+             later(1))
+    assert p.status["reason"] == names.REASON_PERMANENT_EXIT
+    assert "worker exit codes 3" in p.status["message"]
+
+
+def test_retryable_exit_codes_make_others_permanent():
+    job, status = _running(failurePolicy={"retryableExitCodes": [1]})
+    ok = plan(job, status, observed(rdzv(), trainer(0), trainer(1, phase="Failed", exit_code=1)), later(1))
+    assert ok.status["phase"] == "Restarting"
+    bad = plan(job, status, observed(rdzv(), trainer(0), trainer(1, phase="Failed", exit_code=2)), later(1))
+    assert bad.status["phase"] == "Failed" and "retryableExitCodes" in bad.status["message"]
+
+
+def test_eviction_does_not_count():
+    job, status = _running()
+    for evicted in (trainer(1, phase="Failed", status_reason="Evicted"),
+                    trainer(1, phase="Failed", exit_code=137, disruption="PreemptionByScheduler")):
+        p = plan(job, status, observed(rdzv(), trainer(0), evicted), later(1))
+        assert p.status["restarts"] == 0 and p.status["disruptions"] == 1
+        assert p.status["attempts"][-1]["disruption"] is True
+        assert _acts(p) == [(DELETE, "mnist-1")]
+        assert p.status["reason"] == names.REASON_NODE_DISRUPTED
+
+
+def test_eviction_counts_when_asked():
+    job, status = _running(failurePolicy={"countDisruptions": True})
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(1, phase="Failed", status_reason="Evicted")), later(1))
+    assert p.status["restarts"] == 1
+
+
+def test_rdzv_loss_restarts_the_whole_group():
+    job, status = _running()
+    p = plan(job, status, observed(rdzv(phase="Failed", exit_code=137), trainer(0), trainer(1)), later(5))
+    assert p.status["group"] == 1 and p.status["rendezvousId"] == "0b5c-uid-1"
+    assert _acts(p) == [(DELETE, "mnist-0"), (DELETE, "mnist-1"), (DELETE, "mnist-rdzv")]
+    assert p.status["restarts"] == 1 and p.status["reason"] == names.REASON_RDZV_LOST
+    # Old pods still terminating: nothing is created under their names yet.
+    p2 = plan(job, p.status, observed(rdzv(phase="Failed", exit_code=137, deleting_since=later(5)),
+                                      trainer(0, deleting_since=later(5)), trainer(1, deleting_since=later(5))),
+              later(6))
+    assert p2.status["group"] == 1 and [a for a in p2.actions if a.verb != FORCE_DELETE] == []
+    p3 = plan(job, p2.status, observed(), later(8))
+    assert _acts(p3) == [(CREATE, "mnist-0"), (CREATE, "mnist-1"), (CREATE, "mnist-rdzv")]
+    created = {a.name: a.body for a in p3.actions}
+    assert created["mnist-0"]["metadata"]["labels"][names.LABEL_GROUP] == "1"
+    env = {e["name"]: e.get("value") for e in created["mnist-0"]["spec"]["containers"][0]["env"]}
+    assert env["PET_RDZV_ID"] == "0b5c-uid-1"
+
+
+def test_deleted_store_pod_also_restarts_the_group():
+    job, status = _running()
+    p = plan(job, status, observed(rdzv(deleting_since=later(1)), trainer(0), trainer(1)), later(1))
+    assert p.status["group"] == 1
+
+
+def test_success_rule():
+    job, status = _running()
+    waiting = plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0), trainer(1)), later(1))
+    assert waiting.status["phase"] == "Running" and waiting.actions == ()
+    report = '{"step": 120, "loss": 0.05, "metrics": {"testAccuracy": 0.97}, "final": true}'
+    done = plan(job, waiting.status,
+                observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0, message=report),
+                         trainer(1, phase="Succeeded", exit_code=0)), later(2))
+    assert done.status["phase"] == "Succeeded"
+    assert done.status["progress"]["metrics"]["testAccuracy"] == 0.97
+    assert "testAccuracy 0.97" in done.status["progress"]["summary"]
+    assert _acts(done) == [(DELETE, "mnist-rdzv")]  # cleanPodPolicy Running
+    assert [e.reason for e in done.events if e.reason == names.REASON_SUCCEEDED]
+
+
+def test_failure_after_a_peer_succeeded_is_not_replaced():
+    job, status = _running()
+    p = plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0),
+                                   trainer(1, phase="Failed", exit_code=1)), later(1))
+    assert p.status["phase"] == "Succeeded" and p.status["restarts"] == 0
+    assert (CREATE, "mnist-1") not in _acts(p)
+
+
+def test_clean_pod_policies():
+    for policy, expected in (("None", []), ("All", [(DELETE, "mnist-0"), (DELETE, "mnist-1"), (DELETE, "mnist-rdzv")])):
+        job, status = _running(runPolicy={"cleanPodPolicy": policy})
+        p = plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0),
+                                       trainer(1, phase="Succeeded", exit_code=0)), later(1))
+        assert p.status["phase"] == "Succeeded" and _acts(p) == expected, policy
+
+
+def test_suspend_and_resume():
+    job, status = _running()
+    suspended_job = make_job(runPolicy={"suspend": True})
+    p = plan(suspended_job, status, observed(rdzv(), trainer(0), trainer(1)), later(1))
+    assert p.status["phase"] == "Suspended"
+    assert _acts(p) == [(DELETE, "mnist-0"), (DELETE, "mnist-1"), (DELETE, "mnist-rdzv")]
+    assert "startTime" not in p.status
+    # Tombstones of the pods deleted while suspended are never counted.
+    p2 = plan(suspended_job, p.status, observed(gone=[trainer(0), trainer(1)]), later(2))
+    assert p2.status["restarts"] == 0 and p2.actions == ()
+    resumed = plan(job, p2.status, observed(), later(3))
+    assert _acts(resumed) == [(CREATE, "mnist-0"), (CREATE, "mnist-1"), (CREATE, "mnist-rdzv")]
+    suspended = [c for c in resumed.status["conditions"] if c["type"] == "Suspended"][0]
+    assert suspended["status"] == "False" and suspended["reason"] == names.REASON_RESUMED
+    assert resumed.status["restarts"] == 0
+
+
+def test_deadline():
+    job, status = _running(runPolicy={"activeDeadlineSeconds": 100})
+    before = plan(job, status, observed(rdzv(), trainer(0), trainer(1)), later(40))
+    assert before.status["phase"] == "Running" and before.requeue_after == 60
+    after = plan(job, status, observed(rdzv(), trainer(0), trainer(1)), later(100))
+    assert after.status["phase"] == "Failed" and after.status["reason"] == names.REASON_DEADLINE
+    assert "activeDeadlineSeconds=100" in after.status["message"]
+    assert _acts(after) == [(DELETE, "mnist-0"), (DELETE, "mnist-1"), (DELETE, "mnist-rdzv")]
+
+
+def test_ttl_after_finished():
+    job, status = _running(runPolicy={"ttlSecondsAfterFinished": 30, "cleanPodPolicy": "None"})
+    done = plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0),
+                                      trainer(1, phase="Succeeded", exit_code=0)), later(10))
+    assert done.requeue_after == 30 and done.actions == ()
+    waiting = plan(job, done.status, observed(), later(20))
+    assert waiting.requeue_after == 20 and waiting.actions == ()
+    expired = plan(job, done.status, observed(), later(40))
+    assert _acts(expired) == [(DELETE_JOB, "mnist")]
+
+
+def test_scale_down_and_up():
+    job, status = _running(nodes=3, minNodes=1, maxNodes=4, n=3)
+    down = make_job(nodes=2, minNodes=1, maxNodes=4)
+    p = plan(down, status, observed(rdzv(), trainer(0), trainer(1), trainer(2)), later(1))
+    assert _acts(p) == [(DELETE, "mnist-2")]
+    assert p.status["phase"] == "Running" and p.status["restarts"] == 0 and p.status["nodes"]["desired"] == 2
+    up = make_job(nodes=4, minNodes=1, maxNodes=4)
+    p2 = plan(up, p.status, observed(rdzv(), trainer(0), trainer(1)), later(2))
+    assert _acts(p2) == [(CREATE, "mnist-2"), (CREATE, "mnist-3")]
+    assert p2.status["phase"] == "Running" and p2.status["nodesReady"] == "2/4"
+
+
+def test_scaled_down_pod_failing_is_not_counted():
+    job, status = _running(nodes=3, minNodes=1, maxNodes=4, n=3)
+    down = make_job(nodes=2, minNodes=1, maxNodes=4)
+    p = plan(down, status, observed(rdzv(), trainer(0), trainer(1), trainer(2, phase="Failed", exit_code=143)),
+             later(1))
+    assert p.status["restarts"] == 0 and _acts(p) == [(DELETE, "mnist-2")]
+
+
+def test_stuck_terminating_pod_on_not_ready_node_is_force_deleted():
+    job, status = _running()
+    stuck = trainer(1, deleting_since=later(0), node="node-2")
+    early = plan(job, status, observed(rdzv(), trainer(0), stuck, node_ready={"node-2": False}), later(60))
+    assert FORCE_DELETE not in [a.verb for a in early.actions] and early.requeue_after == 60
+    late = plan(job, status, observed(rdzv(), trainer(0), stuck, node_ready={"node-2": False}), later(121))
+    assert (FORCE_DELETE, "mnist-1") in _acts(late)
+    assert names.REASON_FORCE_DELETED in [e.reason for e in late.events]
+    healthy = plan(job, status, observed(rdzv(), trainer(0), stuck, node_ready={"node-2": True}), later(121))
+    assert FORCE_DELETE not in [a.verb for a in healthy.actions]
+
+
+def test_deleted_running_pod_tombstone_counts():
+    job, status = _running()
+    p = plan(job, status, observed(rdzv(), trainer(0), gone=[trainer(1)]), later(3))
+    assert p.status["restarts"] == 1 and _acts(p) == [(CREATE, "mnist-1")]
+    assert "was deleted" in p.status["attempts"][-1]["reason"] or p.status["attempts"][-1]["reason"] == "Deleted"
+
+
+def test_missing_pod_after_downtime_is_recreated_as_a_recovery():
+    job, status = _running()
+    p = plan(job, status, observed(rdzv(), trainer(0)), later(3))
+    assert _acts(p) == [(CREATE, "mnist-1")]
+    assert p.status["phase"] == "Restarting" and p.status["reason"] == names.REASON_NODE_MISSING
+    assert p.status["restarts"] == 0
+
+
+def test_last_transition_time_is_kept():
+    job, status = _running()
+    running = [c for c in status["conditions"] if c["type"] == "Running"][0]
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(1)), later(500))
+    assert [c for c in p.status["conditions"] if c["type"] == "Running"][0] == running
+
+
+def test_attempts_history_is_bounded():
+    job, status = _running(failurePolicy={"backoffLimit": 100, "incidentWindowSeconds": 0})
+    for i in range(30):
+        status = plan(job, status, observed(rdzv(), trainer(0), trainer(1, phase="Failed", exit_code=1, uid=f"u{i}")),
+                      later(i + 1)).status
+    assert status["restarts"] == 30 and len(status["attempts"]) == names.ATTEMPTS_HISTORY
+    assert status["attempts"][-1]["uid"] == "u29"
