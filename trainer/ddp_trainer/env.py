@@ -1,0 +1,112 @@
+"""Environment variable names the trainer reads, and parsing them into typed values.
+
+Every name the operator sets (see docs/contract.md) or torchrun sets is a constant here; nothing else in
+the package spells an environment variable by hand. Parsing errors raise :class:`ConfigError` with a
+message that names the variable and says what to do.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+# torchrun -> worker
+RANK = "RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_RANK = "LOCAL_RANK"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+GROUP_RANK = "GROUP_RANK"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+RUN_ID = "TORCHELASTIC_RUN_ID"
+
+TORCHRUN_REQUIRED = (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
+
+# operator -> trainer (docs/contract.md)
+JOB_NAME = "DDPJOB_NAME"
+JOB_NAMESPACE = "DDPJOB_NAMESPACE"
+POD_INDEX = "DDPJOB_POD_INDEX"
+CHECKPOINT_DIR = "DDPJOB_CHECKPOINT_DIR"
+SNAPSHOT_DIR = "DDPJOB_SNAPSHOT_DIR"
+PROGRESS_PORT = "DDPJOB_PROGRESS_PORT"
+
+# trainer-only knobs (not set by the operator; useful in tests and for users)
+CHECKPOINT_EVERY = "DDPJOB_CHECKPOINT_EVERY"
+KEEP_CHECKPOINTS = "DDPJOB_KEEP_CHECKPOINTS"
+SNAPSHOT_EVERY = "DDPJOB_SNAPSHOT_EVERY"
+RUN_KEY = "DDPJOB_RUN_KEY"
+TERMINATION_LOG = "DDPJOB_TERMINATION_LOG"
+PG_TIMEOUT = "DDPJOB_PG_TIMEOUT"
+LOG_EVERY = "DDPJOB_LOG_EVERY"
+
+DEFAULT_PROGRESS_PORT = 29401
+DEFAULT_SNAPSHOT_ROOT = "/dev/shm/ddpjob"
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+DEFAULT_PG_TIMEOUT_S = 120.0
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix; the message says which setting and how."""
+
+
+def get_str(name: str, default: str | None = None, env: Mapping[str, str] | None = None) -> str | None:
+    env = os.environ if env is None else env
+    value = env.get(name)
+    if value is None or value.strip() == "":
+        return default
+    return value.strip()
+
+
+def get_int(
+    name: str,
+    default: int | None = None,
+    *,
+    minimum: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> int | None:
+    raw = get_str(name, None, env)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def get_float(
+    name: str,
+    default: float | None = None,
+    *,
+    minimum: float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> float | None:
+    raw = get_str(name, None, env)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def run_key(env: Mapping[str, str] | None = None) -> str:
+    """What identifies one training run, so a snapshot from another run is never resumed.
+
+    Under the operator the snapshot directory is a per-pod emptyDir, so the job name is enough; under a
+    bare torchrun the rendezvous id is (``--standalone`` makes a fresh one per launch).
+    """
+    env = os.environ if env is None else env
+    explicit = get_str(RUN_KEY, None, env)
+    if explicit:
+        return explicit
+    name = get_str(JOB_NAME, None, env)
+    if name:
+        return f"{get_str(JOB_NAMESPACE, 'default', env)}/{name}"
+    return get_str(RUN_ID, "none", env) or "none"

@@ -1,0 +1,1 @@
+"""Example jobs; each runs as ``torchrun ... -m ddp_trainer.examples.<name>``."""

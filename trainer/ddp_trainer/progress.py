@@ -1,0 +1,109 @@
+"""Progress for the operator: an HTTP endpoint on global rank 0 and the final termination-log JSON.
+
+``GET /progress`` on ``DDPJOB_PROGRESS_PORT`` (29401) answers the contract's JSON (docs/contract.md)::
+
+    {"step": 120, "epoch": 5, "loss": 0.08, "samplesPerSecond": 2210.5, "lastCheckpointStep": 100,
+     "worldSize": 2, "metrics": {"valAccuracy": 0.97}, "time": 1735732800.0}
+
+The training loop only replaces a dict (no locks, no I/O per step); the server thread serialises it on
+request, so the operator decides the rate. Pull, not push: nothing needs Kubernetes credentials.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+PATH = "/progress"
+
+
+class Progress:
+    """The latest progress record; updated by the training loop, read by the server thread."""
+
+    def __init__(self, world_size: int) -> None:
+        self._record: dict[str, Any] = {
+            "step": 0,
+            "epoch": 0,
+            "loss": None,
+            "samplesPerSecond": 0.0,
+            "lastCheckpointStep": None,
+            "worldSize": world_size,
+            "metrics": {},
+            "time": time.time(),
+        }
+
+    def update(self, **fields: Any) -> None:
+        record = dict(self._record)
+        if "metrics" in fields:
+            record["metrics"] = {**record["metrics"], **(fields.pop("metrics") or {})}
+        record.update(fields)
+        record["time"] = time.time()
+        self._record = record  # one reference assignment: readers see the old or the new dict
+
+    def snapshot(self) -> dict[str, Any]:
+        return dict(self._record)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    progress: Progress
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server API)
+        if self.path.split("?", 1)[0] not in (PATH, "/"):
+            self.send_error(404)
+            return
+        body = json.dumps(self.progress.snapshot()).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds: stay quiet
+        return
+
+
+class ProgressServer:
+    """Serves a :class:`Progress` on all interfaces from a daemon thread."""
+
+    def __init__(self, progress: Progress, port: int, host: str = "") -> None:
+        handler = type("Handler", (_Handler,), {"progress": progress})
+        ThreadingHTTPServer.allow_reuse_address = True
+        self._server = ThreadingHTTPServer((host, port), handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="ddp-progress", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def write_termination_log(path: str | None, record: dict[str, Any]) -> bool:
+    """Write the final record where Kubernetes reads a container's termination message.
+
+    Only writes when the file already exists (the kubelet creates it) or the path was given explicitly
+    (``DDPJOB_TERMINATION_LOG``); outside Kubernetes nothing is created under /dev. Kubernetes keeps at
+    most 4096 bytes, so metrics are dropped before the record is cut.
+    """
+    if not path:
+        return False
+    body = json.dumps(record, separators=(",", ":"))
+    if len(body) > 4096:
+        body = json.dumps({**record, "metrics": {}}, separators=(",", ":"))[:4096]
+    try:
+        with open(path, "w") as f:
+            f.write(body)
+    except OSError:
+        return False
+    return True
+
+
+def termination_log_path(explicit: str | None, default: str = "/dev/termination-log") -> str | None:
+    if explicit:
+        return explicit
+    return default if os.path.exists(default) else None

@@ -1,0 +1,384 @@
+"""The life cycle of one resumable training run: restore, iterate, save points, finish.
+
+:class:`Run` ties the other modules together for a training loop::
+
+    run = Run(session, model=ddp_model, optimizer=opt, seed=args.seed)
+    run.restore()                              # peer snapshot, disk checkpoint or fresh start
+    for epoch in run.epochs(args.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in run.batches(loader):       # skips consumed batches, reseeds RNGs per step
+            ...forward/backward/optimizer.step()...
+            run.step_done(loss=loss, samples=len(x))
+        run.epoch_done(metrics={"valAccuracy": acc})
+    run.finish(metrics={"testAccuracy": test_acc})
+
+A *save point* is a moment where the state is consistent: after every step except an epoch's last
+(whose save point is :meth:`Run.epoch_done`, after validation). At a save point every pod's local
+rank 0 copies the state into its peer snapshot and, every ``checkpoint_every`` steps, global rank 0
+queues a disk checkpoint.
+
+On (re)start every rank reports the newest snapshot step its pod holds and rank 0 the newest disk
+checkpoint; the newest wins. A snapshot newer than the disk is broadcast from the lowest rank holding
+it to every rank (a replaced pod has none), so losing a non-rank-0 pod costs at most the step in
+flight and no storage reads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import env as envmod
+from . import rng
+from .checkpoint import CheckpointStore
+from .progress import Progress, ProgressServer, termination_log_path, write_termination_log
+from .sampler import ResumableDistributedSampler
+from .session import Session
+from .snapshot import PeerSnapshots, default_dir
+from .state import Components, Position, detached_copy, unwrap
+
+_FROM_ENV: Any = object()
+
+
+class Run:
+    """Resume, peer recovery, checkpoints and progress for one training loop (see module doc)."""
+
+    def __init__(
+        self,
+        session: Session,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scaler: Any | None = None,
+        scheduler: Any | None = None,
+        extra: dict[str, Any] | None = None,
+        seed: int = 0,
+        checkpoint_dir: str | None = _FROM_ENV,
+        checkpoint_every: int | None = _FROM_ENV,
+        keep_checkpoints: int | None = _FROM_ENV,
+        snapshot_dir: str | None = _FROM_ENV,
+        snapshot_every: int | None = _FROM_ENV,
+        progress_port: int | None = _FROM_ENV,
+        log_every: int | None = _FROM_ENV,
+        checkpoint_on_terminate: bool = True,
+    ) -> None:
+        """Arguments left out are read from the DDPJOB_* environment; ``None``/0 disables a feature.
+
+        checkpoint_dir: DDPJOB_CHECKPOINT_DIR (unset: no disk checkpoints).
+        checkpoint_every: DDPJOB_CHECKPOINT_EVERY steps (default 100; 0: only the final one).
+        snapshot_dir: DDPJOB_SNAPSHOT_DIR (default /dev/shm/ddpjob/<run key>).
+        snapshot_every: DDPJOB_SNAPSHOT_EVERY steps (default 1; 0: no peer snapshots).
+        progress_port: DDPJOB_PROGRESS_PORT (default 29401; 0: no server).
+        """
+        self.session = session
+        self.seed = seed
+        self.components = Components(model, optimizer, scaler, scheduler, extra)
+        self.position = Position(world_size=session.world_size)
+        self.log = session.log
+        if checkpoint_dir is _FROM_ENV:
+            checkpoint_dir = envmod.get_str(envmod.CHECKPOINT_DIR)
+        if checkpoint_every is _FROM_ENV:
+            checkpoint_every = envmod.get_int(envmod.CHECKPOINT_EVERY, 100, minimum=0)
+        if keep_checkpoints is _FROM_ENV:
+            keep_checkpoints = envmod.get_int(envmod.KEEP_CHECKPOINTS, 3, minimum=1)
+        if snapshot_every is _FROM_ENV:
+            snapshot_every = envmod.get_int(envmod.SNAPSHOT_EVERY, 1, minimum=0)
+        if snapshot_dir is _FROM_ENV:
+            snapshot_dir = envmod.get_str(envmod.SNAPSHOT_DIR) or default_dir(session.run_key)
+        if progress_port is _FROM_ENV:
+            progress_port = envmod.get_int(envmod.PROGRESS_PORT, envmod.DEFAULT_PROGRESS_PORT, minimum=0)
+        if log_every is _FROM_ENV:
+            log_every = envmod.get_int(envmod.LOG_EVERY, 1, minimum=0)
+        self.checkpoint_every = checkpoint_every or 0
+        self.snapshot_every = snapshot_every or 0
+        self.log_every = log_every or 0
+
+        # Only global rank 0 touches the checkpoint directory; it alone validates it.
+        self.checkpoints: CheckpointStore | None = None
+        if checkpoint_dir and session.is_main:
+            self.checkpoints = CheckpointStore(checkpoint_dir, keep=keep_checkpoints or 3, warn=self._warn)
+        # Every rank reads its pod's snapshot at restore; only local rank 0 writes it.
+        self.snapshots: PeerSnapshots | None = None
+        if snapshot_dir and self.snapshot_every:
+            self.snapshots = PeerSnapshots(snapshot_dir, session.run_key)
+        self._writes_snapshots = self.snapshots is not None and session.local_rank == 0
+
+        self.progress = Progress(session.world_size)
+        self._server: ProgressServer | None = None
+        if session.is_main and progress_port:
+            try:
+                self._server = ProgressServer(self.progress, progress_port)
+            except OSError as exc:  # progress is best effort; training must not die for it
+                self._warn("progress_unavailable", port=progress_port, error=exc.strerror)
+        self._termination_log = termination_log_path(envmod.get_str(envmod.TERMINATION_LOG))
+
+        self._epoch_len: int | None = None
+        self._last_step_time: float | None = None
+        self._sps: float | None = None
+        self._last_loss: float | None = None
+        self._finished = False
+        self.restored_from: str | None = None
+        if checkpoint_on_terminate and self.checkpoints is not None and self._writes_snapshots:
+            session.on_terminate(self._checkpoint_on_terminate)
+
+    # -- properties ----------------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.position.step
+
+    @property
+    def epoch(self) -> int:
+        return self.position.epoch
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """User state saved with every snapshot/checkpoint (best metric, patience counter, ...)."""
+        return self.components.extra
+
+    @property
+    def stopped(self) -> bool:
+        return self.position.stopped
+
+    def _warn(self, event: str, **fields: Any) -> None:
+        self.log(event, all_ranks=True, level="warning", **fields)
+
+    # -- restore -------------------------------------------------------------------------------------------
+    def restore(self) -> str:
+        """Load the newest state any rank can reach; returns "fresh", "local", "peer" or "checkpoint".
+
+        Collective: every rank must call it, once, after building model/optimizer and before training.
+        """
+        s = self.session
+        t0 = time.perf_counter()
+        local = self.snapshots.read_latest() if self.snapshots is not None else None
+        local_step = local.step if local is not None else -1
+        disk_steps = self.checkpoints.steps() if self.checkpoints is not None else []
+        disk_step = disk_steps[0] if disk_steps else -1
+        gathered: list[Any] = [None] * s.world_size
+        dist.all_gather_object(gathered, (local_step, disk_step))
+        snap_steps = [int(g[0]) for g in gathered]
+        disk_step = int(gathered[0][1])
+        best_snap = max(snap_steps)
+
+        state: dict[str, Any] | None = None
+        source, src_rank = "fresh", None
+        if disk_step > best_snap:
+            payload: list[Any] = [None]
+            if s.is_main:
+                assert self.checkpoints is not None
+                payload = [self.checkpoints.load_latest(newer_than=best_snap)]
+            dist.broadcast_object_list(payload, src=0)
+            if payload[0] is not None:
+                _, state = payload[0]
+                source, src_rank = "checkpoint", 0
+        if state is None and best_snap >= 0:
+            holders = [r for r, st in enumerate(snap_steps) if st == best_snap]
+            src_rank = holders[0]
+            if len(holders) == s.world_size:
+                assert local is not None
+                state, source = local.state, "local"
+            else:
+                payload = [local.state if s.rank == src_rank and local is not None else None]
+                dist.broadcast_object_list(payload, src=src_rank)
+                state = local.state if local is not None and local_step == best_snap else payload[0]
+                source = "peer"
+        if local is not None and self.snapshots is not None:
+            self.snapshots.set_next_slot_after(local)
+
+        if state is not None:
+            position = self.components.load_state_dict(state)
+            exact = True
+            if position.world_size and position.world_size != s.world_size:
+                # Another world size partitions the data differently: keep the share of the epoch that
+                # was done (rounded up), which cannot be bitwise-identical to any uninterrupted run.
+                exact = False
+                consumed = position.batch * position.world_size
+                position.batch = -(-consumed // s.world_size)
+                position.world_size = s.world_size
+            self.position = position
+            self.log(
+                "resume",
+                source=source,
+                step=position.step,
+                epoch=position.epoch,
+                batch=position.batch,
+                from_rank=src_rank,
+                exact=str(exact).lower(),
+                seconds=round(time.perf_counter() - t0, 3),
+                restart_count=s.restart_count,
+            )
+        else:
+            self.log("start", source="fresh", restart_count=s.restart_count)
+        if self.checkpoints is not None and disk_step >= 0:
+            self.checkpoints.last_saved_step = disk_step
+        self.restored_from = source
+        self.progress.update(step=self.position.step, epoch=self.position.epoch, lastCheckpointStep=self._ckpt_step())
+        self._save_point(checkpoint=False)
+        return source
+
+    # -- iteration -----------------------------------------------------------------------------------------
+    def epochs(self, max_epochs: int) -> Iterator[int]:
+        """Epoch numbers from the restored one up to ``max_epochs - 1``; ends early once stopped."""
+        while self.position.epoch < max_epochs and not self.position.stopped:
+            yield self.position.epoch
+
+    def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """The batches of the current epoch not yet consumed, reseeding RNGs before each step.
+
+        Call ``sampler.set_epoch(epoch)`` first. With :class:`ResumableDistributedSampler` skipping is free;
+        with any other sampler the consumed batches are loaded and dropped. Call :meth:`step_done` once
+        per batch.
+        """
+        n = len(loader)  # type: ignore[arg-type]
+        self._epoch_len = n
+        start = self.position.batch
+        if start >= n:
+            return
+        skip = start
+        sampler = getattr(loader, "sampler", None)
+        batch_size = getattr(loader, "batch_size", None)
+        if start and isinstance(sampler, ResumableDistributedSampler) and batch_size:
+            sampler.set_start(start * batch_size)
+            skip = 0
+        it = iter(loader)
+        for _ in range(skip):
+            next(it)
+        rank = self.session.rank
+        while True:
+            rng.seed_step(self.seed, self.position.step, rank)
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            yield batch
+
+    # -- save points ---------------------------------------------------------------------------------------
+    def step_done(self, *, loss: float | torch.Tensor | None = None, samples: int | None = None) -> None:
+        """Record a finished optimizer step (call after ``optimizer.step()`` and per-step schedulers)."""
+        pos = self.position
+        pos.step += 1
+        pos.batch += 1
+        now = time.perf_counter()
+        if samples is not None and self._last_step_time is not None:
+            dt = max(now - self._last_step_time, 1e-9)
+            rate = samples * self.session.world_size / dt
+            self._sps = rate if self._sps is None else 0.9 * self._sps + 0.1 * rate
+        self._last_step_time = now
+        if isinstance(loss, torch.Tensor):
+            loss = float(loss.detach().item())
+        if loss is not None:
+            self._last_loss = loss
+        if self._epoch_len is None or pos.batch < self._epoch_len:
+            self._save_point()
+        if self.session.is_main:
+            self.progress.update(
+                step=pos.step,
+                epoch=pos.epoch,
+                loss=self._last_loss,
+                samplesPerSecond=round(self._sps or 0.0, 2),
+                lastCheckpointStep=self._ckpt_step(),
+            )
+            if self.log_every and pos.step % self.log_every == 0:
+                self.log(
+                    "step",
+                    step=pos.step,
+                    epoch=pos.epoch,
+                    batch=pos.batch,
+                    loss=self._last_loss,
+                    samples_per_s=round(self._sps, 1) if self._sps else None,
+                )
+
+    def epoch_done(self, metrics: dict[str, Any] | None = None, *, stop: bool = False) -> None:
+        """Close the epoch (after validation); ``stop=True`` (agreed by all ranks) ends :meth:`epochs`."""
+        pos = self.position
+        finished = pos.epoch
+        pos.epoch += 1
+        pos.batch = 0
+        pos.stopped = pos.stopped or stop
+        self._epoch_len = None
+        self._save_point()
+        if self.session.is_main:
+            self.progress.update(epoch=pos.epoch, metrics=metrics or {}, lastCheckpointStep=self._ckpt_step())
+            self.log("epoch", epoch=finished, step=pos.step, stop=str(pos.stopped).lower(), **(metrics or {}))
+
+    def _save_point(self, checkpoint: bool = True) -> None:
+        step = self.position.step
+        state = None
+        if self._writes_snapshots and step % self.snapshot_every == 0:
+            assert self.snapshots is not None
+            state = self.components.state_dict(self.position)
+            self.snapshots.write(step, state)
+        if (
+            checkpoint
+            and self.checkpoints is not None
+            and self.checkpoint_every
+            and step % self.checkpoint_every == 0
+            and step != self.checkpoints.last_saved_step
+        ):
+            state = state or self.components.state_dict(self.position)
+            self.checkpoints.save_async(step, detached_copy(state))
+
+    def _ckpt_step(self) -> int | None:
+        return self.checkpoints.last_saved_step if self.checkpoints is not None else None
+
+    def _checkpoint_on_terminate(self) -> None:
+        # Runs on the SIGTERM thread while the main thread may be mid-step: use the last save point.
+        assert self.snapshots is not None and self.checkpoints is not None
+        snap = self.snapshots.read_latest()
+        last = self.checkpoints.last_saved_step
+        if snap is not None and (last is None or snap.step > last):
+            self.checkpoints.save(snap.step, snap.state)
+            self.log("checkpoint", step=snap.step, reason="sigterm")
+
+    # -- the end -------------------------------------------------------------------------------------------
+    def finish(self, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Final checkpoint, termination-log record, peer snapshots removed. Returns the final record."""
+        if self._finished:
+            return self.progress.snapshot()
+        self._finished = True
+        if self.checkpoints is not None:
+            self.checkpoints.flush()
+            if self.checkpoints.last_saved_step != self.position.step:
+                self.checkpoints.save(self.position.step, self.components.state_dict(self.position))
+            self.checkpoints.close()
+        self.progress.update(
+            step=self.position.step,
+            epoch=self.position.epoch,
+            metrics=metrics or {},
+            lastCheckpointStep=self._ckpt_step(),
+        )
+        record = {**self.progress.snapshot(), "final": True}
+        if self.session.is_main:
+            write_termination_log(self._termination_log, record)
+            self.log("done", step=self.position.step, epoch=self.position.epoch, **(metrics or {}))
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self.snapshots is not None:
+            # The run is over: nothing to recover any more, and /dev/shm is memory.
+            self.snapshots.close(remove=self._writes_snapshots)
+        return record
+
+    def fail(self, error: BaseException) -> None:
+        """Best-effort termination-log record for a failed run (rank 0 only)."""
+        if self.session.is_main:
+            write_termination_log(self._termination_log, {**self.progress.snapshot(), "final": False, "error": repr(error)[:1000]})
+
+
+def model_digest(model: nn.Module) -> str:
+    """sha256 over the model's state dict (names, dtypes, shapes and bytes): equal iff bitwise equal."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, tensor in sorted(unwrap(model).state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

@@ -1,0 +1,195 @@
+"""One worker's distributed session, set up from torchrun's environment.
+
+Owns: reading and checking torchrun's variables, ``init_process_group`` (gloo on CPU, nccl on GPU)
+with a bounded timeout, the device (``cuda:LOCAL_RANK`` or CPU), rank-0 logging, agreement helpers and
+SIGTERM.
+
+SIGTERM is what the torchrun agent sends to stop workers before a new rendezvous round (a peer died
+or joined) and what the kubelet sends on pod deletion. A worker is then often blocked inside a
+collective that will never finish, where a Python signal handler would not run until the collective
+times out. So SIGTERM is blocked in every thread and a dedicated thread ``sigwait``\\ s for it, runs the
+registered callbacks (e.g. a final checkpoint from the last completed step) and exits with 143.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import env as envmod
+from .env import ConfigError
+from .log import Logger
+
+EXIT_SIGTERM = 128 + signal.SIGTERM
+
+
+def _require_int(name: str, env: Mapping[str, str], minimum: int) -> int:
+    value = envmod.get_int(name, None, minimum=minimum, env=env)
+    assert value is not None
+    return value
+
+
+def read_torchrun_env(env: Mapping[str, str] | None = None) -> dict[str, int]:
+    """RANK/WORLD_SIZE/LOCAL_RANK/... as ints; ConfigError naming what is missing or wrong."""
+    env = os.environ if env is None else env
+    missing = [n for n in envmod.TORCHRUN_REQUIRED if not envmod.get_str(n, None, env)]
+    if missing:
+        raise ConfigError(
+            f"missing environment variable(s) {', '.join(missing)}: this program must be started by torchrun, "
+            "e.g. `torchrun --standalone --nproc-per-node=2 -m ddp_trainer.examples.digits`"
+        )
+    world = _require_int(envmod.WORLD_SIZE, env, 1)
+    rank = _require_int(envmod.RANK, env, 0)
+    local_rank = _require_int(envmod.LOCAL_RANK, env, 0)
+    local_world = envmod.get_int(envmod.LOCAL_WORLD_SIZE, 1, minimum=1, env=env) or 1
+    if rank >= world:
+        raise ConfigError(f"RANK={rank} must be < WORLD_SIZE={world}")
+    if local_rank >= local_world:
+        raise ConfigError(f"LOCAL_RANK={local_rank} must be < LOCAL_WORLD_SIZE={local_world}")
+    envmod.get_int(envmod.MASTER_PORT, None, minimum=1, env=env)
+    return {
+        "rank": rank,
+        "world_size": world,
+        "local_rank": local_rank,
+        "local_world_size": local_world,
+        "group_rank": envmod.get_int(envmod.GROUP_RANK, 0, env=env) or 0,
+        "restart_count": envmod.get_int(envmod.RESTART_COUNT, 0, env=env) or 0,
+    }
+
+
+@dataclass
+class Session:
+    """A worker's place in the job plus its process group. Create with :func:`init_session`."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    group_rank: int
+    restart_count: int
+    run_key: str
+    device: torch.device
+    backend: str
+    log: Logger
+    _term_callbacks: list[Callable[[], None]] = field(default_factory=list)
+    _term_lock: threading.Lock = field(default_factory=threading.Lock)
+    _terminating: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # -- agreement helpers ---------------------------------------------------------------------------------
+    def _flag_tensor(self, value: float) -> torch.Tensor:
+        return torch.tensor([value], dtype=torch.float64, device=self.device if self.backend == "nccl" else "cpu")
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on any rank (all_reduce MAX)."""
+        t = self._flag_tensor(1.0 if flag else 0.0)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def decide_on_main(self, flag: bool) -> bool:
+        """Rank 0's ``flag``, agreed by every rank (others' values are ignored)."""
+        return self.any(flag if self.is_main else False)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    # -- termination -----------------------------------------------------------------------------------------
+    def on_terminate(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` (from a signal-watcher thread) when SIGTERM arrives, before exiting."""
+        self._term_callbacks.append(callback)
+
+    def _terminate(self) -> None:
+        with self._term_lock:
+            if self._terminating:
+                return
+            self._terminating = True
+        self.log("sigterm", all_ranks=True, local_rank=self.local_rank)
+        for cb in reversed(self._term_callbacks):
+            try:
+                cb()
+            except BaseException as exc:  # exiting anyway; say why the callback failed
+                self.log("sigterm_callback_failed", all_ranks=True, error=repr(exc))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_SIGTERM)
+
+    def close(self) -> None:
+        """Leave the process group (call once, at the end of a successful run)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _install_sigterm(session: Session) -> None:
+    # Block SIGTERM before init_process_group so gloo/nccl threads inherit the mask, then wait for it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def watch() -> None:
+        signal.sigwait({signal.SIGTERM})
+        session._terminate()
+
+    threading.Thread(target=watch, name="ddp-sigterm", daemon=True).start()
+    # Threads started before us (none in a fresh worker, but be safe) may still take the signal: then
+    # Python's own handler runs on the main thread as soon as it can.
+    signal.signal(signal.SIGTERM, lambda signum, frame: session._terminate())
+
+
+def init_session(
+    *,
+    backend: str | None = None,
+    timeout_s: float | None = None,
+    env: Mapping[str, str] | None = None,
+    handle_sigterm: bool = True,
+) -> Session:
+    """Set up this worker from torchrun's environment and join the process group.
+
+    ``backend`` defaults to nccl when CUDA is usable, else gloo; ``timeout_s`` (default
+    ``DDPJOB_PG_TIMEOUT`` or 120 s) bounds every collective, instead of the 30-minute default.
+    """
+    env = os.environ if env is None else env
+    ids = read_torchrun_env(env)
+    if timeout_s is None:
+        timeout_s = envmod.get_float(envmod.PG_TIMEOUT, envmod.DEFAULT_PG_TIMEOUT_S, minimum=1.0, env=env)
+    assert timeout_s is not None
+    use_cuda = torch.cuda.is_available() and backend in (None, "nccl")
+    if use_cuda:
+        if ids["local_rank"] >= torch.cuda.device_count():
+            raise ConfigError(
+                f"LOCAL_RANK={ids['local_rank']} but only {torch.cuda.device_count()} CUDA device(s) are visible: "
+                "lower --nproc-per-node"
+            )
+        device = torch.device("cuda", ids["local_rank"])
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    session = Session(
+        **ids,
+        run_key=envmod.run_key(env),
+        device=device,
+        backend=backend,
+        log=Logger(ids["rank"]),
+    )
+    if handle_sigterm:
+        _install_sigterm(session)
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    session.log(
+        "session",
+        world_size=session.world_size,
+        backend=backend,
+        device=str(device),
+        restart_count=session.restart_count,
+        run_key=session.run_key,
+    )
+    return session
