@@ -453,10 +453,10 @@ def build_crd() -> dict:
     root_rules = [
         _rule(f"self.metadata.name.size() <= {names.MAX_NAME_LENGTH}",
               f"metadata.name must be at most {names.MAX_NAME_LENGTH} characters so that pod names "
-              f"<job>-rdzv and <job>-<index> stay within 63", ".metadata.name", "FieldValueInvalid"),
+              f"<job>-rdzv and <job>-<index> stay within 63", reason="FieldValueInvalid"),
         _rule(f"self.metadata.name.matches('{NAME_PATTERN}')",
               "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting with a "
-              "letter): it names the headless Service", ".metadata.name", "FieldValueInvalid"),
+              "letter): it names the headless Service", reason="FieldValueInvalid"),
     ]
     schema = _obj(
         "DDPJob runs PyTorch DistributedDataParallel training with torchrun on `nodes` pods and keeps it "
@@ -464,7 +464,8 @@ def build_crd() -> dict:
         {
             "apiVersion": _str("APIVersion of this object."),
             "kind": _str("Kind of this object."),
-            "metadata": {"type": "object", "description": "Standard object metadata."},
+            # The API server owns the root metadata schema; only `type` may be given here.
+            "metadata": {"type": "object"},
             "spec": _spec_schema(),
             "status": _status_schema(),
         },
