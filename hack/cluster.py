@@ -70,6 +70,7 @@ ETCD_URL = "http://127.0.0.1:2379"
 CONTAINERD_ROOT = Path("/var/lib/ddpjob/containerd")
 CONTAINERD_STATE = Path("/run/ddpjob/containerd")
 CONTAINERD_SOCK = "/run/ddpjob/containerd.sock"
+RUNC_ROOT = "/run/ddpjob/runc"  # runc's own state (default /run/containerd/runc)
 K8S_NAMESPACE = "k8s.io"  # containerd namespace the CRI plugin uses
 KUBELET_ROOT = Path("/var/lib/kubelet")
 CNI_BIN_DIR = "/usr/lib/cni"  # Debian's containernetworking-plugins
@@ -231,6 +232,15 @@ def start(name: str, argv: list[str]) -> bool:
         out.flush()
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                              cwd=STATE, start_new_session=True, env={**os.environ, "PATH": _path_env()})
+    # Until the child has exec'd, its cmdline is ours and is_running() would say "not running".
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and p.poll() is None:
+        try:
+            if os.readlink(f"/proc/{p.pid}/exe") != os.readlink("/proc/self/exe"):
+                break
+        except OSError:
+            break
+        time.sleep(0.005)
     (PIDS / f"{name}.pid").write_text(str(p.pid))
     return True
 
@@ -358,6 +368,14 @@ def kubeconfig_text(user: str, cert: str) -> str:
         """)
 
 
+def _restricted_oom_score() -> bool:
+    """True when this root cannot lower an oom_score_adj (no CAP_SYS_RESOURCE, as on our VMs)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return not int(line.split()[1], 16) & (1 << 24)  # CAP_SYS_RESOURCE
+    return False
+
+
 def write_configs() -> None:
     """Write every kubeconfig and component config; cheap and deterministic, so done on each `up`."""
     ensure_pki()
@@ -391,6 +409,9 @@ def write_configs() -> None:
         [plugins."io.containerd.grpc.v1.cri"]
           sandbox_image = "{PAUSE_IMAGE}"
           enable_selinux = false
+          # root here lacks CAP_SYS_RESOURCE, so runc cannot give the pause container the kubelet's
+          # oom_score_adj of -998; clamp to containerd's own score instead of failing every sandbox.
+          restrict_oom_score_adj = {"true" if _restricted_oom_score() else "false"}
           [plugins."io.containerd.grpc.v1.cri".containerd]
             snapshotter = "overlayfs"
             default_runtime_name = "runc"
@@ -398,6 +419,7 @@ def write_configs() -> None:
               runtime_type = "io.containerd.runc.v2"
               [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
                 SystemdCgroup = false
+                Root = "{RUNC_ROOT}"
           [plugins."io.containerd.grpc.v1.cri".cni]
             bin_dir = "{CNI_BIN_DIR}"
             conf_dir = "{CONF / 'cni'}"
@@ -643,6 +665,7 @@ def argv_for(name: str) -> list[str]:
                 f"--client-ca-file={PKI / 'ca.crt'}",
                 f"--kubelet-client-certificate={PKI / 'apiserver-kubelet-client.crt'}",
                 f"--kubelet-client-key={PKI / 'apiserver-kubelet-client.key'}",
+                "--kubelet-preferred-address-types=InternalIP",  # the hostname resolves to 127.0.0.1
                 "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
                 "--allow-privileged=true",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
@@ -846,6 +869,11 @@ def down(purge: bool = False) -> None:
         shutil.rmtree(path, ignore_errors=True)
     for f in Path("/var/lib/cni/results").glob(f"{CNI_NETWORK}-*") if Path("/var/lib/cni/results").exists() else []:
         f.unlink(missing_ok=True)
+    # containerd 1.6 puts shim sockets and ctr fifos under /run/containerd whatever its state dir;
+    # remove that tree only when no system containerd lives there.
+    sysdir = Path("/run/containerd")
+    if sysdir.exists() and not (sysdir / "containerd.sock").exists():
+        shutil.rmtree(sysdir, ignore_errors=True)
 
     # Network: the bridge (its veths died with the pods' namespaces), our iptables chains, conntrack.
     if Path(f"/sys/class/net/{BRIDGE}").exists():
@@ -879,7 +907,7 @@ def leftovers() -> list[str]:
         if is_running(name):
             found.append(f"component {name}")
     found += [f"mount {m}" for m in _mounts_under([str(KUBELET_ROOT), str(CONTAINERD_STATE.parent),
-                                                   str(CONTAINERD_ROOT), "/run/netns"])]
+                                                   str(CONTAINERD_ROOT)])] + [f"mount {m}" for m in _mounts_under(["/run/netns"]) if "/cni-" in m]
     if Path("/run/netns").exists():
         found += [f"netns {p.name}" for p in Path("/run/netns").glob("cni-*")]
     if Path(f"/sys/class/net/{BRIDGE}").exists():
@@ -889,7 +917,8 @@ def leftovers() -> list[str]:
         if shutil.which(save, path=_path_env()):
             chains = re.findall(r"^:((?:KUBE|CNI)-\S+)", run([save], check=False).stdout, re.M)
             found += [f"{save} chain {c}" for c in chains]
-    for p in [Path("/var/lib/cni/networks") / CNI_NETWORK, KUBELET_ROOT, CONTAINERD_STATE.parent]:
+    for p in [Path("/var/lib/cni/networks") / CNI_NETWORK, KUBELET_ROOT, CONTAINERD_STATE.parent,
+              Path("/run/containerd/s")]:
         if p.exists():
             found.append(f"path {p}")
     found += [f"cgroup {p}" for p in Path("/sys/fs/cgroup").glob("*/kubepods")]
