@@ -1,0 +1,109 @@
+"""`python -m ddp_operator`: run the operator (kopf) with metrics, liveness, logging and leader election.
+
+Every flag has an environment variable (shown in --help) so the Deployment can configure it either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+
+import kopf
+
+from ddp_operator import __version__, metrics, names
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ddp_operator", description="The DDPJob operator.")
+    p.add_argument("--namespace", action="append", default=None,
+                   help="watch only this namespace (repeatable; env DDP_OPERATOR_NAMESPACES, comma-separated); "
+                        "default: all namespaces")
+    p.add_argument("--metrics-port", type=int, default=int(_env("DDP_OPERATOR_METRICS_PORT",
+                                                                str(names.DEFAULT_METRICS_PORT))),
+                   help="Prometheus /metrics port, 0 to disable (env DDP_OPERATOR_METRICS_PORT)")
+    p.add_argument("--liveness-port", type=int, default=int(_env("DDP_OPERATOR_LIVENESS_PORT",
+                                                                 str(names.DEFAULT_LIVENESS_PORT))),
+                   help="liveness endpoint http://0.0.0.0:PORT/healthz, 0 to disable (env DDP_OPERATOR_LIVENESS_PORT)")
+    p.add_argument("--log-format", choices=("text", "json"), default=_env("DDP_OPERATOR_LOG_FORMAT", "text"),
+                   help="log format (env DDP_OPERATOR_LOG_FORMAT)")
+    p.add_argument("--verbose", action="store_true", default=_env("DDP_OPERATOR_VERBOSE", "") == "1",
+                   help="debug logging (env DDP_OPERATOR_VERBOSE=1)")
+    p.add_argument("--leader-elect", action="store_true",
+                   default=_env("DDP_OPERATOR_LEADER_ELECT", "") in ("1", "true"),
+                   help="run as one of several replicas; only the holder of a Lease reconciles "
+                        "(env DDP_OPERATOR_LEADER_ELECT=true)")
+    p.add_argument("--lease-namespace", default=_env("POD_NAMESPACE", "default"),
+                   help="namespace of the Lease (env POD_NAMESPACE)")
+    p.add_argument("--lease-name", default=_env("DDP_OPERATOR_LEASE_NAME", "ddp-operator"),
+                   help="name of the Lease (env DDP_OPERATOR_LEASE_NAME)")
+    p.add_argument("--version", action="version", version=f"ddp-operator {__version__}")
+    args = p.parse_args(argv)
+    if args.namespace is None:
+        env = _env("DDP_OPERATOR_NAMESPACES", "")
+        args.namespace = [n.strip() for n in env.split(",") if n.strip()]
+    return args
+
+
+def _standby_liveness(port: int):
+    """A standby replica is alive while it waits for the Lease; kopf's own probe starts with leadership."""
+    if not port:
+        return None
+    import http.server
+    import threading
+
+    class Healthz(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200 if self.path == "/healthz" else 404)
+            self.end_headers()
+            self.wfile.write(b'{"standby": true}')
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    http.server.HTTPServer.allow_reuse_address = True
+    server = http.server.HTTPServer(("0.0.0.0", port), Healthz)
+    threading.Thread(target=server.serve_forever, name="standby-healthz", daemon=True).start()
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    kopf.configure(verbose=args.verbose,
+                   log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL)
+    log = logging.getLogger("ddp_operator")
+    if not args.verbose:
+        # kopf logs every handler run at INFO; our reconciler logs what it does instead.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    from ddp_operator import handlers  # noqa: F401  (registers the kopf handlers)
+
+    metrics.serve(args.metrics_port)
+    if args.leader_elect:
+        from ddp_operator.k8s import Api
+        from ddp_operator.leader import LeaderElector
+        identity = os.environ.get("POD_NAME") or socket.gethostname()
+        standby = _standby_liveness(args.liveness_port)
+        LeaderElector(Api(), args.lease_namespace, args.lease_name, identity).acquire()
+        if standby is not None:
+            standby.shutdown()
+            standby.server_close()  # kopf's liveness endpoint takes the port over
+    liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
+    scope = ", ".join(args.namespace) if args.namespace else "all namespaces"
+    log.info("ddp-operator %s watching %s", __version__, scope)
+    kopf.run(
+        standalone=True,  # two replicas are kept apart by --leader-elect, not kopf peering
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=liveness,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

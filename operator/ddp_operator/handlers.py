@@ -1,0 +1,388 @@
+"""The kopf shell: watches, one reconcile function, and the I/O that carries out a plan.
+
+Every trigger (job created/resumed/updated, an owned pod changed, a time-based wake-up) ends in
+`Reconciler.reconcile(namespace, name)`: read the job and its pods from kopf's in-memory indexes, call the
+pure `plan.plan`, write the status once (only if it changed), then create/delete children and post Events
+for changed conditions. kopf starts handlers only after the indexes are filled, so a restarted operator sees
+every existing pod before it decides anything.
+
+API writes are kept minimal (the bench-api goal): no finalizers (no kopf timers/daemons; wake-ups come from
+an in-process ticker), kopf's handler state lives in two annotations under ddp.dev, pod-count-only status
+changes are coalesced for STATUS_COALESCE_SECONDS, and progress polling writes at most once per
+spec.progressPeriodSeconds, only when the step changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Mapping
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from ddp_operator import metrics, names, progress
+from ddp_operator.observed import PodState, observe_pod
+from ddp_operator.plan import CREATE, DELETE, DELETE_JOB, FORCE_DELETE, Observed, Plan, invalid, plan, stuck_pods
+from ddp_operator.spec import SpecError, parse_job
+from ddp_operator.status import progress_status
+
+log = logging.getLogger("ddp_operator")
+
+COMPONENT = "ddp-operator"
+STATUS_COALESCE_SECONDS = 2.0
+CREATED_MEMORY_SECONDS = 30.0
+TICK_SECONDS = 1.0
+RESYNC_SECONDS = 300.0
+RETRY_SECONDS = 5.0
+# Status fields that only count pods: a change in them alone may wait a moment to be batched.
+_COUNT_FIELDS = frozenset({"nodes", "nodesReady", "message"})
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass
+class _Created:
+    body: dict
+    at: float
+
+
+class Reconciler:
+    """Per-process state of the shell; every method is safe to call from kopf's worker threads."""
+
+    def __init__(self, api: Any):
+        self.api = api
+        self._locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+        self._locks_guard = threading.Lock()
+        self._written: dict[str, dict] = {}          # job uid -> status last written (newer than the watch)
+        self._written_at: dict[str, float] = {}
+        self._tombstones: dict[tuple[str, str], dict[str, dict]] = defaultdict(dict)
+        self._created: dict[tuple[str, str], dict[str, _Created]] = defaultdict(dict)
+        self._wakeups: dict[tuple[str, str], float] = {}
+        self._last_pass: dict[tuple[str, str], float] = {}
+        self._progress_at: dict[str, float] = {}
+        self._progress_ip: dict[str, str] = {}
+        self._phases: dict[str, str] = {}
+        self._guard = threading.Lock()
+        self.indexes: dict[str, Any] | None = None
+        self._stop = threading.Event()
+
+    # --- indexes ----------------------------------------------------------------------------------
+    def bind(self, kwargs: Mapping[str, Any]) -> None:
+        """Remember kopf's index objects (the same for every handler call) for the ticker."""
+        if self.indexes is None and "ddpjobs_by_key" in kwargs:
+            self.indexes = {k: kwargs[k] for k in ("ddpjobs_by_key", "pods_by_job", "services_by_job")}
+
+    def _values(self, index: str, key: tuple[str, str]) -> list:
+        if self.indexes is None:
+            return []
+        try:
+            return list(self.indexes[index][key])
+        except KeyError:
+            return []
+
+    def _lock(self, key: tuple[str, str]) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks[key]
+
+    # --- triggers ---------------------------------------------------------------------------------
+    def pod_deleted(self, key: tuple[str, str], pod: Mapping[str, Any]) -> None:
+        with self._guard:
+            self._tombstones[key][pod["metadata"]["uid"]] = copy.deepcopy(dict(pod))
+
+    def job_deleted(self, key: tuple[str, str], uid: str) -> None:
+        with self._guard:
+            for store in (self._tombstones, self._created, self._wakeups, self._last_pass):
+                store.pop(key, None)
+            for store in (self._written, self._written_at, self._progress_at, self._progress_ip, self._phases):
+                store.pop(uid, None)
+        metrics.set_phases(self._phases)
+
+    def wake(self, key: tuple[str, str], after: float) -> None:
+        due = time.monotonic() + max(0.0, after)
+        with self._guard:
+            if key not in self._wakeups or due < self._wakeups[key]:
+                self._wakeups[key] = due
+
+    def tick(self) -> None:
+        """Run due wake-ups, a slow resync of every job, and progress polling."""
+        now = time.monotonic()
+        with self._guard:
+            due = [k for k, t in self._wakeups.items() if t <= now]
+            for k in due:
+                del self._wakeups[k]
+        keys = set(due)
+        if self.indexes is not None:
+            for key in list(self.indexes["ddpjobs_by_key"].keys()):
+                if now - self._last_pass.get(key, 0.0) >= RESYNC_SECONDS:
+                    keys.add(key)
+                self.poll_progress(key)
+        for key in sorted(keys):
+            try:
+                self.reconcile(*key)
+            except Exception:  # already logged; the next wake-up retries
+                pass
+
+    def run_ticker(self) -> None:
+        while not self._stop.wait(TICK_SECONDS):
+            try:
+                self.tick()
+            except Exception:
+                log.exception("ticker pass failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # --- observation ------------------------------------------------------------------------------
+    def _observe(self, key: tuple[str, str], uid: str) -> tuple[tuple[PodState, ...], set[str]]:
+        live = [p for p in self._values("pods_by_job", key)
+                if any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])]
+        live_names = {p["metadata"]["name"]: p["metadata"]["uid"] for p in live}
+        now = time.monotonic()
+        with self._guard:
+            tombstones = dict(self._tombstones.get(key, {}))
+            created = self._created.get(key, {})
+            for name, c in list(created.items()):
+                if live_names.get(name) == c.body["metadata"]["uid"] or now - c.at > CREATED_MEMORY_SECONDS \
+                        or c.body["metadata"]["uid"] in tombstones:
+                    del created[name]
+            fresh = [c.body for name, c in created.items() if name not in live_names]
+        gone = [t for u, t in tombstones.items() if u not in live_names.values()
+                and any(o.get("uid") == uid for o in t["metadata"].get("ownerReferences") or [])]
+        states = tuple(observe_pod(p) for p in live + fresh) + tuple(observe_pod(t, gone=True) for t in gone)
+        return states, set(tombstones)
+
+    # --- the pass ---------------------------------------------------------------------------------
+    def reconcile(self, namespace: str, name: str, body: Mapping[str, Any] | None = None) -> Plan | None:
+        key = (namespace, name)
+        with self._lock(key):
+            started = time.monotonic()
+            try:
+                result = self._reconcile(key, body)
+            except Exception as e:
+                metrics.RECONCILES.labels("error").inc()
+                log.warning("[%s/%s] reconcile failed, retrying in %.0fs: %s", namespace, name, RETRY_SECONDS, e)
+                self.wake(key, RETRY_SECONDS)
+                raise
+            finally:
+                self._last_pass[key] = time.monotonic()
+                metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+            metrics.RECONCILES.labels("ok").inc()
+            return result
+
+    def _job_body(self, key: tuple[str, str], body: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+        if body is not None:
+            return body
+        values = self._values("ddpjobs_by_key", key)
+        return values[0] if values else None
+
+    def _reconcile(self, key: tuple[str, str], body: Mapping[str, Any] | None) -> Plan | None:
+        body = self._job_body(key, body)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        uid = body["metadata"]["uid"]
+        now = _now()
+        with self._guard:
+            prev = self._written.get(uid)
+        if prev is None:
+            prev = dict(body.get("status") or {})
+        try:
+            job = parse_job(body)
+        except SpecError as e:
+            result = invalid(int(body["metadata"].get("generation") or 0), prev, str(e), now)
+            self._write_status(key, uid, prev, result.status, force=True)
+            self._post_events(body, result)
+            return result
+        pods, seen_tombstones = self._observe(key, uid)
+        node_ready = {p.node: self.api.node_ready(p.node) for p in stuck_pods(job, pods, now)}
+        observed = Observed(pods=pods, service_exists=bool(self._values("services_by_job", key)),
+                            node_ready=node_ready)
+        result = plan(job, prev, observed, now)
+        # Status first: a failure is on record (by pod UID) before the pod is deleted, so a crash between
+        # the two never counts it twice.
+        self._write_status(key, uid, prev, result.status)
+        self._execute(job.namespace, key, body, result)
+        self._post_events(body, result)
+        with self._guard:
+            for u in seen_tombstones:
+                self._tombstones.get(key, {}).pop(u, None)
+            self._phases[uid] = result.status.get("phase", names.PHASE_PENDING)
+        metrics.set_phases(self._phases)
+        if result.counted_restarts:
+            metrics.RESTARTS.inc(result.counted_restarts)
+        if result.status.get("disruptions", 0) > int(prev.get("disruptions") or 0):
+            metrics.DISRUPTIONS.inc(result.status["disruptions"] - int(prev.get("disruptions") or 0))
+        if result.recovery_seconds is not None:
+            metrics.RECOVERY.observe(result.recovery_seconds)
+            log.info("[%s/%s] recovered in %.1fs", *key, result.recovery_seconds)
+        if result.requeue_after is not None:
+            self.wake(key, result.requeue_after + 0.5)
+        return result
+
+    def _write_status(self, key: tuple[str, str], uid: str, prev: Mapping, new: Mapping, force: bool = False) -> None:
+        if new == prev:
+            return
+        changed = {k for k in set(prev) | set(new) if prev.get(k) != new.get(k)}
+        since = time.monotonic() - self._written_at.get(uid, 0.0)
+        if not force and changed <= _COUNT_FIELDS and since < STATUS_COALESCE_SECONDS:
+            self.wake(key, STATUS_COALESCE_SECONDS - since)
+            return
+        patch = {k: new.get(k) for k in changed}  # None removes a key (merge patch)
+        self.api.patch_status(key[0], key[1], patch)
+        with self._guard:
+            self._written[uid] = copy.deepcopy(dict(new))
+            self._written_at[uid] = time.monotonic()
+        if "phase" in changed:
+            log.info("[%s/%s] phase %s -> %s: %s", *key, prev.get("phase"), new.get("phase"), new.get("message", ""))
+
+    def _execute(self, namespace: str, key: tuple[str, str], body: Mapping, result: Plan) -> None:
+        for action in result.actions:
+            if action.verb == CREATE:
+                created = self.api.create(action.body)
+                if created is not None:
+                    log.info("[%s/%s] created %s %s", *key, action.kind, action.name)
+                    if action.kind == "Pod":
+                        with self._guard:
+                            self._created[key][action.name] = _Created(created, time.monotonic())
+            elif action.verb == DELETE:
+                log.info("[%s/%s] deleting pod %s", *key, action.name)
+                self.api.delete_pod(namespace, action.name, action.uid)
+            elif action.verb == FORCE_DELETE:
+                log.warning("[%s/%s] force-deleting pod %s stuck on a NotReady node", *key, action.name)
+                self.api.delete_pod(namespace, action.name, action.uid, force=True)
+            elif action.verb == DELETE_JOB:
+                log.info("[%s/%s] ttlSecondsAfterFinished expired; deleting the job", *key)
+                self.api.delete_job(namespace, action.name, body["metadata"]["uid"])
+
+    def _post_events(self, body: Mapping, result: Plan) -> None:
+        for event in result.events:
+            self.api.post_event(body, event.type, event.reason, event.message, COMPONENT)
+
+    # --- progress ---------------------------------------------------------------------------------
+    def poll_progress(self, key: tuple[str, str]) -> None:
+        values = self._values("ddpjobs_by_key", key)
+        if not values:
+            return
+        body = values[0]
+        uid = body["metadata"]["uid"]
+        period = (body.get("spec") or {}).get("progressPeriodSeconds", 30)
+        if not period or time.monotonic() - self._progress_at.get(uid, 0.0) < period:
+            return
+        with self._guard:
+            status = self._written.get(uid) or dict(body.get("status") or {})
+        if status.get("phase") not in (names.PHASE_RUNNING, names.PHASE_RESTARTING):
+            return
+        self._progress_at[uid] = time.monotonic()
+        ips = [p["status"].get("podIP") for p in self._values("pods_by_job", key)
+               if (p.get("status") or {}).get("phase") == "Running" and (p.get("status") or {}).get("podIP")
+               and p["metadata"].get("labels", {}).get(names.LABEL_ROLE) == names.ROLE_TRAINER]
+        found = progress.probe(ips, self._progress_ip.get(uid))
+        if found is None:
+            return
+        self._progress_ip[uid], report = found
+        new = progress_status(report)
+        old = status.get("progress") or {}
+        if new.get("step") == old.get("step") and new.get("final") == old.get("final"):
+            return
+        with self._lock(key):
+            self.api.patch_status(key[0], key[1], {"progress": new})
+            metrics.PROGRESS_WRITES.inc()
+            with self._guard:
+                written = self._written.get(uid)
+                if written is not None:
+                    written["progress"] = new
+
+
+RECONCILER: Reconciler | None = None
+
+
+def reconciler() -> Reconciler:
+    global RECONCILER
+    if RECONCILER is None:
+        from ddp_operator.k8s import Api
+        RECONCILER = Reconciler(Api())
+    return RECONCILER
+
+
+# --- kopf registrations -------------------------------------------------------------------------------
+JOBS = (names.GROUP, names.VERSION, names.PLURAL)
+OWNED = {names.LABEL_JOB_NAME: kopf.PRESENT}
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Events are posted by the reconciler, only when a condition changes; kopf's per-handler chatter is off.
+    settings.posting.enabled = False
+    # kopf's own bookkeeping stays in two annotations of ours instead of status.kopf.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=names.GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{names.GROUP}/finalizer"
+    # Only the children's labels are watched, server-side.
+    settings.watching.label_selectors["v1", "pods"] = names.LABEL_JOB_NAME
+    settings.watching.label_selectors["v1", "services"] = names.LABEL_JOB_NAME
+    settings.execution.max_workers = 16
+    settings.networking.request_timeout = 60
+    r = reconciler()
+    threading.Thread(target=r.run_ticker, name="ddp-ticker", daemon=True).start()
+
+
+@kopf.on.cleanup()
+def cleanup(**_: Any) -> None:
+    if RECONCILER is not None:
+        RECONCILER.stop()
+
+
+@kopf.index(*JOBS)
+def ddpjobs_by_key(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+    return {(namespace, name): copy.deepcopy(dict(body))}
+
+
+@kopf.index("v1", "pods", labels=OWNED)
+def pods_by_job(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict:
+    return {(namespace, labels[names.LABEL_JOB_NAME]): copy.deepcopy(dict(body))}
+
+
+@kopf.index("v1", "services", labels=OWNED)
+def services_by_job(namespace: str, name: str, **_: Any) -> dict:
+    return {(namespace, name): True}
+
+
+@kopf.on.resume(*JOBS)
+@kopf.on.create(*JOBS)
+@kopf.on.update(*JOBS, field="spec")
+def on_job(namespace: str, name: str, body: kopf.Body, **kwargs: Any) -> None:
+    r = reconciler()
+    r.bind(kwargs)
+    try:
+        r.reconcile(namespace, name, copy.deepcopy(dict(body)))
+    except ApiException as e:
+        raise kopf.TemporaryError(f"API error {e.status}: {e.reason}", delay=RETRY_SECONDS) from e
+
+
+@kopf.on.event(*JOBS)
+def on_job_event(event: Mapping[str, Any], namespace: str, name: str, uid: str, **kwargs: Any) -> None:
+    reconciler().bind(kwargs)
+    if event.get("type") == "DELETED":
+        reconciler().job_deleted((namespace, name), uid)
+
+
+@kopf.on.event("v1", "pods", labels=OWNED)
+def on_pod(event: Mapping[str, Any], namespace: str, labels: Mapping[str, str], body: kopf.Body,
+           **kwargs: Any) -> None:
+    r = reconciler()
+    r.bind(kwargs)
+    key = (namespace, labels[names.LABEL_JOB_NAME])
+    if event.get("type") == "DELETED":
+        r.pod_deleted(key, body)
+    try:
+        r.reconcile(*key)
+    except Exception:
+        pass  # logged, and a wake-up is scheduled
