@@ -1,0 +1,52 @@
+"""Shared fixtures for the trainer tests: one uninterrupted reference run of the digits job."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from ddp_trainer.testing import LocalCluster, free_port
+from tests.trainer.digits_job import DIGITS_ARGS, JOB_TIMEOUT, final_event
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """An uninterrupted 2-node run; also polls the progress endpoint while it trains."""
+    work = tmp_path_factory.mktemp("reference")
+    port = free_port()
+    env = {"DDPJOB_PROGRESS_PORT": str(port), "DDPJOB_TERMINATION_LOG": str(work / "termination-log")}
+    seen: list[dict] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/progress", timeout=1) as resp:
+                    seen.append(json.loads(resp.read()))
+            except OSError:
+                pass
+            time.sleep(0.05)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    with LocalCluster(work, args=[*DIGITS_ARGS, "--step-delay", "0.01"], env=env, rdzv_id="reference") as cluster:
+        poller.start()
+        cluster.start_node()
+        cluster.start_node()
+        rcs = cluster.wait_exit(timeout=JOB_TIMEOUT)
+        stop.set()
+        poller.join()
+        assert rcs == {"node0": 0, "node1": 0}, cluster.dump()
+        final = final_event(cluster)
+        termination = json.loads(Path(work / "termination-log").read_text())
+        return {
+            "digest": final["weights_sha256"],
+            "test_accuracy": float(final["test_accuracy"]),
+            "steps": final.int("step"),
+            "progress": seen,
+            "termination": termination,
+        }

@@ -1,0 +1,143 @@
+"""The trainer under real torchrun agents on loopback (c10d), each agent a simulated pod.
+
+Kills are SIGKILLs of a whole agent with its workers (own PID namespace where possible), as when a pod
+dies. All waits poll the logs with generous deadlines: the CI machine has two busy cores.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from ddp_trainer.testing import REPO_TRAINER_DIR, LocalCluster, recovery_after_kill
+from tests.trainer.digits_job import DIGITS_ARGS, JOB_TIMEOUT, SLOW, final_event
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_nodes_reach_accuracy_and_report_progress(reference):
+    assert reference["test_accuracy"] >= 0.90
+    steps = [p["step"] for p in reference["progress"]]
+    assert steps and max(steps) > 0, "the progress endpoint never answered"
+    sample = next(p for p in reference["progress"] if p["step"] > 0)
+    assert {"step", "epoch", "loss", "samplesPerSecond", "lastCheckpointStep", "worldSize", "metrics", "time"} <= set(
+        sample
+    )
+    assert sample["worldSize"] == 2
+    term = reference["termination"]
+    assert term["final"] is True and term["metrics"]["testAccuracy"] >= 0.90 and term["step"] == reference["steps"]
+
+
+@pytest.mark.parametrize("with_disk_checkpoints", [True, False], ids=["checkpoints", "peer-only"])
+def test_kill_non_host_node_resumes_bitwise(tmp_path, reference, with_disk_checkpoints):
+    """Items 2 and 3: a replaced non-host node; with disk checkpoints off, recovery is peer-only."""
+    env = {}
+    if with_disk_checkpoints:
+        env = {"DDPJOB_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "DDPJOB_CHECKPOINT_EVERY": "10"}
+    kill_step = 33 if with_disk_checkpoints else 47
+    with LocalCluster(tmp_path, args=[*DIGITS_ARGS, *SLOW], env=env, rdzv_id=f"kill-{kill_step}") as cluster:
+        host = cluster.start_node()
+        victim = cluster.start_node()
+        cluster.wait_for_step(kill_step, timeout=JOB_TIMEOUT)
+        killed_at = cluster.kill(victim)
+        cluster.start_node("node1-replacement")
+        rec = recovery_after_kill(cluster, killed_at, timeout=JOB_TIMEOUT)
+        rcs = cluster.wait_exit([host, cluster.node("node1-replacement")], timeout=JOB_TIMEOUT)
+        assert set(rcs.values()) == {0}, cluster.dump()
+        assert rec["source"] == "peer", rec
+        assert rec["steps_lost"] <= 1, rec
+        assert final_event(cluster)["weights_sha256"] == reference["digest"], cluster.dump()
+        if not with_disk_checkpoints:
+            assert not any(e["event"] == "checkpoint" for e in cluster.events())
+
+
+def test_kill_rendezvous_host_restarts_group_from_disk(tmp_path, reference):
+    """Item 4 (torchrun-hosted store): the host dies, the group restarts with a new rendezvous id."""
+    ckpt = tmp_path / "ckpt"
+    env = {"DDPJOB_CHECKPOINT_DIR": str(ckpt), "DDPJOB_CHECKPOINT_EVERY": "10"}
+    with LocalCluster(tmp_path, args=[*DIGITS_ARGS, *SLOW], env=env, rdzv_id="host-kill") as cluster:
+        host = cluster.start_node()
+        other = cluster.start_node()
+        cluster.wait_for_step(37, timeout=JOB_TIMEOUT)
+        killed_at = cluster.kill(host)
+        # What the operator does when the rendezvous store is lost: stop the rest (graceful, as a pod
+        # deletion) and start the whole group again under a new rendezvous id, on fresh pods.
+        cluster.kill(other, signal.SIGTERM)
+        cluster.wait_exit([host, other], timeout=120)
+        for i in range(2):
+            cluster.start_node(f"g1-node{i}", rdzv_id="host-kill-g1", is_host=(i == 0))
+        rec = recovery_after_kill(cluster, killed_at, timeout=JOB_TIMEOUT)
+        rcs = cluster.wait_exit(cluster.nodes[2:], timeout=JOB_TIMEOUT)
+        assert set(rcs.values()) == {0}, cluster.dump()
+        assert rec["source"] == "checkpoint" and rec["resumed_from"] in (30, rec["last_step_before_kill"]), rec
+        assert final_event(cluster)["weights_sha256"] == reference["digest"], cluster.dump()
+
+
+def test_store_process_survives_loss_of_rank0_node(tmp_path, reference):
+    """Item 4 (the operator's design): a dedicated store; losing the rank-0 node is a membership change."""
+    with LocalCluster(tmp_path, args=[*DIGITS_ARGS, *SLOW], rdzv_id="store", store_process=True) as cluster:
+        cluster.start_store()
+        cluster.start_node()
+        cluster.start_node()
+        step = cluster.wait_for_step(29, timeout=JOB_TIMEOUT)
+        victim = cluster.node(step.node)  # the node running global rank 0
+        killed_at = cluster.kill(victim)
+        cluster.start_node(f"{victim.name}-replacement")
+        rec = recovery_after_kill(cluster, killed_at, timeout=JOB_TIMEOUT)
+        rcs = cluster.wait_exit([n for n in cluster.nodes if n is not victim], timeout=JOB_TIMEOUT)
+        assert set(rcs.values()) == {0}, cluster.dump()
+        assert rec["source"] == "peer" and rec["steps_lost"] <= 1, rec
+        assert final_event(cluster)["weights_sha256"] == reference["digest"], cluster.dump()
+
+
+def _python(args, env_extra=None, timeout=120):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DDPJOB_", "DIGITS_", "PET_"))}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_TRAINER_DIR, **(env_extra or {})})
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _standalone(tmp_path, args, env_extra=None):
+    env = {"DDPJOB_PROGRESS_PORT": "0", "DDPJOB_SNAPSHOT_DIR": str(tmp_path / "shm"), **(env_extra or {})}
+    return _python(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "ddp_trainer.examples.digits", *args],
+        env,
+        timeout=JOB_TIMEOUT,
+    )
+
+
+def test_bad_configuration_gives_clear_errors(tmp_path):
+    """Item 5: missing torchrun env, bad values, an unusable checkpoint directory."""
+    r = _python(["-m", "ddp_trainer.examples.digits"])
+    assert r.returncode == 2 and "must be started by torchrun" in r.stderr and "RANK" in r.stderr, r.stderr
+    r = _python(["-m", "ddp_trainer.examples.digits"], {"DIGITS_EPOCHS": "ten"})
+    assert r.returncode == 2 and "DIGITS_EPOCHS='ten' is not an integer" in r.stderr, r.stderr
+    not_a_dir = tmp_path / "not-a-dir"
+    not_a_dir.write_text("")
+    r = _standalone(tmp_path, ["--epochs", "1"], {"DDPJOB_CHECKPOINT_DIR": str(not_a_dir)})
+    assert r.returncode != 0
+    assert f"DDPJOB_CHECKPOINT_DIR='{not_a_dir}' exists but is not a directory" in r.stdout + r.stderr
+
+
+def test_corrupt_newest_checkpoint_falls_back(tmp_path):
+    """Item 5: the newest checkpoint is corrupt; the run resumes from the previous one and completes."""
+    ckpt = tmp_path / "ckpt"
+    env = {"DDPJOB_CHECKPOINT_DIR": str(ckpt), "DDPJOB_CHECKPOINT_EVERY": "15", "DDPJOB_SNAPSHOT_EVERY": "0"}
+    args = ["--seed", "3", "--patience", "0", "--batch-size", "64"]
+    first = _standalone(tmp_path, [*args, "--epochs", "2"], env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    names = sorted(os.listdir(ckpt))
+    assert len(names) >= 2, names
+    newest = ckpt / names[-1]
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    second = _standalone(tmp_path, [*args, "--epochs", "3"], env)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out
+    assert "event=checkpoint_corrupt" in out and names[-1] in out
+    previous_step = int(names[-2].split("-")[1].split(".")[0])
+    assert f"event=resume source=checkpoint step={previous_step} " in out, out
+    assert "event=final" in out

@@ -1,0 +1,170 @@
+"""Fast, single-process tests of the trainer's building blocks (no torchrun)."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+import torch
+from torch import nn
+
+from ddp_trainer import rng, storage
+from ddp_trainer.checkpoint import CheckpointStore, validate_dir
+from ddp_trainer.env import ConfigError
+from ddp_trainer.log import format_line, parse_line
+from ddp_trainer.progress import Progress, write_termination_log
+from ddp_trainer.sampler import ResumableDistributedSampler
+from ddp_trainer.session import read_torchrun_env
+from ddp_trainer.snapshot import PeerSnapshots
+from ddp_trainer.state import Components, Position, flatten, unflatten
+
+
+def _state(step: int) -> dict:
+    torch.manual_seed(step)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    return Components(model, opt, extra={"best": 0.5 + step}).state_dict(Position(step=step, epoch=1, batch=2))
+
+
+def _equal(a, b) -> bool:
+    sa, ta = flatten(a)
+    sb, tb = flatten(b)
+    return len(ta) == len(tb) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(ta, tb))
+
+
+def test_storage_detects_truncation_and_bitflips(tmp_path):
+    path = str(tmp_path / "f.pt")
+    storage.save_file(path, {"x": torch.arange(10)})
+    assert torch.equal(storage.load_file(path)["x"], torch.arange(10))
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:-5])
+    with pytest.raises(storage.CorruptFileError, match="checksum"):
+        storage.load_file(path)
+    flipped = bytearray(data)
+    flipped[-3] ^= 0x01
+    open(path, "wb").write(bytes(flipped))
+    with pytest.raises(storage.CorruptFileError):
+        storage.load_file(path)
+    open(path, "wb").write(b"garbage")
+    with pytest.raises(storage.CorruptFileError, match="header"):
+        storage.load_file(path)
+
+
+def test_checkpoint_falls_back_past_corrupt_newest(tmp_path):
+    warnings = []
+    store = CheckpointStore(str(tmp_path / "ck"), keep=3, warn=lambda event, **kw: warnings.append((event, kw)))
+    for step in (10, 20, 30, 40):
+        store.save_async(step, _state(step))
+    store.flush()
+    assert store.steps() == [40, 30, 20]  # pruned to keep=3
+    with open(store.path(40), "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00" * 16)
+    step, state = store.load_latest()
+    assert step == 30 and _equal(state, _state(30))
+    assert warnings and warnings[0][0] == "checkpoint_corrupt" and warnings[0][1]["step"] == 40
+    assert store.load_latest(newer_than=30) is None
+    store.close()
+
+
+def test_checkpoint_dir_errors(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match="not a directory"):
+        validate_dir(str(a_file))
+    with pytest.raises(ConfigError, match="cannot be created"):
+        validate_dir(str(a_file / "sub"))
+
+
+def test_snapshot_roundtrip_and_torn_write(tmp_path):
+    snaps = PeerSnapshots(str(tmp_path / "shm"), "job/a")
+    s1, s2 = _state(1), _state(2)
+    snaps.write(1, s1)
+    snaps.write(2, s2)
+    latest = snaps.read_latest()
+    assert latest is not None and latest.step == 2 and _equal(latest.state, s2)
+    assert latest.state["extra"] == {"best": 2.5}
+    # A writer killed mid-copy leaves the trailer stale: that slot is ignored, the other one is used.
+    with open(latest.path, "r+b") as f:
+        header = f.read(64)
+        data_off, data_len = struct.unpack_from("<QQ", header, 32)
+        f.seek(data_off + data_len)
+        f.write(struct.pack("<Q", 12345))
+    older = PeerSnapshots(str(tmp_path / "shm"), "job/a").read_latest()
+    assert older is not None and older.step == 1 and _equal(older.state, s1)
+    # Another run's snapshot is never used.
+    assert PeerSnapshots(str(tmp_path / "shm"), "job/b").read_latest() is None
+    snaps.close(remove=True)
+    assert not os.path.exists(tmp_path / "shm")
+
+
+def test_snapshot_layout_change_between_writes(tmp_path):
+    snaps = PeerSnapshots(str(tmp_path / "shm"), "k")
+    snaps.write(0, {"a": torch.zeros(3)})
+    snaps.write(1, {"a": torch.ones(3), "b": torch.arange(1000, dtype=torch.int64)})
+    snaps.write(2, {"a": torch.full((3,), 2.0), "b": torch.arange(1000, dtype=torch.int64), "s": torch.tensor(5)})
+    got = snaps.read_latest()
+    assert got.step == 2 and torch.equal(got.state["s"], torch.tensor(5)) and got.state["b"][-1] == 999
+
+
+def test_resumable_sampler_yields_the_rest_of_the_epoch():
+    data = list(range(50))
+    full = ResumableDistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
+    full.set_epoch(4)
+    order = list(full)
+    part = ResumableDistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
+    part.set_epoch(4)
+    part.set_start(10)
+    assert list(part) == order[10:] and len(part) == len(order) - 10
+    part.set_epoch(5)
+    assert len(list(part)) == len(order)
+
+
+def test_step_seeds_are_pure():
+    rng.seed_step(7, 3, 1)
+    a = torch.rand(4)
+    rng.seed_step(7, 4, 1)
+    rng.seed_step(7, 3, 1)
+    assert torch.equal(a, torch.rand(4))
+    assert rng.step_seed(7, 3, 0) != rng.step_seed(7, 3, 1) != rng.step_seed(7, 4, 1)
+
+
+def test_torchrun_env_errors():
+    with pytest.raises(ConfigError, match="must be started by torchrun"):
+        read_torchrun_env({})
+    env = {"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "x", "MASTER_PORT": "1"}
+    with pytest.raises(ConfigError, match="RANK=2 must be < WORLD_SIZE=2"):
+        read_torchrun_env(env)
+    with pytest.raises(ConfigError, match="WORLD_SIZE='two' is not an integer"):
+        read_torchrun_env({**env, "WORLD_SIZE": "two"})
+    assert read_torchrun_env({**env, "RANK": "1"})["rank"] == 1
+
+
+def test_log_lines_parse_back():
+    line = format_line(0, "step", {"step": 12, "loss": 0.25, "msg": 'a "b" c'})
+    fields = parse_line(line)
+    assert fields == {"rank": "0", "event": "step", "step": "12", "loss": "0.25", "msg": 'a "b" c'}
+
+
+def test_termination_log_is_bounded(tmp_path):
+    progress = Progress(world_size=2)
+    progress.update(step=3, metrics={"testAccuracy": 0.97})
+    path = tmp_path / "termination-log"
+    assert write_termination_log(str(path), {**progress.snapshot(), "final": True})
+    import json
+
+    record = json.loads(path.read_text())
+    assert record["final"] is True and record["metrics"] == {"testAccuracy": 0.97} and record["worldSize"] == 2
+    assert write_termination_log(str(path), {"metrics": {"x" * 5000: 1}, "step": 1})
+    assert len(path.read_text()) <= 4096
+
+
+def test_flatten_roundtrip():
+    tree = {"a": [torch.ones(2), (1, torch.zeros(1))], "b": {"c": "s"}}
+    skel, tensors = flatten(tree)
+    assert len(tensors) == 2
+    back = unflatten(skel, tensors)
+    assert back["b"] == {"c": "s"} and back["a"][1][0] == 1 and torch.equal(back["a"][0], torch.ones(2))
