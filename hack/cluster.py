@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -721,7 +723,21 @@ def _node_ready() -> bool:
     return out.strip() == "True"
 
 
+@contextlib.contextmanager
+def _locked():
+    """One up/down at a time per checkout (parallel pytest sessions may all try to start it)."""
+    STATE.mkdir(parents=True, exist_ok=True)
+    with open(STATE / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def up() -> dict[str, float]:
+    with _locked():
+        return _up()
+
+
+def _up() -> dict[str, float]:
     t0 = time.monotonic()
     timings: dict[str, float] = {}
 
@@ -829,6 +845,11 @@ def _remove_cgroups() -> None:
 
 
 def down(purge: bool = False) -> None:
+    with _locked():
+        _down(purge)
+
+
+def _down(purge: bool) -> None:
     t0 = time.monotonic()
     for name in ("kubelet", "kube-proxy", "kube-scheduler", "kube-controller-manager", "coredns"):
         stop(name)

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Installs what the project needs on a fresh Debian 12 machine, idempotently (a second run is quick):
+#   - system packages for the embedded cluster and the offline image builder
+#   - .venv at the repository root with requirements-dev.txt and the project itself (editable)
+# Go (for hack/build-binaries.sh) is expected on the machine already.
+#   hack/install-deps.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+log() { printf '[deps %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+# containerd/runc/CNI plugins run the pods; conntrack+iptables serve kube-proxy and the bridge
+# plugin; openssl makes the PKI; debootstrap+tar+util-linux build images; tini reaps orphaned
+# shims (PID 1 is not an init here); gcc+libc6-dev compile the static pause binary.
+PACKAGES=(containerd runc containernetworking-plugins conntrack iptables iproute2 openssl
+          debootstrap tini gcc libc6-dev tar util-linux ca-certificates python3 python3-venv)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  SUDO=; [[ $(id -u) == 0 ]] || SUDO=sudo
+  log "installing ${missing[*]}"
+  $SUDO apt-get update -qq
+  # Debian's containerd does not start itself without systemd; the cluster runs its own instance.
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+else
+  log "system packages present"
+fi
+
+# The virtualenv: recreated only when missing, reinstalled only when the requirements change.
+PY=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  log "creating .venv with $($PY --version)"
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.ddpjob-deps
+want=$(cat requirements*.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
+  log "installing Python requirements (torch is large: minutes on first run)"
+  .venv/bin/pip install -q -r requirements-dev.txt
+  .venv/bin/pip install -q --no-deps -e .
+  echo "$want" >"$stamp"
+else
+  log ".venv up to date"
+fi

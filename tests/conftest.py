@@ -1,0 +1,258 @@
+"""Suite-wide fixtures: a real Kubernetes cluster and the means to use it from tests.
+
+- `cluster` (session): the cluster under test. `$KUBECONFIG` when it points to a reachable cluster
+  (kind, for users with Docker); otherwise the embedded cluster of hack/cluster.py, brought up when
+  needed and left up afterwards (a second session starts in a second, not a minute). When it cannot
+  start, the session fails with the reason when CI=true and skips cluster tests otherwise.
+- `kubectl` (session): kubectl bound to that cluster: `kubectl("get", "pods")` returns the
+  CompletedProcess (raising with stdout/stderr on failure unless check=False), `kubectl.json(...)`
+  the parsed `-o json` output.
+- `namespace` (function): a fresh namespace per test, deleted afterwards; when the test failed,
+  its pods, events, descriptions and container logs are printed first (shown in the report).
+- `wait_for` (and the module-level function): poll a condition with a timeout, never a fixed sleep.
+- `ensure_image`: make a locally built image available to the cluster (embedded: hack/image.py
+  into containerd, a no-op when nothing changed; kind: docker build + kind load).
+- Tests marked `cluster_restart` (they stop the cluster) run after every other test.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "hack"))
+import cluster as embedded  # noqa: E402  hack/cluster.py
+import image as image_builder  # noqa: E402  hack/image.py
+
+from tests import tools  # noqa: E402
+
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+# --------------------------------------------------------------------------------------------
+# plain helpers (importable: `from tests.conftest import wait_for`)
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str = "condition", interval: float = 0.5) -> Any:
+    """Call check() until it returns something truthy and return that; AssertionError after timeout.
+
+    Exceptions raised by check() count as "not yet"; the last one is reported on timeout."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = check()
+            if last:
+                return last
+        except Exception as e:  # noqa: BLE001 - a failing probe just means "not yet"
+            last = e
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last result: {last!r}")
+        time.sleep(interval)
+
+
+class Kubectl:
+    """kubectl against one kubeconfig; failures raise with everything kubectl said."""
+
+    def __init__(self, kubeconfig: str):
+        self.kubeconfig = kubeconfig
+        self.binary = tools.tool("kubectl")
+
+    def __call__(self, *args: str, input: str | None = None, check: bool = True,
+                 timeout: float = 120) -> subprocess.CompletedProcess:
+        p = subprocess.run([self.binary, f"--kubeconfig={self.kubeconfig}", *args], input=input,
+                           capture_output=True, text=True, timeout=timeout)
+        if check and p.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+        return p
+
+    def json(self, *args: str, timeout: float = 60) -> Any:
+        return json.loads(self(*args, "-o", "json", timeout=timeout).stdout)
+
+    def apply(self, manifest: str | dict, namespace: str | None = None) -> None:
+        """kubectl apply of YAML text or of one object given as a dict."""
+        text = manifest if isinstance(manifest, str) else json.dumps(manifest)
+        self("apply", *(["-n", namespace] if namespace else []), "-f", "-", input=text)
+
+    def pod(self, namespace: str, name: str) -> dict:
+        return self.json("get", "pod", name, "-n", namespace)
+
+    def wait_pod_phase(self, namespace: str, name: str, phases: str | tuple[str, ...], timeout: float = 120) -> dict:
+        """Wait until the pod is in one of `phases`; returns the pod. Fails fast on a terminal phase
+        that was not asked for."""
+        phases = (phases,) if isinstance(phases, str) else phases
+
+        def check():
+            pod = self.pod(namespace, name)
+            phase = pod.get("status", {}).get("phase")
+            if phase in phases:
+                return pod
+            if phase in ("Succeeded", "Failed"):
+                raise AssertionError(f"pod {name} ended {phase}, expected {phases}: {pod['status']}")
+            return None
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                pod = check()
+                if pod:
+                    return pod
+            except AssertionError:
+                raise
+            except Exception:  # noqa: BLE001 - not created yet etc.
+                pass
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"pod {namespace}/{name} not {phases} after {timeout:.0f}s:\n"
+                                     + dump_namespace(self, namespace))
+            time.sleep(0.5)
+
+
+def dump_namespace(kubectl: Kubectl, namespace: str) -> str:
+    """Everything useful for a post-mortem of one namespace, as text."""
+    out = [f"===== diagnostics for namespace {namespace} ====="]
+
+    def section(title: str, *args: str) -> None:
+        p = kubectl(*args, check=False, timeout=30)
+        out.append(f"----- {title} -----\n{p.stdout}{p.stderr}")
+
+    section("pods", "get", "pods", "-n", namespace, "-o", "wide")
+    section("all", "get", "all", "-n", namespace)
+    section("events", "get", "events", "-n", namespace, "--sort-by=.lastTimestamp")
+    if kubectl("get", "crd", "ddpjobs.ddp.dev", check=False, timeout=30).returncode == 0:
+        section("ddpjobs", "get", "ddpjobs", "-n", namespace, "-o", "yaml")
+    section("describe pods", "describe", "pods", "-n", namespace)
+    try:
+        pods = kubectl.json("get", "pods", "-n", namespace)["items"]
+    except Exception:  # noqa: BLE001
+        pods = []
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        for cs in pod.get("status", {}).get("containerStatuses", []) + \
+                pod.get("status", {}).get("initContainerStatuses", []):
+            section(f"logs {name}/{cs['name']}", "logs", "-n", namespace, name, "-c", cs["name"], "--tail=200")
+            if cs.get("restartCount"):
+                section(f"previous logs {name}/{cs['name']}", "logs", "-n", namespace, name, "-c", cs["name"],
+                        "--previous", "--tail=100")
+    return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    kubeconfig: str
+    embedded: bool  # hack/cluster.py's cluster on this host (host-level checks are possible)
+    kind_name: str | None = None  # set for kind clusters (images go in with `kind load`)
+
+    def kubectl(self, *args: str, **kw) -> subprocess.CompletedProcess:
+        return Kubectl(self.kubeconfig)(*args, **kw)
+
+
+def ensure_image(cluster: Cluster, ref: str, dockerfile: str | Path, context: str | Path,
+                 build_args: dict[str, str] | None = None) -> str:
+    """Make `ref` available to the cluster's node(s), building it when its inputs changed."""
+    if cluster.embedded:
+        image_builder.build(dockerfile, ref, context, build_args)
+    elif cluster.kind_name:
+        args = [a for k, v in (build_args or {}).items() for a in ("--build-arg", f"{k}={v}")]
+        subprocess.run(["docker", "build", "-f", str(dockerfile), "-t", ref, *args, str(context)], check=True)
+        subprocess.run(["kind", "load", "docker-image", ref, "--name", cluster.kind_name], check=True)
+    # any other cluster: the image must already be where its nodes can pull it from
+    return ref
+
+
+def _reachable(kubeconfig: str) -> bool:
+    try:
+        p = subprocess.run([tools.tool("kubectl"), f"--kubeconfig={kubeconfig}", "get", "--raw", "/readyz",
+                            "--request-timeout=5s"], capture_output=True, text=True, timeout=15)
+    except (subprocess.TimeoutExpired, tools.ToolNotFound):
+        return False
+    return p.returncode == 0
+
+
+def _kind_name(kubeconfig: str) -> str | None:
+    p = subprocess.run([tools.tool("kubectl"), f"--kubeconfig={kubeconfig}", "config", "current-context"],
+                       capture_output=True, text=True)
+    ctx = p.stdout.strip()
+    return ctx[len("kind-"):] if ctx.startswith("kind-") else None
+
+
+# --------------------------------------------------------------------------------------------
+# fixtures
+
+@pytest.fixture(scope="session")
+def cluster() -> Cluster:
+    env = os.environ.get("KUBECONFIG")
+    if env and Path(env).resolve() != embedded.KUBECONFIG.resolve() and _reachable(env):
+        return Cluster(env, embedded=False, kind_name=_kind_name(env))
+    try:
+        if not embedded.is_up():
+            embedded.up()
+    except Exception as e:  # noqa: BLE001 - any reason the cluster cannot start
+        msg = f"the embedded cluster could not start: {e}"
+        if IN_CI:
+            pytest.fail(msg, pytrace=False)
+        pytest.skip(msg)
+    # Libraries (kopf, the kubernetes client) and child processes find the cluster the usual way.
+    os.environ["KUBECONFIG"] = str(embedded.KUBECONFIG)
+    return Cluster(str(embedded.KUBECONFIG), embedded=True)
+
+
+@pytest.fixture(scope="session")
+def kubectl(cluster) -> Kubectl:
+    return Kubectl(cluster.kubeconfig)
+
+
+@pytest.fixture
+def namespace(request, kubectl) -> str:
+    base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"t-{base}-{secrets.token_hex(3)}"
+    kubectl("create", "namespace", name)
+    kubectl("label", "namespace", name, "ddpjob.dev/test=true")
+    # Pods are refused until the namespace's default ServiceAccount exists.
+    wait_for(lambda: kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
+             60, f"default ServiceAccount in {name}")
+    yield name
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        print(dump_namespace(kubectl, name))
+    kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+
+
+@pytest.fixture(name="wait_for")
+def wait_for_fixture():
+    return wait_for
+
+
+@pytest.fixture(name="ensure_image", scope="session")
+def ensure_image_fixture(cluster):
+    """ensure_image(ref, dockerfile, context, build_args=None) for the session's cluster."""
+    return lambda ref, dockerfile, context, build_args=None: ensure_image(cluster, ref, dockerfile, context,
+                                                                           build_args)
+
+
+# --------------------------------------------------------------------------------------------
+# hooks
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cluster_restart: stops and restarts the cluster; runs last")
+
+
+def pytest_collection_modifyitems(config, items):
+    # Restarting the cluster wipes its API objects; anything else in the session runs before it.
+    items.sort(key=lambda item: item.get_closest_marker("cluster_restart") is not None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # Keep each phase's report on the item so fixtures can tell, in teardown, that the test failed.
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"rep_{rep.when}", rep)
