@@ -5,6 +5,8 @@
     hack/cluster.py down      stop it and remove every trace from the host (images are kept)
     hack/cluster.py down --purge   also forget images, PKI and the containerd image store
     hack/cluster.py status [--json]   component health and memory
+    hack/cluster.py figures           idle memory and local-image pod start time (JSON)
+    hack/cluster.py leftovers         what `down` should have removed but is still there
     hack/cluster.py kubectl ARGS...   kubectl with the cluster's admin kubeconfig
     hack/cluster.py ctr ARGS...       ctr against the cluster's containerd, namespace k8s.io
 
@@ -157,8 +159,10 @@ def ctr(*args: str, check: bool = True, input: str | None = None, timeout: float
 
 
 def write(path: Path, text: str, mode: int = 0o644) -> Path:
+    """Write only when the content changes: kube-proxy exits when its config file is rewritten."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
     path.chmod(mode)
     return path
 
@@ -272,34 +276,30 @@ def stop(name: str, timeout: float = 15) -> None:
     (PIDS / f"{name}.pid").unlink(missing_ok=True)
 
 
+def _rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def rss_kib(pid: int) -> int:
-    """Resident memory of a process and its descendants (containerd runs under tini)."""
-    total = 0
-    for p in [pid, *_descendants(pid)]:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
+    """Resident memory of a component: its process plus, for containerd (started under tini), the
+    daemon itself; never the shims and pods that tini adopts as subreaper."""
+    total = _rss(pid)
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                fields = (d / "stat").read_text().rsplit(")", 1)
+                comm = fields[0].split("(", 1)[1]
+                if int(fields[1].split()[1]) == pid and comm == "containerd":
+                    total += _rss(int(d.name))
             except (OSError, IndexError, ValueError):
                 continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
+    return total
 
 
 # --------------------------------------------------------------------------------------------
@@ -978,6 +978,35 @@ def print_status(st: dict) -> None:
     print(f"cluster is {'UP' if st['up'] else 'DOWN or degraded'}; KUBECONFIG={st['kubeconfig']}")
 
 
+def figures(runs: int = 3) -> dict:
+    """Numbers for the record: idle memory and how fast a local-image pod starts (JSON)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import image  # noqa: PLC0415
+    ref = "localhost/ddp-testimage:0.1.0"
+    ctx = REPO / "tests" / "cluster" / "testimage"
+    image.build(ctx / "Dockerfile", ref, ctx)
+    st = status()
+    ns = "ddpjob-figures"
+    kubectl("create", "namespace", ns, check=False)
+    wait_for("default ServiceAccount", lambda: kubectl("get", "sa", "default", "-n", ns, check=False).returncode == 0, 30)
+    times = []
+    for i in range(runs):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"start-{i}"},
+               "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
+                        "containers": [{"name": "main", "image": ref, "imagePullPolicy": "Never",
+                                        "args": ["sleep"]}]}}
+        t0 = time.monotonic()
+        kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(pod))
+        wait_for(f"pod start-{i} Running", lambda: kubectl("get", "pod", f"start-{i}", "-n", ns, "-o",
+                 "jsonpath={.status.phase}", check=False).stdout == "Running", 120, interval=0.05)
+        times.append(round(time.monotonic() - t0, 2))
+    kubectl("delete", "namespace", ns, "--wait=false")
+    return {"idle_control_plane_rss_mib": st["control_plane_rss_mib"],
+            "idle_all_components_rss_mib": st["all_components_rss_mib"],
+            "rss_mib": {n: c["rss_mib"] for n, c in st["components"].items()},
+            "pod_to_running_s": times, "pod_to_running_median_s": sorted(times)[len(times) // 2]}
+
+
 def is_up() -> bool:
     return all(is_running(n) for n in COMPONENTS) and api_ready() and _node_ready()
 
@@ -993,6 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("status")
     s.add_argument("--json", action="store_true")
     sub.add_parser("leftovers", help="list host state `down` should have removed")
+    sub.add_parser("figures", help="idle memory and local-image pod start time, as JSON")
     for passthrough in ("kubectl", "ctr"):
         p = sub.add_parser(passthrough)
         p.add_argument("args", nargs=argparse.REMAINDER)
@@ -1010,6 +1040,8 @@ def main(argv: list[str] | None = None) -> int:
             left = leftovers()
             print("\n".join(left) or "nothing left behind")
             return 1 if left else 0
+        elif a.cmd == "figures":
+            print(json.dumps(figures(), indent=2))
         elif a.cmd == "kubectl":
             os.execv(binary("kubectl"), ["kubectl", f"--kubeconfig={KUBECONFIG}", *a.args])
         elif a.cmd == "ctr":
