@@ -27,6 +27,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from ddp_operator import metrics, names, progress
+from ddp_operator.k8s import describe_error
 from ddp_operator.observed import PodState, observe_pod
 from ddp_operator.plan import CREATE, DELETE, DELETE_JOB, FORCE_DELETE, Observed, Plan, invalid, plan, stuck_pods
 from ddp_operator.spec import SpecError, parse_job
@@ -168,7 +169,8 @@ class Reconciler:
                 result = self._reconcile(key, body)
             except Exception as e:
                 metrics.RECONCILES.labels("error").inc()
-                log.warning("[%s/%s] reconcile failed, retrying in %.0fs: %s", namespace, name, RETRY_SECONDS, e)
+                log.warning("[%s/%s] reconcile failed, retrying in %.0fs: %s", namespace, name, RETRY_SECONDS,
+                            describe_error(e), exc_info=not isinstance(e, ApiException))
                 self.wake(key, RETRY_SECONDS)
                 raise
             finally:

@@ -6,6 +6,7 @@ a missing or replaced object (404/409 with a UID precondition) are successes.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -19,6 +20,18 @@ from ddp_operator import metrics, names
 
 log = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"
+
+
+def describe_error(e: Exception) -> str:
+    """A one-line description of an API error (the client's str() dumps every header)."""
+    if isinstance(e, ApiException):
+        message = ""
+        try:
+            message = json.loads(e.body or "{}").get("message", "")
+        except ValueError:
+            pass
+        return f"{e.status} {e.reason}: {message}".rstrip(": ")
+    return f"{type(e).__name__}: {e}"
 
 
 class Api:
@@ -49,6 +62,8 @@ class Api:
         except ApiException as e:
             if e.status == 409:
                 return None
+            if e.status == 403 and "NamespaceTerminating" in (e.body or ""):
+                return None  # the job goes away with its namespace
             raise
 
     def delete_pod(self, namespace: str, name: str, uid: str | None, *, force: bool = False) -> None:

@@ -282,7 +282,8 @@ class _Pass:
         rdzv = render_rdzv_pod(job, self.group)
         if rdzv["metadata"]["name"] not in occupied:
             self.actions.append(Action(CREATE, "Pod", rdzv["metadata"]["name"], rdzv))
-        was_complete = get_condition(self.conditions, names.COND_RUNNING) is not None
+        # Only a job that was training can lose a pod unseen (after suspend or at start, pods are just missing).
+        was_complete = self.prev.get("phase") in (names.PHASE_RUNNING, names.PHASE_RESTARTING)
         prev_desired = int((self.prev.get("nodes") or {}).get("desired") or 0)
         for index in range(job.spec.nodes):
             pod = render_trainer_pod(job, index, self.group)

@@ -1,0 +1,184 @@
+"""The operator against the real API server; the test plays the kubelet by patching pod status."""
+
+from __future__ import annotations
+
+import time
+
+from kubernetes.client.exceptions import ApiException
+
+from conftest import owner_uids, wait_for
+
+PODS = {"job-0", "job-1", "job-rdzv"}
+
+
+def _uid(k, name):
+    return k.pods()[name].metadata.uid
+
+
+def _running(k, **spec):
+    k.create_job(**spec)
+    k.wait_pods(PODS)
+    k.run_all()
+    return k.wait_phase("Running")
+
+
+def test_create_is_idempotent_and_children_are_owned(k, operator):
+    job = k.create_job()
+    pods = k.wait_pods(PODS)
+    svc = k.core.read_namespaced_service("job", k.ns)
+    assert svc.spec.cluster_ip == "None" and svc.spec.publish_not_ready_addresses is True
+    for p in list(pods.values()) + [svc]:
+        assert owner_uids(p) == [job["metadata"]["uid"]]
+    assert pods["job-0"].spec.hostname == "job-0" and pods["job-0"].spec.subdomain == "job"
+    status = wait_for(lambda: k.status() if k.status().get("nodes", {}).get("active") == 2 else None,
+                      what="status counts")
+    assert status["phase"] == "Pending" and status["nodesReady"] == "0/2"
+    assert [c["type"] for c in status["conditions"]] == ["Created"]
+    uids = {n: p.metadata.uid for n, p in pods.items()}
+    # Re-submitting the same object changes nothing.
+    try:
+        k.create_job()
+        raise AssertionError("second create should conflict")
+    except ApiException as e:
+        assert e.status == 409
+    time.sleep(1)  # nothing to wait for: asserting that nothing happens
+    assert {n: p.metadata.uid for n, p in k.pods().items()} == uids
+    assert len(k.core.list_namespaced_service(k.ns).items) == 1
+    assert [e.reason for e in k.events()] == ["JobCreated"]
+
+
+def test_failed_pod_is_replaced_and_counted(k):
+    _running(k)
+    old = _uid(k, "job-1")
+    k.set_phase("job-1", "Failed", exit_code=1)
+    status = k.wait_phase("Restarting")
+    assert status["restarts"] == 1
+    assert status["attempts"][-1]["pod"] == "job-1" and status["attempts"][-1]["exitCode"] == 1
+    wait_for(lambda: "job-1" in k.pods() and _uid(k, "job-1") != old, what="replacement pod job-1")
+    k.set_phase("job-1", "Running")
+    status = k.wait_phase("Running")
+    assert status["restarts"] == 1
+    reasons = {e.reason for e in k.events()}
+    assert {"JobCreated", "AllNodesRunning", "NodeFailed"} <= reasons
+
+
+def test_operator_restart_changes_nothing(k, operator):
+    _running(k)
+    before_job = k.job()
+    before_pods = {n: p.metadata.resource_version for n, p in k.pods().items()}
+    operator.restart()
+    # The restarted operator has resumed the job once it has reconciled it.
+    wait_for(lambda: (operator.metrics() or {}).get('ddpjob_reconcile_total{result="ok"}', 0) >= 1,
+             what="a reconcile pass by the restarted operator")
+    time.sleep(2)  # asserting that nothing happens: give stray writes a chance to show
+    after = k.job()
+    assert after["metadata"]["resourceVersion"] == before_job["metadata"]["resourceVersion"]
+    assert {n: p.metadata.resource_version for n, p in k.pods().items()} == before_pods
+    writes = {key: v for key, v in (operator.metrics() or {}).items() if key.startswith("ddpjob_api_writes_total")}
+    assert writes == {}, writes
+
+
+def test_budget_exhaustion_fails_the_job(k):
+    _running(k, failurePolicy={"backoffLimit": 1, "incidentWindowSeconds": 0})
+    k.set_phase("job-1", "Failed", exit_code=1)
+    wait_for(lambda: k.status().get("restarts") == 1, what="first restart")
+    wait_for(lambda: "job-1" in k.pods() and k.pods()["job-1"].status.phase == "Pending"
+             and not k.pods()["job-1"].metadata.deletion_timestamp, what="replacement")
+    k.set_phase("job-1", "Failed", exit_code=1)
+    status = k.wait_phase("Failed")
+    assert status["reason"] == "BackoffLimitExceeded"
+    assert "backoffLimit=1" in status["message"]
+    wait_for(lambda: not k.pods(), what="pods stopped")
+    assert any(e.reason == "BackoffLimitExceeded" and e.type == "Warning" for e in k.events())
+
+
+def test_permanent_exit_code_fails_at_once(k):
+    _running(k, failurePolicy={"permanentExitCodes": [42]})
+    k.set_phase("job-0", "Failed", exit_code=42)
+    status = k.wait_phase("Failed")
+    assert status["reason"] == "PermanentExitCode" and status["restarts"] == 0
+    assert "exit code 42" in status["message"]
+
+
+def test_eviction_does_not_count(k):
+    _running(k)
+    old = _uid(k, "job-1")
+    k.policy.create_namespaced_pod_eviction("job-1", k.ns, {
+        "apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "job-1", "namespace": k.ns}})
+    wait_for(lambda: "job-1" in k.pods() and _uid(k, "job-1") != old, what="replacement after eviction")
+    status = wait_for(lambda: k.status() if k.status().get("disruptions") == 1 else None, what="disruption")
+    assert status["restarts"] == 0
+    # A kubelet eviction (phase Failed, reason Evicted) does not count either.
+    k.set_phase("job-1", "Running")
+    k.wait_phase("Running")
+    k.core.patch_namespaced_pod_status("job-0", k.ns, {"status": {"phase": "Failed", "reason": "Evicted",
+                                                                  "message": "low memory"}},
+                                       _content_type="application/merge-patch+json")
+    status = wait_for(lambda: k.status() if k.status().get("disruptions") == 2 else None, what="2nd disruption")
+    assert status["restarts"] == 0
+
+
+def test_suspend_and_resume(k):
+    _running(k)
+    k.patch_job("job", {"spec": {"runPolicy": {"suspend": True}}})
+    status = k.wait_phase("Suspended")
+    wait_for(lambda: not k.pods(), what="pods deleted")
+    assert "startTime" not in status
+    k.patch_job("job", {"spec": {"runPolicy": {"suspend": False}}})
+    k.wait_pods(PODS)
+    status = k.wait_phase("Pending")
+    suspended = [c for c in status["conditions"] if c["type"] == "Suspended"][0]
+    assert suspended["status"] == "False" and suspended["reason"] == "JobResumed"
+    assert status["restarts"] == 0
+
+
+def test_deadline(k):
+    k.create_job(runPolicy={"activeDeadlineSeconds": 3})
+    k.wait_pods(PODS)
+    status = k.wait_phase("Failed", timeout=20)
+    assert status["reason"] == "DeadlineExceeded"
+    wait_for(lambda: not k.pods(), what="pods stopped")
+
+
+def test_success_and_ttl(k):
+    _running(k, runPolicy={"ttlSecondsAfterFinished": 3, "cleanPodPolicy": "Running"})
+    k.set_phase("job-0", "Succeeded", exit_code=0,
+                message='{"step": 50, "loss": 0.1, "metrics": {"testAccuracy": 0.95}, "final": true}')
+    status = wait_for(lambda: k.status() if k.status().get("reason") == "TrainingSucceeded" else None,
+                      what="waiting for the other pod")
+    assert status["phase"] == "Running"
+    k.set_phase("job-1", "Succeeded", exit_code=0)
+    status = k.wait_phase("Succeeded")
+    assert status["progress"]["metrics"]["testAccuracy"] == 0.95
+    wait_for(lambda: "job-rdzv" not in k.pods(), what="store pod cleaned up")
+    wait_for(lambda: not k.jobs(), timeout=20, what="TTL deletion")
+
+
+def test_scale_up_and_down(k):
+    _running(k, minNodes=1, maxNodes=3)
+    k.custom.patch_namespaced_custom_object_scale("ddp.dev", "v1alpha1", k.ns, "ddpjobs", "job",
+                                                  {"spec": {"replicas": 3}},
+                                                  _content_type="application/merge-patch+json")
+    k.wait_pods(PODS | {"job-2"})
+    scale = k.custom.get_namespaced_custom_object_scale("ddp.dev", "v1alpha1", k.ns, "ddpjobs", "job")
+    assert scale["spec"]["replicas"] == 3
+    assert scale["status"]["selector"] == "ddp.dev/job-name=job,ddp.dev/role=trainer"
+    k.patch_job("job", {"spec": {"nodes": 1}})
+    k.wait_pods({"job-0", "job-rdzv"})
+    status = wait_for(lambda: k.status() if k.status().get("nodes", {}).get("desired") == 1 else None,
+                      what="scaled status")
+    assert status["restarts"] == 0 and status["phase"] == "Running"
+
+
+def test_rendezvous_store_loss_restarts_the_group(k):
+    _running(k)
+    old = {n: p.metadata.uid for n, p in k.pods().items()}
+    k.set_phase("job-rdzv", "Failed", exit_code=137)
+    wait_for(lambda: (lambda ps: set(ps) == PODS and all(ps[n].metadata.uid != old[n] for n in PODS)
+                      and all(p.metadata.labels["ddp.dev/group"] == "1" for p in ps.values()))(k.pods()),
+             what="a new group of pods")
+    status = k.status()
+    assert status["group"] == 1 and status["rendezvousId"].endswith("-1")
+    assert status["restarts"] == 1 and status["reason"] == "RendezvousStoreLost"
+    env = {e.name: e.value for e in k.pods()["job-0"].spec.containers[0].env}
+    assert env["PET_RDZV_ID"] == status["rendezvousId"]
