@@ -238,15 +238,16 @@ def start(name: str, argv: list[str]) -> bool:
         out.flush()
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                              cwd=STATE, start_new_session=True, env={**os.environ, "PATH": _path_env()})
-    # Until the child has exec'd, its cmdline is ours and is_running() would say "not running".
+    # Until the child has exec'd (and the kernel has set up its new arguments), /proc shows our own
+    # or an empty cmdline and is_running() would say "not running".
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and p.poll() is None:
         try:
-            if os.readlink(f"/proc/{p.pid}/exe") != os.readlink("/proc/self/exe"):
+            if Path(argv[0]).name.encode() in Path(f"/proc/{p.pid}/cmdline").read_bytes():
                 break
         except OSError:
             break
-        time.sleep(0.005)
+        time.sleep(0.002)
     (PIDS / f"{name}.pid").write_text(str(p.pid))
     return True
 

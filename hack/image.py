@@ -566,7 +566,8 @@ class Builder:
         shell = ["/bin/sh", "-c"]
         own_root = self.work / f"stage-{stage.index}"
         materialized = False
-        fs_ops = [i for i, ins in enumerate(body) if ins.cmd in ("RUN", "COPY", "ADD", "WORKDIR")]
+        # Steps worth resuming from (a trailing WORKDIR mkdir is not worth a multi-GB snapshot).
+        fs_ops = [i for i, ins in enumerate(body) if ins.cmd in ("RUN", "COPY", "ADD")]
 
         # Plan: compute the chained key of each instruction; find the last RUN with a snapshot.
         plans = []
@@ -622,7 +623,7 @@ class Builder:
                 # Snapshot only when more filesystem work follows (else the image itself is the cache).
                 if any(j > i for j in fs_ops):
                     self._snapshot(own_root, plans[i][0])
-            if ins.cmd == "RUN":
+            if ins.cmd == "RUN" and (STEPS / plans[i][0] / ".complete").exists():
                 self.used_steps.append(plans[i][0])
         if resume >= 0:
             self.used_steps.append(plans[resume][0])
