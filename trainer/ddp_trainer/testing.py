@@ -222,7 +222,7 @@ class LocalCluster:
             is_host = index == 0 and not self.store_process
         conf: dict[str, str] = {"is_host": "1" if is_host else "0"}
         if self.fault_tolerant:
-            conf.update({"keep_alive_interval": "1", "keep_alive_max_attempt": "3", "join_timeout": "120"})
+            conf.update({"keep_alive_interval": "1", "keep_alive_max_attempt": "2", "join_timeout": "120"})
         conf.update(self.rdzv_conf)
         snapshot_dir = snapshot_dir or (self.shm_root / name)
         node_env = self.base_env()

@@ -1,0 +1,177 @@
+"""bench-overhead: what ddp_trainer costs per step, against a bare DDP loop on the same model.
+
+One 2-process torchrun job (gloo, CPU) trains the digits ConvNet in interleaved segments of the same
+length, rotating their order each round so machine load hits all of them alike:
+
+- ``bare``: a plain DDP loop (forward, backward, optimizer step);
+- ``run``: the same loop driven by ``ddp_trainer.Run`` with snapshots and checkpoints off (RNG reseeding,
+  step accounting, progress, step log line);
+- ``full``: ``Run`` with a peer snapshot every step, a disk checkpoint every 50 steps and the progress
+  server on.
+
+Reports median samples/s per segment kind, ``ratio`` = full / bare and ``snapshot_overhead_pct`` =
+how much slower ``full`` is than ``run`` (the cost of snapshots and checkpoints), plus the measured
+time of one snapshot write. Prints one JSON object as its last line.
+
+    .venv/bin/python tests/benchmarks/trainer_overhead.py [--quick] [--rounds 7 --steps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "trainer"))
+
+
+def worker(rounds: int, steps: int, workdir: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import ddp_trainer
+    from ddp_trainer.examples.digits import DigitsNet, load_data
+    from ddp_trainer.testing import free_port
+
+    session = ddp_trainer.init_session()
+    torch.manual_seed(0)
+    x, y = load_data()["train"]
+    reps = (steps * 32 * session.world_size) // len(y) + 1
+    data = TensorDataset(x.repeat(reps, 1, 1, 1), y.repeat(reps))
+    sampler = ddp_trainer.ResumableDistributedSampler(data, seed=0)
+    loader = DataLoader(data, batch_size=32, sampler=sampler)
+    net = ddp_trainer.convert_sync_batchnorm(DigitsNet(), session.device)
+    model = DDP(net)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    shm = os.path.join(workdir, f"shm-{session.local_rank}")
+    port = free_port() if session.is_main else 0
+    runs = {
+        "run": ddp_trainer.Run(
+            session, model=model, optimizer=opt, checkpoint_dir=None, snapshot_every=0, progress_port=0
+        ),
+        "full": ddp_trainer.Run(
+            session,
+            model=model,
+            optimizer=opt,
+            checkpoint_dir=os.path.join(workdir, "ckpt"),
+            checkpoint_every=50,
+            snapshot_dir=shm,
+            snapshot_every=1,
+            progress_port=port,
+        ),
+    }
+
+    def train_step(xb, yb):
+        loss = F.cross_entropy(model(xb), yb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+
+    def segment(kind: str) -> float:
+        sampler.set_epoch(0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if kind == "bare":
+            for i, (xb, yb) in enumerate(loader):
+                if i == steps:
+                    break
+                train_step(xb, yb)
+        else:
+            run = runs[kind]
+            run.position.batch = 0
+            for i, (xb, yb) in enumerate(run.batches(loader)):
+                if i == steps:
+                    break
+                run.step_done(loss=train_step(xb, yb), samples=len(xb))
+        dist.barrier()
+        return steps * 32 * session.world_size / (time.perf_counter() - t0)
+
+    kinds = ["bare", "run", "full"]
+    for kind in kinds:  # warm-up: allocator, DDP bucket rebuild, file creation
+        segment(kind)
+    rates: dict[str, list[float]] = {k: [] for k in kinds}
+    for r in range(rounds):
+        order = kinds[r % 3 :] + kinds[: r % 3]
+        for kind in order:
+            rates[kind].append(segment(kind))
+    # the price of one snapshot write, measured directly on this model
+    snaps = runs["full"].snapshots
+    write_us = None
+    if snaps is not None and session.local_rank == 0:
+        comp = runs["full"].components
+        t0 = time.perf_counter()
+        for i in range(200):
+            snaps.write(i, comp.state_dict(runs["full"].position))
+        write_us = (time.perf_counter() - t0) / 200 * 1e6
+    if session.is_main:
+        print("OVERHEAD " + json.dumps({"rates": rates, "snapshot_write_us": write_us}), flush=True)
+    runs["full"].finish()
+    session.close()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="2 short rounds (smoke test)")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--workdir", default="", help=argparse.SUPPRESS)
+    opts = p.parse_args()
+    rounds, steps = (2, 40) if opts.quick else (opts.rounds, opts.steps)
+    if opts.worker:
+        worker(rounds, steps, opts.workdir)
+        return 0
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DDPJOB_", "PET_"))}
+        env.update(
+            {
+                "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": str(ROOT / "trainer"),
+                "DDPJOB_LOG_EVERY": "1",
+            }
+        )
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            __file__, "--worker", "--workdir", tmp, "--rounds", str(rounds), "--steps", str(steps),
+        ]  # fmt: skip
+        if opts.quick:
+            cmd.append("--quick")
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("OVERHEAD ")), None)
+        if proc.returncode != 0 or line is None:
+            print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"worker job failed with exit code {proc.returncode}")
+    raw = json.loads(line.removeprefix("OVERHEAD "))
+    med = {k: statistics.median(v) for k, v in raw["rates"].items()}
+    result = {
+        "bare_samples_per_s": round(med["bare"], 1),
+        "run_samples_per_s": round(med["run"], 1),
+        "full_samples_per_s": round(med["full"], 1),
+        "ratio": round(med["full"] / med["bare"], 4),
+        "snapshot_overhead_pct": round(100.0 * (med["run"] / med["full"] - 1.0), 2),
+        "snapshot_write_us": round(raw["snapshot_write_us"], 1) if raw["snapshot_write_us"] else None,
+        "rounds": rounds,
+        "steps_per_segment": steps,
+        "samples_per_s": {k: [round(x, 1) for x in v] for k, v in raw["rates"].items()},
+        "quick": opts.quick,
+        "wall_s": round(time.time() - t0, 1),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
