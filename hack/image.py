@@ -436,6 +436,10 @@ def _run_step(rootfs: Path, argv: list[str], env: dict[str, str], workdir: str, 
     binds: list[tuple[str, str, bool]] = []  # host path, path in rootfs, created-by-us
     created: list[Path] = []
     run_env = dict(env)
+    if "HOME" not in run_env:  # as Docker does: the user's home from the image's passwd, else /
+        homes = [ln.split(":") for ln in (rootfs / "etc/passwd").read_text().splitlines()
+                 if ln.count(":") >= 6] if (rootfs / "etc/passwd").exists() else []
+        run_env["HOME"] = next((f[5] for f in homes if f[2] == str(uid)), "/")
     for k in BUILD_ENV_PASSTHROUGH:
         if k in os.environ and k not in run_env:
             run_env[k] = os.environ[k]
