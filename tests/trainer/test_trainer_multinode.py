@@ -141,3 +141,35 @@ def test_corrupt_newest_checkpoint_falls_back(tmp_path):
     previous_step = int(names[-2].split("-")[1].split(".")[0])
     assert f"event=resume source=checkpoint step={previous_step} " in out, out
     assert "event=final" in out
+
+
+def test_sigterm_while_blocked_in_collective(tmp_path):
+    """A worker stuck in a collective (its peer gone) still reacts to the agent's SIGTERM at once."""
+    import re
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DDPJOB_", "PET_"))}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_TRAINER_DIR, "DDPJOB_PROGRESS_PORT": "0"})
+    out = tmp_path / "out.log"
+    script = os.path.join(os.path.dirname(__file__), "blocked_worker.py")
+    with open(out, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script],
+            env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not (m := re.search(r"ready rank=0 pid=(\d+)", out.read_text())):
+            assert time.time() < deadline and proc.poll() is None, out.read_text()
+            time.sleep(0.1)
+        time.sleep(0.5)  # let rank 0 enter the all_reduce (it cannot leave it)
+        sent = time.time()
+        os.kill(int(m.group(1)), signal.SIGTERM)
+        while "terminate-callback rank=0" not in out.read_text():
+            assert time.time() - sent < 10, out.read_text()
+            time.sleep(0.05)
+        assert proc.wait(timeout=120) != 0
+        assert "exitcode: 143" in out.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -7,8 +7,8 @@ SIGTERM.
 SIGTERM is what the torchrun agent sends to stop workers before a new rendezvous round (a peer died
 or joined) and what the kubelet sends on pod deletion. A worker is then often blocked inside a
 collective that will never finish, where a Python signal handler would not run until the collective
-times out. So SIGTERM is blocked in every thread and a dedicated thread ``sigwait``\\ s for it, runs the
-registered callbacks (e.g. a final checkpoint from the last completed step) and exits with 143.
+times out. So a watcher thread learns of SIGTERM through Python's signal wakeup fd, runs the registered
+callbacks (e.g. a checkpoint of the last completed step) and exits with 143.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -82,6 +83,7 @@ class Session:
     _term_callbacks: list[Callable[[], None]] = field(default_factory=list)
     _term_lock: threading.Lock = field(default_factory=threading.Lock)
     _terminating: bool = False
+    _wakeup_sockets: tuple = ()
 
     @property
     def is_main(self) -> bool:
@@ -131,17 +133,24 @@ class Session:
 
 
 def _install_sigterm(session: Session) -> None:
-    # Block SIGTERM before init_process_group so gloo/nccl threads inherit the mask, then wait for it.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    # Python runs signal handlers on the main thread only, between bytecodes: never while it waits in a
+    # collective. Its C-level handler does write the signal number to the wakeup fd from any thread at
+    # once, so a watcher thread blocked on that fd reacts immediately. (Blocking the signal and using
+    # sigwait instead would leak the blocked mask into every child process, e.g. DataLoader workers.)
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: session._terminate())
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
 
     def watch() -> None:
-        signal.sigwait({signal.SIGTERM})
+        while True:
+            data = reader.recv(64)
+            if not data or signal.SIGTERM in data:
+                break
         session._terminate()
 
     threading.Thread(target=watch, name="ddp-sigterm", daemon=True).start()
-    # Threads started before us (none in a fresh worker, but be safe) may still take the signal: then
-    # Python's own handler runs on the main thread as soon as it can.
-    signal.signal(signal.SIGTERM, lambda signum, frame: session._terminate())
+    session._wakeup_sockets = (reader, writer)  # keep both ends open for the life of the process
 
 
 def init_session(
