@@ -306,6 +306,7 @@ class _Pass:
         current = [p for p in self.trainers if self.current(p) and p.phase != "Gone"]
         running = sum(1 for p in current if p.running)
         ever_running = get_condition(self.conditions, names.COND_RUNNING) is not None
+        was_training = self.prev.get("phase") in (names.PHASE_RUNNING, names.PHASE_RESTARTING)
         if running >= job.spec.nodes:
             if self.recovery_start is not None:
                 self.recovery_seconds = (self.now - self.recovery_start).total_seconds()
@@ -324,7 +325,7 @@ class _Pass:
             self.cond(names.COND_RESTARTING, True, reason, message or self.message)
             if ever_running:
                 self.cond(names.COND_RUNNING, False, reason, self.message)
-        elif ever_running:
+        elif was_training:
             # Scaling up (or a slow pod start) without a failure: training goes on with the others.
             self.phase, self.reason = names.PHASE_RUNNING, names.REASON_WAITING
             self.message = f"{running}/{job.spec.nodes} training pods running"

@@ -88,7 +88,9 @@ def test_budget_exhaustion_fails_the_job(k):
     status = k.wait_phase("Failed")
     assert status["reason"] == "BackoffLimitExceeded"
     assert "backoffLimit=1" in status["message"]
-    wait_for(lambda: not k.pods(), what="pods stopped")
+    # Running pods are stopped; the failed one stays for its logs (cleanPodPolicy Running).
+    wait_for(lambda: set(k.pods()) == {"job-1"} and k.pods()["job-1"].status.phase == "Failed",
+             what="running pods stopped")
     assert any(e.reason == "BackoffLimitExceeded" and e.type == "Warning" for e in k.events())
 
 
@@ -103,7 +105,7 @@ def test_permanent_exit_code_fails_at_once(k):
 def test_eviction_does_not_count(k):
     _running(k)
     old = _uid(k, "job-1")
-    k.policy.create_namespaced_pod_eviction("job-1", k.ns, {
+    k.core.create_namespaced_pod_eviction("job-1", k.ns, {
         "apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "job-1", "namespace": k.ns}})
     wait_for(lambda: "job-1" in k.pods() and _uid(k, "job-1") != old, what="replacement after eviction")
     status = wait_for(lambda: k.status() if k.status().get("disruptions") == 1 else None, what="disruption")

@@ -197,6 +197,7 @@ def test_suspend_and_resume():
     assert p2.status["restarts"] == 0 and p2.actions == ()
     resumed = plan(job, p2.status, observed(), later(3))
     assert _acts(resumed) == [(CREATE, "mnist-0"), (CREATE, "mnist-1"), (CREATE, "mnist-rdzv")]
+    assert resumed.status["phase"] == "Pending"
     suspended = [c for c in resumed.status["conditions"] if c["type"] == "Suspended"][0]
     assert suspended["status"] == "False" and suspended["reason"] == names.REASON_RESUMED
     assert resumed.status["restarts"] == 0
