@@ -1,48 +1,17 @@
 """Integration fixtures: the real API server of the embedded cluster, the operator running as a subprocess
-(`python -m ddp_operator`, watching only namespaces named ddp-it-*), a namespace per test, and helpers that
-play the kubelet's part by patching pod status (the test pods select a node that does not exist, so nothing
-ever really runs them).
+(`python -m ddp_operator`, watching only namespaces named ddp-it-*), a namespace per test. Pods of the test jobs
+select a node that does not exist, so nothing runs them: the tests play the kubelet by patching pod status.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 import uuid
-from datetime import datetime, timezone
 
 import pytest
 import yaml
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-KUBECONFIG = pathlib.Path(os.environ.get("KUBECONFIG") or REPO / ".cluster" / "kubeconfig")
-CRD = REPO / "manifests" / "base" / "crd.yaml"
-NS_PREFIX = "ddp-it-"
-GROUP, VERSION, PLURAL = "ddp.dev", "v1alpha1", "ddpjobs"
-NOWHERE = {"ddp.dev/test-node": "nowhere"}
-
-
-def _api():
-    from kubernetes import client, config
-    config.load_kube_config(config_file=str(KUBECONFIG))
-    return client.ApiClient()
-
-
-def _reachable() -> bool:
-    if not KUBECONFIG.exists():
-        return False
-    try:
-        from kubernetes import client
-        client.VersionApi(_api()).get_code(_request_timeout=5)
-        return True
-    except Exception:
-        return False
+from ddp_cluster import CRD, KUBECONFIG, NS_PREFIX, Cluster, Operator, _api, _reachable, wait_for
 
 
 def pytest_collection_modifyitems(config, items):
@@ -57,81 +26,6 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     setattr(item, "rep_" + rep.when, rep)
-
-
-def wait_for(predicate, timeout=30.0, interval=0.2, what="condition"):
-    """Poll until predicate() is truthy; return its value or fail with `what`."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-        except Exception as e:  # e.g. a 404 while an object is being replaced
-            last = e
-        else:
-            if last:
-                return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Operator:
-    """`python -m ddp_operator` as a subprocess against the test cluster."""
-
-    def __init__(self, log_path: pathlib.Path):
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self.metrics_port = 0
-
-    def start(self) -> None:
-        self.metrics_port = _free_port()
-        env = {**os.environ, "KUBECONFIG": str(KUBECONFIG),
-               "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), os.environ.get("PYTHONPATH", "")])}
-        log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ddp_operator", "--namespace", NS_PREFIX + "*",
-             "--metrics-port", str(self.metrics_port), "--liveness-port", "0"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        wait_for(lambda: self.metrics() is not None, 30, what="operator metrics endpoint")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def metrics(self) -> dict[str, float] | None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as r:
-                text = r.read().decode()
-        except OSError:
-            return None
-        out = {}
-        for line in text.splitlines():
-            if line.startswith("ddpjob_") and " " in line:
-                key, value = line.rsplit(" ", 1)
-                out[key] = float(value)
-        return out
-
-    def log_tail(self, lines: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text().splitlines()[-lines:])
-        except OSError:
-            return ""
 
 
 @pytest.fixture(scope="session")
@@ -159,118 +53,6 @@ def operator(api, tmp_path_factory):
     op.stop()
 
 
-class Cluster:
-    """Small, explicit helpers over the kubernetes client for one test namespace."""
-
-    def __init__(self, api, namespace: str):
-        from kubernetes import client
-        self.api, self.ns = api, namespace
-        self.core = client.CoreV1Api(api)
-        self.custom = client.CustomObjectsApi(api)
-        self.policy = client.PolicyV1Api(api)
-
-    # --- DDPJobs -----------------------------------------------------------------------------------
-    def job_manifest(self, name="job", nodes=2, **spec):
-        body = {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": "DDPJob",
-            "metadata": {"name": name, "namespace": self.ns},
-            "spec": {
-                "nodes": nodes,
-                "progressPeriodSeconds": 0,
-                "template": {"spec": {"nodeSelector": dict(NOWHERE), "containers": [
-                    {"name": "trainer", "image": "localhost/ddp-trainer:0.1.0", "command": ["torchrun", "x.py"]}]}},
-            },
-        }
-        body["spec"].update(spec)
-        return body
-
-    def create_job(self, name="job", nodes=2, **spec):
-        return self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL,
-                                                           self.job_manifest(name, nodes, **spec))
-
-    def job(self, name="job"):
-        return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
-
-    def jobs(self):
-        return self.custom.list_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL)["items"]
-
-    def patch_job(self, name, patch):
-        return self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name, patch,
-                                                          _content_type="application/merge-patch+json")
-
-    def status(self, name="job"):
-        return self.job(name).get("status") or {}
-
-    def wait_phase(self, phase, name="job", timeout=30.0):
-        return wait_for(lambda: self.status(name) if self.status(name).get("phase") == phase else None,
-                        timeout, what=f"{name} phase {phase}")
-
-    # --- pods --------------------------------------------------------------------------------------
-    def pods(self, role=None):
-        selector = "ddp.dev/job-name" + (f",ddp.dev/role={role}" if role else "")
-        pods = self.core.list_namespaced_pod(self.ns, label_selector=selector).items
-        return {p.metadata.name: p for p in pods}
-
-    def wait_pods(self, names, timeout=30.0):
-        names = set(names)
-        return wait_for(lambda: (lambda ps: ps if set(ps) == names and not any(
-            p.metadata.deletion_timestamp for p in ps.values()) else None)(self.pods()), timeout,
-            what=f"pods {sorted(names)}")
-
-    def set_phase(self, name, phase, exit_code=None, message=None, reason=None, disruption=None):
-        """Play the kubelet: move pod `name` to `phase` with the trainer container's state."""
-        pod = self.core.read_namespaced_pod(name, self.ns)
-        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        container = pod.spec.containers[0]
-        if phase == "Running":
-            state = {"running": {"startedAt": now}}
-        elif phase in ("Succeeded", "Failed"):
-            code = exit_code if exit_code is not None else (0 if phase == "Succeeded" else 1)
-            state = {"terminated": {"exitCode": code, "reason": reason or ("Completed" if code == 0 else "Error"),
-                                    "startedAt": now, "finishedAt": now}}
-            if message is not None:
-                state["terminated"]["message"] = message
-        else:
-            state = {"waiting": {"reason": "ContainerCreating"}}
-        conditions = [{"type": "Ready", "status": "True" if phase == "Running" else "False",
-                       "lastTransitionTime": now}]
-        if disruption:
-            conditions.append({"type": "DisruptionTarget", "status": "True", "reason": disruption,
-                               "lastTransitionTime": now})
-        status = {
-            "phase": phase,
-            "podIP": "10.255.0.9",
-            "podIPs": [{"ip": "10.255.0.9"}],
-            "startTime": now,
-            "conditions": conditions,
-            "containerStatuses": [{"name": container.name, "image": container.image, "imageID": "",
-                                   "ready": phase == "Running", "restartCount": 0, "started": phase == "Running",
-                                   "state": state}],
-        }
-        return self.core.patch_namespaced_pod_status(name, self.ns, {"status": status},
-                                                     _content_type="application/merge-patch+json")
-
-    def run_all(self, job="job"):
-        for name in self.pods():
-            self.set_phase(name, "Running")
-
-    def events(self):
-        return [e for e in self.core.list_namespaced_event(self.ns).items
-                if e.involved_object.kind == "DDPJob"]
-
-    def dump(self) -> str:
-        out = []
-        for job in self.jobs():
-            out.append(yaml.safe_dump(job, sort_keys=False))
-        for p in self.pods().values():
-            out.append(f"pod {p.metadata.name} uid={p.metadata.uid} phase={p.status.phase} "
-                       f"deleting={p.metadata.deletion_timestamp} labels={p.metadata.labels}")
-        for e in self.core.list_namespaced_event(self.ns).items:
-            out.append(f"event {e.involved_object.kind}/{e.involved_object.name} {e.type} {e.reason}: {e.message}")
-        return "\n".join(out)
-
-
 @pytest.fixture
 def k(api, operator, request):
     """A fresh namespace ddp-it-<random> watched by the test operator; dumped on failure, then deleted."""
@@ -284,11 +66,3 @@ def k(api, operator, request):
     if failed:
         print(f"\n--- namespace {ns} ---\n{cluster.dump()}\n--- operator log ---\n{operator.log_tail()}")
     core.delete_namespace(ns)
-
-
-def owner_uids(obj) -> list[str]:
-    return [o.uid for o in obj.metadata.owner_references or []]
-
-
-def dumps(obj) -> str:
-    return json.dumps(obj, indent=1, default=str)

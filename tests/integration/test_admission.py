@@ -8,7 +8,7 @@ import copy
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from conftest import GROUP, PLURAL, VERSION
+from ddp_cluster import GROUP, PLURAL, VERSION
 
 
 def _tpl(**pod):

@@ -6,7 +6,7 @@ import time
 
 from kubernetes.client.exceptions import ApiException
 
-from conftest import owner_uids, wait_for
+from ddp_cluster import owner_uids, wait_for
 
 PODS = {"job-0", "job-1", "job-rdzv"}
 

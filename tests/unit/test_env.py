@@ -3,7 +3,7 @@
 from ddp_operator import names
 from ddp_operator.env import extra_arg_env, merge_env, trainer_env
 
-from conftest import make_job
+from ddp_builders import make_job
 
 
 def _env(job, index=0, group=0):

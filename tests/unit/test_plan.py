@@ -3,7 +3,7 @@
 from ddp_operator import names
 from ddp_operator.plan import CREATE, DELETE, DELETE_JOB, FORCE_DELETE, plan
 
-from conftest import NOW, later, make_job, observed, rdzv, trainer
+from ddp_builders import NOW, later, make_job, observed, rdzv, trainer
 
 
 def _acts(p):

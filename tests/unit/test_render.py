@@ -15,7 +15,7 @@ from ddp_operator.rdzv import render_rdzv_pod
 from ddp_operator.service import render_service
 from ddp_operator.spec import parse_job
 
-from conftest import job_body, make_job
+from ddp_builders import job_body, make_job
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 

@@ -5,7 +5,7 @@ import pytest
 from ddp_operator import crd
 from ddp_operator.spec import SpecError, parse_job, parse_spec
 
-from conftest import job_body, make_job
+from ddp_builders import job_body, make_job
 
 
 def test_defaults_match_the_crd():

@@ -1,9 +1,10 @@
-"""Builders shared by the unit tests: DDPJob bodies and observed pods."""
+"""Builders shared by the unit tests: DDPJob bodies and observed pods.
+
+A plain module (not conftest.py) with a unique name, so `from ddp_builders import ...` never resolves to another
+suite's conftest when several test directories run together."""
 
 import copy
 from datetime import datetime, timedelta, timezone
-
-import pytest
 
 from ddp_operator import names
 from ddp_operator.observed import format_time, observe_pod
@@ -70,11 +71,6 @@ def observed(*pods, gone=(), **kw):
     from ddp_operator.plan import Observed
     states = tuple(observe_pod(p) for p in pods) + tuple(observe_pod(p, gone=True) for p in gone)
     return Observed(pods=states, **kw)
-
-
-@pytest.fixture
-def now():
-    return NOW
 
 
 def later(seconds):
