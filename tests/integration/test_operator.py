@@ -184,3 +184,31 @@ def test_rendezvous_store_loss_restarts_the_group(k):
     assert status["restarts"] == 1 and status["reason"] == "RendezvousStoreLost"
     env = {e.name: e.value for e in k.pods()["job-0"].spec.containers[0].env}
     assert env["PET_RDZV_ID"] == status["rendezvousId"]
+
+
+def _writes(operator):
+    return {key: v for key, v in (operator.metrics() or {}).items() if key.startswith("ddpjob_api_writes_total")}
+
+
+def test_api_writes_for_a_clean_job(k, operator):
+    """bench-api's budget on the operator's own counters: N+2 creates, <= 6 status writes, none while healthy."""
+    nodes = 3
+    before = _writes(operator)
+    k.create_job(nodes=nodes)
+    k.wait_pods({f"job-{i}" for i in range(nodes)} | {"job-rdzv"})
+    k.run_all()
+    k.wait_phase("Running")
+    steady = _writes(operator)
+    time.sleep(5)  # asserting that nothing happens while healthy
+    assert _writes(operator) == steady
+    for i in range(nodes):
+        k.set_phase(f"job-{i}", "Succeeded", exit_code=0)
+    k.wait_phase("Succeeded")
+    wait_for(lambda: "job-rdzv" not in k.pods(), what="store pod cleaned up")
+    after = _writes(operator)
+    delta = {key: after.get(key, 0) - before.get(key, 0) for key in after}
+    creates = sum(v for key, v in delta.items() if 'verb="create"' in key and 'kind="Event"' not in key)
+    status_writes = delta.get('ddpjob_api_writes_total{kind="DDPJob",verb="patch-status"}', 0)
+    print(f"\ncreates={creates} status_writes={status_writes} writes={delta}")
+    assert creates == nodes + 2
+    assert status_writes <= 6

@@ -1,0 +1,78 @@
+"""observed.observe_pod and status helpers: what a pod means, conditions, Events, progress."""
+
+from ddp_operator import names
+from ddp_operator.observed import observe_pod
+from ddp_operator.status import condition_events, progress_status, progress_summary, set_condition
+
+from ddp_builders import pod, rdzv, trainer
+
+SUMMARY = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : 7 (pid: 90)
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 3 (pid: 89)
+"""
+
+
+def test_trainer_pod_fields():
+    s = observe_pod(trainer(1, phase="Failed", exit_code=1, message=SUMMARY, node="n2"))
+    assert (s.name, s.index, s.role, s.group, s.node) == ("mnist-1", 1, "trainer", 0, "n2")
+    assert s.terminal and not s.active and not s.running and not s.succeeded
+    assert s.exit_code == 1 and s.worker_exit_codes == (7, 3) and s.exit_codes == (1, 7, 3)
+
+
+def test_disruption_from_condition_or_reason():
+    assert observe_pod(trainer(0, phase="Failed", disruption="PreemptionByScheduler")).disruption == \
+        "PreemptionByScheduler"
+    assert observe_pod(trainer(0, phase="Failed", status_reason="Evicted")).disruption == "Evicted"
+    assert observe_pod(trainer(0, phase="Failed", exit_code=137, reason="OOMKilled")).disruption is None
+
+
+def test_final_report_and_tombstone():
+    s = observe_pod(trainer(0, phase="Succeeded", exit_code=0, message='{"step": 3, "final": true}'))
+    assert s.succeeded and s.final_report == {"step": 3, "final": True}
+    assert observe_pod(trainer(0, phase="Succeeded", exit_code=0, message="bye")).final_report is None
+    gone = observe_pod(trainer(0), gone=True)
+    assert gone.phase == "Gone" and gone.terminal and gone.reason == "Deleted"
+
+
+def test_store_pod_role():
+    s = observe_pod(rdzv(group=2))
+    assert s.role == names.ROLE_RDZV and s.index is None and s.group == 2
+
+
+def test_unlabelled_index_is_none():
+    assert observe_pod(pod("x")).index is None
+
+
+def test_conditions_keep_transition_time_and_emit_events_on_change():
+    c1 = set_condition([], "Running", True, "AllNodesRunning", "2/2", "t1", 1)
+    c2 = set_condition(c1, "Running", True, "AllNodesRunning", "still 2/2", "t2", 2)
+    assert c2[0]["lastTransitionTime"] == "t1" and c2[0]["observedGeneration"] == 2
+    assert condition_events(c1, c2) == []
+    c3 = set_condition(c2, "Running", False, "NodeFailed", "1/2", "t3", 2)
+    assert c3[0]["lastTransitionTime"] == "t3"
+    assert [(e.type, e.reason) for e in condition_events(c2, c3)] == [("Normal", "NodeFailed")]
+    c4 = set_condition(c3, "Failed", True, "BackoffLimitExceeded", "x", "t4", 2)
+    assert [c["type"] for c in c4] == ["Running", "Failed"]
+    assert [(e.type, e.reason) for e in condition_events(c3, c4)] == [("Warning", "BackoffLimitExceeded")]
+
+
+def test_new_false_condition_is_not_an_event():
+    assert condition_events([], set_condition([], "Restarting", False, "AllNodesRunning", "", "t", 1)) == []
+
+
+def test_progress_status_keeps_known_fields():
+    report = {"step": 120, "epoch": 2, "loss": 0.41234, "samplesPerSecond": 512.5, "lastCheckpointStep": None,
+              "worldSize": 4, "metrics": {"testAccuracy": 0.97}, "time": 1.5, "junk": "x"}
+    out = progress_status(report)
+    assert "junk" not in out and "lastCheckpointStep" not in out
+    assert out["summary"] == "step 120 epoch 2 loss 0.4123 testAccuracy 0.97"
+    assert progress_summary({"final": True}) == "final"
