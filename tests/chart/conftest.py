@@ -69,35 +69,11 @@ def one(objs: list[dict], kind: str) -> dict:
 
 
 # --- cluster access -------------------------------------------------------------------------------
-# The suite-wide fixtures (tests/conftest.py: `cluster`, `namespace`) bring the cluster up and give
-# each test a fresh namespace; these helpers only add kubectl/helm bound to that cluster's kubeconfig.
-def _kubeconfig_from(cluster_value) -> str:
-    for candidate in (cluster_value, getattr(cluster_value, "kubeconfig", None),
-                      cluster_value.get("kubeconfig") if isinstance(cluster_value, dict) else None):
-        if isinstance(candidate, (str, pathlib.Path)) and pathlib.Path(candidate).is_file():
-            return str(candidate)
-    import os
-    return os.environ.get("KUBECONFIG") or str(tools.REPO_ROOT / ".cluster" / "kubeconfig")
-
-
+# tests/conftest.py provides `cluster` (kubeconfig of the cluster under test), `kubectl` and a fresh
+# `namespace` per test; this adds helm bound to the same cluster.
 @pytest.fixture(scope="session")
-def kubeconfig(cluster) -> str:
-    return _kubeconfig_from(cluster)
-
-
-@pytest.fixture(scope="session")
-def kc(kubeconfig):
-    """kc(*args, input=None, check=True) -> CompletedProcess of kubectl against the test cluster."""
-    kubectl = tools.tool("kubectl")
-
-    def _kc(*args: str, input: str | None = None, check: bool = True, timeout: float = 120):
-        return run([kubectl, f"--kubeconfig={kubeconfig}", *args], input=input, check=check, timeout=timeout)
-    return _kc
-
-
-@pytest.fixture(scope="session")
-def helm(helm_bin, kubeconfig):
+def helm(helm_bin, cluster):
     """helm(*args, check=True) -> CompletedProcess of helm against the test cluster."""
     def _helm(*args: str, check: bool = True, timeout: float = 400):
-        return run([helm_bin, f"--kubeconfig={kubeconfig}", *args], check=check, timeout=timeout)
+        return run([helm_bin, f"--kubeconfig={cluster.kubeconfig}", *args], check=check, timeout=timeout)
     return _helm

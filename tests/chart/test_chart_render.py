@@ -72,8 +72,7 @@ def test_defaults_render_hardened_operator(render):
     assert c["livenessProbe"]["httpGet"]["port"] == "health"
     assert c["readinessProbe"]["httpGet"]["port"] == "health"
     assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
-    assert "--all-namespaces" in c["args"] and "--standalone" in c["args"]
-    assert "--log-format=json" in c["args"]
+    assert c["args"] == ["--log-format=json", "--liveness-port=8081", "--metrics-port=8080"]
     assert dep["spec"]["strategy"]["type"] == "Recreate"
     svc = one(objs, "Service")
     assert svc["spec"]["ports"][0]["targetPort"] == "metrics"
@@ -89,14 +88,14 @@ def test_cluster_rbac_is_least_privilege(render):
                 granted.setdefault((group, res), set()).update(rule["verbs"])
                 assert not OPERATOR_VERBS_FORBIDDEN & set(rule["verbs"]), rule
                 assert res != "*" and group != "*", rule
-    assert granted[("ddp.dev", "ddpjobs")] >= {"get", "list", "watch", "patch"}
-    assert granted[("ddp.dev", "ddpjobs/status")] >= {"patch"}
-    assert granted[("", "pods")] == {"get", "list", "watch", "create", "delete", "patch"}
-    assert granted[("", "services")] == {"get", "list", "watch", "create", "delete"}
+    assert granted[("ddp.dev", "ddpjobs")] == {"get", "list", "watch", "patch", "delete"}
+    assert granted[("ddp.dev", "ddpjobs/status")] == {"get", "patch"}
+    assert granted[("", "pods")] == {"get", "list", "watch", "create", "delete"}
+    assert granted[("", "services")] == {"get", "list", "watch", "create"}
     assert granted[("", "events")] == {"create", "patch"}
-    assert granted[("", "nodes")] == {"get", "list", "watch"}
-    assert not any(res in {"secrets", "configmaps", "pods/exec"} for _, res in granted)
-    assert not any(g == "kopf.dev" for g, _ in granted), "peering rules only when peering is on"
+    assert granted[("", "nodes")] == {"get"}
+    assert not any(res in {"secrets", "configmaps", "pods/exec", "leases"} for _, res in granted)
+    assert not any("update" in verbs for (g, res), verbs in granted.items() if res != "ddpjobs/finalizers")
 
 
 def test_namespace_scope_creates_only_namespaced_rbac(render):
@@ -111,24 +110,26 @@ def test_namespace_scope_creates_only_namespaced_rbac(render):
     assert all(b["subjects"][0]["namespace"] == "ddp-system" for b in bindings)
     args = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
-    assert "--all-namespaces" not in args
 
 
-def test_more_replicas_turn_peering_on(render):
+def test_more_replicas_turn_leader_election_on(render):
     objs = render("--set", "replicaCount=2")
     dep = one(objs, "Deployment")
     assert dep["spec"]["strategy"]["type"] == "RollingUpdate"
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "--peering=ddp-operator" in args and "--standalone" not in args
-    rules = one(objs, "ClusterRole")["rules"]
-    assert any("clusterkopfpeerings" in r["resources"] for r in rules)
+    assert "--leader-elect" in args and "--lease-name=ddp-operator" in args
+    role = one(objs, "Role")
+    assert role["metadata"]["namespace"] == "ddp-system"
+    assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["ddp-operator"],
+            "verbs": ["get", "update"]} in role["rules"]
+    assert one(objs, "RoleBinding")["roleRef"]["name"] == role["metadata"]["name"]
 
 
 def test_all_options_render(render):
     objs = render("--values", str(VALUES_ALL))
     kinds = sorted(o["kind"] for o in objs)
-    assert kinds == ["Deployment", "Role", "Role", "RoleBinding", "RoleBinding", "Service",
-                     "ServiceAccount", "ServiceMonitor"]
+    assert kinds == ["Deployment", "Role", "Role", "Role", "RoleBinding", "RoleBinding", "RoleBinding",
+                     "Service", "ServiceAccount", "ServiceMonitor"]
     sm = one(objs, "ServiceMonitor")
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
     assert sm["metadata"]["labels"]["release"] == "prometheus"
@@ -136,8 +137,8 @@ def test_all_options_render(render):
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert {"containerPort": 9090, "name": "metrics", "protocol": "TCP"} in c["ports"]
     assert "--metrics-port=9090" in c["args"] and "--liveness-port=9091" in c["args"]
-    for role in by_kind(objs, "Role"):
-        assert any("kopfpeerings" in r["resources"] for r in role["rules"])
+    assert "--verbose" in c["args"] and "--leader-elect" in c["args"]
+    assert c["args"][-1] == "--lease-namespace=ddp-system"  # extraArgs come last
 
 
 def test_metrics_off_removes_service_and_port(render):
@@ -145,7 +146,7 @@ def test_metrics_off_removes_service_and_port(render):
     assert not by_kind(objs, "Service")
     c = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert [p["name"] for p in c["ports"]] == ["health"]
-    assert not any(a.startswith("--metrics-port") for a in c["args"])
+    assert "--metrics-port=0" in c["args"]
 
 
 # --- values schema: bad input fails `helm template/install` with a message naming the value ----------
@@ -156,6 +157,7 @@ def test_metrics_off_removes_service_and_port(render):
         (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
         (["--set", "rbac.scope=everywhere"], "scope"),
         (["--set", "operator.logFormat=xml"], "logFormat"),
+        (["--set", "operator.verbose=loud"], "verbose"),
         (["--set", "metrics.port=70000"], "port"),
         (["--set", "metrics.enabled=yes-please"], "enabled"),
         (["--set", "watch.namespaces=team-a"], "namespaces"),
@@ -176,10 +178,11 @@ def test_values_schema_rejects(helm_bin, args, expected):
     ("args", "expected"),
     [
         (["--set", "rbac.scope=namespace"], "rbac.scope=namespace needs watch.namespaces"),
-        (["--set", "replicaCount=2", "--set", "operator.peering.mode=off"], "replicaCount > 1 needs peering"),
+        (["--set", "replicaCount=2", "--set", "operator.leaderElection.mode=off"],
+         "replicaCount > 1 needs leader election"),
         (["--set", "image.tag=latest"], "image.tag=latest is refused"),
     ],
-    ids=["namespace-scope-without-namespaces", "replicas-without-peering", "latest-tag"],
+    ids=["namespace-scope-without-namespaces", "replicas-without-leader-election", "latest-tag"],
 )
 def test_inconsistent_values_fail_with_the_fix(helm_bin, args, expected):
     proc = run([helm_bin, "template", "x", str(CHART), "--kube-version", KUBE_VERSION, *args], check=False)

@@ -49,9 +49,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository $tag }}
 {{- end }}
 
-{{/* "true" when kopf peering is on: explicitly, or automatically with more than one replica. */}}
-{{- define "ddp-operator.peering" -}}
-{{- $mode := .Values.operator.peering.mode }}
+{{/* "true" when leader election is on: explicitly, or automatically with more than one replica. */}}
+{{- define "ddp-operator.leaderElection" -}}
+{{- $mode := .Values.operator.leaderElection.mode }}
 {{- if or (eq $mode "on") (and (eq $mode "auto") (gt (int .Values.replicaCount) 1)) }}true{{ end }}
 {{- end }}
 
@@ -66,19 +66,21 @@ would install an operator unable to see anything.
 {{- if eq .Values.image.tag "latest" }}
 {{- fail "image.tag=latest is refused: pin a version (leave it empty for the chart's appVersion)" }}
 {{- end }}
-{{- if and (gt (int .Values.replicaCount) 1) (eq .Values.operator.peering.mode "off") }}
-{{- fail "replicaCount > 1 needs peering (operator.peering.mode auto or on): two active operators would both act on every DDPJob" }}
+{{- if and (gt (int .Values.replicaCount) 1) (eq .Values.operator.leaderElection.mode "off") }}
+{{- fail "replicaCount > 1 needs leader election (operator.leaderElection.mode auto or on): two active operators would both act on every DDPJob" }}
 {{- end }}
 {{- end }}
 
 {{/*
 Rules the operator needs in every namespace it watches; the cluster scope adds Nodes and CRDs.
-Least privilege: no secrets, no configmaps, no pods/exec; pods are never updated, only patched.
+Least privilege, from what the operator calls (operator/ddp_operator/k8s.py) and what kopf needs to
+watch and annotate the objects it handles: no secrets, no configmaps, no pods/exec, no updates.
 */}}
 {{- define "ddp-operator.namespacedRules" -}}
+# kopf watches DDPJobs and records handler state in annotations (patch); TTL deletes finished jobs.
 - apiGroups: [ddp.dev]
   resources: [ddpjobs]
-  verbs: [get, list, watch, patch]
+  verbs: [get, list, watch, patch, delete]
 - apiGroups: [ddp.dev]
   resources: [ddpjobs/status]
   verbs: [get, patch]
@@ -86,18 +88,25 @@ Least privilege: no secrets, no configmaps, no pods/exec; pods are never updated
 - apiGroups: [ddp.dev]
   resources: [ddpjobs/finalizers]
   verbs: [update]
+# Children: created with owner references, so garbage collection removes them with the job.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch, create, delete, patch]
+  verbs: [get, list, watch, create, delete]
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, list, watch, create, delete]
+  verbs: [get, list, watch, create]
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]
-{{- if include "ddp-operator.peering" . }}
-- apiGroups: [kopf.dev]
-  resources: [kopfpeerings]
-  verbs: [get, list, watch, patch]
 {{- end }}
+
+{{/* The Lease of leader election, in the release namespace. */}}
+{{- define "ddp-operator.leaseRules" -}}
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [create]
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  resourceNames: [{{ .Values.operator.leaderElection.leaseName }}]
+  verbs: [get, update]
 {{- end }}
