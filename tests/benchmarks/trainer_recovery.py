@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -94,6 +95,7 @@ def main() -> int:
     epochs = 3 if opts.quick else max(8, (kills + 1) * every // 20 + 2)
     wait = 30.0 if opts.quick else opts.baseline_wait
     t0 = time.time()
+    load_start = round(os.getloadavg()[0], 2)
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
         work = Path(tmp)
         ref = reference_digest(work, epochs)
@@ -113,6 +115,12 @@ def main() -> int:
         "baseline_recovery_s_p50": base.get("recovery_s"),
         "baseline_steps_lost": base.get("steps_lost"),
         "baseline_waited_s": base.get("waited_s"),
+        "phases_s_p50": {
+            k: round(statistics.median(r[k] for r in mine["recoveries"]), 3)
+            for k in ("until_process_group_s", "until_restored_s", "first_step_s")
+        },
+        "loadavg_1m": [load_start, round(os.getloadavg()[0], 2)],
+        "cpus": os.cpu_count(),
         "quick": opts.quick,
         "wall_s": round(time.time() - t0, 1),
     }

@@ -33,6 +33,7 @@ import os
 import pickle
 import re
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -119,18 +120,31 @@ class PeerSnapshots:
         self._next = 0
         self._generation = time.time_ns()
         self.last_step: int | None = None
+        # The SIGTERM thread may read while the training thread writes; other processes only read
+        # while nobody writes (at restore, before the first save point).
+        self._lock = threading.Lock()
+        self._layout: tuple | None = None
+        self._specs: list[tuple] = []
+        self._data_len = 0
 
     # -- writing -----------------------------------------------------------------------------------------
     def write(self, step: int, state: dict[str, Any]) -> None:
         """Copy ``state`` into the older slot. Synchronous; costs one memcpy of the tensors."""
+        with self._lock:
+            self._write(step, state)
+
+    def _write(self, step: int, state: dict[str, Any]) -> None:
         skeleton, tensors = flatten(state)
-        specs = []
-        offset = 0
-        for t in tensors:
-            nbytes = t.numel() * t.element_size()
-            specs.append((_dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
-            offset = _align(offset + nbytes, _ALIGN)
-        data_len = offset
+        layout = tuple((t.dtype, t.shape) for t in tensors)
+        if layout != self._layout:
+            specs = []
+            offset = 0
+            for t in tensors:
+                nbytes = t.numel() * t.element_size()
+                specs.append((_dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
+                offset = _align(offset + nbytes, _ALIGN)
+            self._layout, self._specs, self._data_len = layout, specs, offset
+        specs, data_len = self._specs, self._data_len
         meta = pickle.dumps(
             {"run_key": self.run_key, "skeleton": skeleton, "specs": specs}, protocol=pickle.HIGHEST_PROTOCOL
         )
@@ -142,7 +156,7 @@ class PeerSnapshots:
             data_off = _align(_HEADER_SIZE + len(meta) * 2, _PAGE)
         slot.ensure(data_off + data_len + 8)
         assert slot.mm is not None and slot.base is not None
-        key = (data_off, tuple((s[0], s[1]) for s in specs))
+        key = (data_off, self._layout)
         if slot.views_key != key:
             slot.views = [
                 slot.base[data_off + off : data_off + off + n].view(t.dtype).view(t.shape)
@@ -157,8 +171,8 @@ class PeerSnapshots:
         _HEADER.pack_into(mm, 0, MAGIC, 0, step, len(meta), data_off, data_len)
         mm[_HEADER_SIZE : _HEADER_SIZE + len(meta)] = meta
         if tensors:
-            sources = [t.detach() for t in tensors]
-            torch._foreach_copy_(slot.views, sources)
+            with torch.no_grad():
+                torch._foreach_copy_(slot.views, tensors)
         struct.pack_into("<Q", mm, data_off + data_len, gen)
         struct.pack_into("<Q", mm, 8, gen)
         self._next ^= 1
@@ -169,7 +183,8 @@ class PeerSnapshots:
         """The newest valid snapshot of this run in this pod, or None."""
         best: Snapshot | None = None
         for slot in self._slots:
-            snap = self._read(slot.path)
+            with self._lock:
+                snap = self._read(slot.path)
             if snap is not None and (best is None or snap.step > best.step):
                 best = snap
         return best

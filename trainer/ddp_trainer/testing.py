@@ -390,8 +390,15 @@ def recovery_after_kill(cluster: LocalCluster, killed_at: float, *, timeout: flo
     )
     before = [e.int("step") for e in cluster.events("step") if e.time <= killed_at]
     last_before = max(before) if before else 0
+    sessions = [e for e in cluster.events("session") if killed_at <= e.time <= resume.time]
+    joined = sessions[-1].time if sessions else resume.time
     return {
         "recovery_s": round(first.time - killed_at, 3),
+        # where the time went: agents noticing + rendezvous + worker start-up to a joined process group,
+        # then the worker's own set-up (data, model, DDP) and restore, then the first step
+        "until_process_group_s": round(joined - killed_at, 3),
+        "until_restored_s": round(resume.time - joined, 3),
+        "first_step_s": round(first.time - resume.time, 3),
         "resumed_from": resume.int("step"),
         "source": resume["source"],
         "last_step_before_kill": last_before,
