@@ -254,6 +254,7 @@ def start(name: str, argv: list[str]) -> bool:
 
 def stop(name: str, timeout: float = 15) -> None:
     pid = _pid(name)
+    t0 = time.monotonic()
     if pid and is_running(name):
         try:
             os.killpg(pid, signal.SIGTERM)  # each component leads its own process group
@@ -274,6 +275,8 @@ def stop(name: str, timeout: float = 15) -> None:
             os.waitpid(pid, os.WNOHANG)  # reap when it is our own child (pytest-started cluster)
         except ChildProcessError:
             pass
+        if time.monotonic() - t0 > 2:
+            log(f"{name} took {time.monotonic() - t0:.1f}s to stop")
     (PIDS / f"{name}.pid").unlink(missing_ok=True)
 
 
@@ -865,7 +868,10 @@ def _down(purge: bool) -> None:
         containers = ctr("containers", "ls", "-q", check=False).stdout.split()
         if containers:
             ctr("containers", "delete", *containers, check=False)
-    for name in ("kube-apiserver", "etcd", "containerd"):
+    # The API server sometimes lingers ~15 s after its graceful shutdown has finished (with CRDs
+    # installed); its state is about to be wiped anyway, so do not wait long.
+    stop("kube-apiserver", timeout=3)
+    for name in ("etcd", "containerd"):
         stop(name)
     for pid in _our_stray_processes():
         try:
