@@ -1,5 +1,6 @@
 """Integration fixtures: the real API server of the embedded cluster, the operator running as a subprocess
-(`python -m ddp_operator`, watching only namespaces named ddp-it-*), a namespace per test. Pods of the test jobs
+(`python -m ddp_operator`, watching only namespaces named ddp-it-*, so it never meets another suite's jobs),
+a namespace per test (the shared `cluster` fixture of tests/conftest.py provides the cluster). Pods of the test jobs
 select a node that does not exist, so nothing runs them: the tests play the kubelet by patching pod status.
 """
 
@@ -11,7 +12,7 @@ import uuid
 import pytest
 import yaml
 
-from ddp_cluster import CRD, KUBECONFIG, NS_PREFIX, Cluster, Operator, _api, _reachable, wait_for
+from ddp_cluster import CRD, NS_PREFIX, JobNamespace, Operator, _api, wait_for
 
 
 def pytest_collection_modifyitems(config, items):
@@ -21,19 +22,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.cluster)
 
 
-@pytest.hookimpl(tryfirst=True, hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    rep = outcome.get_result()
-    setattr(item, "rep_" + rep.when, rep)
-
-
 @pytest.fixture(scope="session")
-def api():
-    if not _reachable():
-        pytest.skip(f"no reachable cluster at {KUBECONFIG} (start it with `hack/cluster.py up`)")
+def api(cluster):
+    """A kubernetes ApiClient for the suite's cluster (tests/conftest.py brings it up) with the CRD applied."""
     from kubernetes import client
-    api = _api()
+    api = _api(cluster.kubeconfig)
     # Server-side apply of the generated CRD: creates or updates it, whoever installed it before.
     crd = yaml.safe_load(CRD.read_text())
     ext = client.ApiextensionsV1Api(api)
@@ -46,8 +39,8 @@ def api():
 
 
 @pytest.fixture(scope="session")
-def operator(api, tmp_path_factory):
-    op = Operator(tmp_path_factory.mktemp("operator") / "operator.log")
+def operator(api, cluster, tmp_path_factory):
+    op = Operator(tmp_path_factory.mktemp("operator") / "operator.log", cluster.kubeconfig)
     op.start()
     yield op
     op.stop()
@@ -59,10 +52,13 @@ def k(api, operator, request):
     from kubernetes import client
     ns = NS_PREFIX + uuid.uuid4().hex[:8]
     core = client.CoreV1Api(api)
-    core.create_namespace({"metadata": {"name": ns}})
-    cluster = Cluster(api, ns)
-    yield cluster
+    core.create_namespace({"metadata": {"name": ns, "labels": {"ddpjob.dev/test": "true"}}})
+    # Pods are refused until the namespace's default ServiceAccount exists.
+    wait_for(lambda: core.list_namespaced_service_account(ns, field_selector="metadata.name=default").items,
+             60, what=f"default ServiceAccount in {ns}")
+    jobs = JobNamespace(api, ns)
+    yield jobs
     failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
     if failed:
-        print(f"\n--- namespace {ns} ---\n{cluster.dump()}\n--- operator log ---\n{operator.log_tail()}")
+        print(f"\n--- namespace {ns} ---\n{jobs.dump()}\n--- operator log ---\n{operator.log_tail()}")
     core.delete_namespace(ns)

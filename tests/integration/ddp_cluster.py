@@ -23,21 +23,12 @@ GROUP, VERSION, PLURAL = "ddp.dev", "v1alpha1", "ddpjobs"
 NOWHERE = {"ddp.dev/test-node": "nowhere"}
 
 
-def _api():
+def _api(kubeconfig=None):
+    """An ApiClient of its own (the global kubernetes config stays untouched)."""
     from kubernetes import client, config
-    config.load_kube_config(config_file=str(KUBECONFIG))
-    return client.ApiClient()
-
-
-def _reachable() -> bool:
-    if not KUBECONFIG.exists():
-        return False
-    try:
-        from kubernetes import client
-        client.VersionApi(_api()).get_code(_request_timeout=5)
-        return True
-    except Exception:
-        return False
+    configuration = client.Configuration()
+    config.load_kube_config(config_file=str(kubeconfig or KUBECONFIG), client_configuration=configuration)
+    return client.ApiClient(configuration)
 
 
 def wait_for(predicate, timeout=30.0, interval=0.2, what="condition"):
@@ -65,14 +56,15 @@ def _free_port() -> int:
 class Operator:
     """`python -m ddp_operator` as a subprocess against the test cluster."""
 
-    def __init__(self, log_path: pathlib.Path):
+    def __init__(self, log_path: pathlib.Path, kubeconfig=None):
         self.log_path = log_path
+        self.kubeconfig = str(kubeconfig or KUBECONFIG)
         self.proc: subprocess.Popen | None = None
         self.metrics_port = 0
 
     def start(self) -> None:
         self.metrics_port = _free_port()
-        env = {**os.environ, "KUBECONFIG": str(KUBECONFIG),
+        env = {**os.environ, "KUBECONFIG": self.kubeconfig,
                "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), os.environ.get("PYTHONPATH", "")])}
         log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
@@ -115,7 +107,7 @@ class Operator:
             return ""
 
 
-class Cluster:
+class JobNamespace:
     """Small, explicit helpers over the kubernetes client for one test namespace."""
 
     def __init__(self, api, namespace: str):
