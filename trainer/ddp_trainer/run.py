@@ -364,11 +364,6 @@ class Run:
             self.snapshots.close(remove=self._writes_snapshots)
         return record
 
-    def fail(self, error: BaseException) -> None:
-        """Best-effort termination-log record for a failed run (rank 0 only)."""
-        if self.session.is_main:
-            write_termination_log(self._termination_log, {**self.progress.snapshot(), "final": False, "error": repr(error)[:1000]})
-
 
 def model_digest(model: nn.Module) -> str:
     """sha256 over the model's state dict (names, dtypes, shapes and bytes): equal iff bitwise equal."""

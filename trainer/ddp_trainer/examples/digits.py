@@ -192,47 +192,43 @@ def train(args: argparse.Namespace, session: ddp_trainer.Session) -> dict[str, A
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
     )
-    try:
-        run.restore()
-        for epoch in run.epochs(args.epochs):
-            sampler.set_epoch(epoch)
-            model.train()
-            for x, y in run.batches(loader):
-                if args.step_delay:
-                    time.sleep(args.step_delay)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_on else contextlib.nullcontext()
-                with autocast:
-                    loss = F.cross_entropy(model(x), y)
-                optimizer.zero_grad(set_to_none=True)
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    loss.backward()
-                    optimizer.step()
-                run.step_done(loss=loss, samples=len(x))
-            scheduler.step()
-            val_acc = evaluate(net, data["val"], session)
-            if val_acc > extra["best_val"]:
-                extra["best_val"], extra["bad_epochs"] = val_acc, 0
+    run.restore()
+    for epoch in run.epochs(args.epochs):
+        sampler.set_epoch(epoch)
+        model.train()
+        for x, y in run.batches(loader):
+            if args.step_delay:
+                time.sleep(args.step_delay)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_on else contextlib.nullcontext()
+            with autocast:
+                loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
             else:
-                extra["bad_epochs"] += 1
-            # Rank 0 decides; everybody follows (all_reduce), so no rank trains on alone.
-            stop = session.decide_on_main(args.patience > 0 and extra["bad_epochs"] >= args.patience)
-            run.epoch_done(metrics={"valAccuracy": round(val_acc, 4), "lr": scheduler.get_last_lr()[0]}, stop=stop)
-        test_acc = evaluate(net, data["test"], session)
-        digest = ddp_trainer.model_digest(net)
-        if session.is_main and args.final_weights:
-            torch.save(net.state_dict(), args.final_weights)
-        session.log("final", test_accuracy=round(test_acc, 4), weights_sha256=digest, step=run.step)
-        if session.is_main:
-            print(f"test accuracy: {test_acc:.4f}", flush=True)
-        return run.finish(metrics={"testAccuracy": round(test_acc, 4), "valAccuracy": extra["best_val"]})
-    except BaseException as exc:
-        run.fail(exc)
-        raise
+                loss.backward()
+                optimizer.step()
+            run.step_done(loss=loss, samples=len(x))
+        scheduler.step()
+        val_acc = evaluate(net, data["val"], session)
+        if val_acc > extra["best_val"]:
+            extra["best_val"], extra["bad_epochs"] = val_acc, 0
+        else:
+            extra["bad_epochs"] += 1
+        # Rank 0 decides; everybody follows (all_reduce), so no rank trains on alone.
+        stop = session.decide_on_main(args.patience > 0 and extra["bad_epochs"] >= args.patience)
+        run.epoch_done(metrics={"valAccuracy": round(val_acc, 4), "lr": scheduler.get_last_lr()[0]}, stop=stop)
+    test_acc = evaluate(net, data["test"], session)
+    digest = ddp_trainer.model_digest(net)
+    if session.is_main and args.final_weights:
+        torch.save(net.state_dict(), args.final_weights)
+    session.log("final", test_accuracy=round(test_acc, 4), weights_sha256=digest, step=run.step)
+    if session.is_main:
+        print(f"test accuracy: {test_acc:.4f}", flush=True)
+    return run.finish(metrics={"testAccuracy": round(test_acc, 4), "valAccuracy": extra["best_val"]})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
