@@ -259,3 +259,17 @@ def test_api_writes_for_a_clean_job(k):
     print(f"\ncreates={rec.creates()} status_writes={rec.status_writes()}")
     assert rec.creates() == nodes + 2
     assert rec.status_writes() <= 6
+
+
+def test_pod_stuck_terminating_on_a_lost_node_is_force_deleted(k):
+    _running(k, failurePolicy={"stuckTerminatingTimeoutSeconds": 2})
+    # Bind job-1 to a node that does not exist: no kubelet will ever confirm its deletion.
+    k.core.create_namespaced_pod_binding("job-1", k.ns, {
+        "apiVersion": "v1", "kind": "Binding", "metadata": {"name": "job-1"},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": "lost-node"}}, _preload_content=False)
+    old = _uid(k, "job-1")
+    k.core.delete_namespaced_pod("job-1", k.ns, grace_period_seconds=1)
+    assert k.pods()["job-1"].metadata.deletion_timestamp is not None
+    wait_for(lambda: "job-1" in k.pods() and _uid(k, "job-1") != old, timeout=30,
+             what="force-deleted pod replaced")
+    assert any(e.reason == "StuckPodForceDeleted" for e in k.events())
