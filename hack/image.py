@@ -34,6 +34,7 @@ An unchanged image whose ref already points to the same build in containerd is a
 from __future__ import annotations
 
 import argparse
+import fcntl
 import fnmatch
 import glob
 import hashlib
@@ -219,9 +220,15 @@ def ensure_pause() -> str:
 # --------------------------------------------------------------------------------------------
 # base root filesystem
 
-def base_rootfs() -> Path:
+def base_rootfs_path() -> Path:
     suite = cluster.versions().get("DEBIAN_SUITE", "bookworm")
-    d = CACHE / f"rootfs-{suite}-v{BASE_REVISION}"
+    return CACHE / f"rootfs-{suite}-v{BASE_REVISION}"
+
+
+def base_rootfs() -> Path:
+    """The cached Debian base, made on first use (call with the build lock held)."""
+    suite = cluster.versions().get("DEBIAN_SUITE", "bookworm")
+    d = base_rootfs_path()
     if (d / "etc" / "os-release").exists() and not d.with_suffix(".tmp").exists():
         return d
     tmp = d.with_suffix(".tmp")
@@ -544,7 +551,7 @@ class Builder:
                 break
         return final
 
-    def _start_from(self, stage: Stage, base: str) -> None:
+    def _start_from(self, stage: Stage, base: str, execute: bool) -> None:
         if base in self.stages:
             src = self.stages[base]
             stage.key, stage.config = sha256("stage", src.key), json.loads(json.dumps(src.config))
@@ -556,14 +563,14 @@ class Builder:
         if not any(re.fullmatch(p, base) for p in BASE_IMAGES):
             raise BuildError(f"FROM {base}: no local stand-in (supported: python:3.11[-slim][-bookworm], "
                              "debian:bookworm[-slim], scratch, an earlier stage)")
-        root = base_rootfs()
+        root = base_rootfs() if execute else base_rootfs_path()
         stage.key = sha256("base", str(root), str(BASE_REVISION), *BASE_PACKAGES)
         stage.config = {"Env": {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}, "Cmd": ["python3"]}
         stage.rootfs = root
 
     def build_stage(self, stage: Stage, base: str, body: list[Instruction], global_args: dict[str, str],
                     execute: bool) -> Stage:
-        self._start_from(stage, base)
+        self._start_from(stage, base, execute)
         cfg = stage.config
         cfg.setdefault("Env", {})
         args: dict[str, str] = {}
@@ -753,6 +760,7 @@ def build(dockerfile: str | Path, ref: str, context: str | Path, build_args: dic
     if os.geteuid() != 0:
         raise BuildError("image builds need root (chroot, mounts, containerd)")
     b = Builder(Path(dockerfile), Path(context), build_args or {}, target)
+    lock = None
     try:
         # Quick path: a dry run gives the final key; same key as the build containerd already
         # holds under this ref means nothing to do.
@@ -761,6 +769,14 @@ def build(dockerfile: str | Path, ref: str, context: str | Path, build_args: dic
         planned = b.build(execute=False)
         if prev.get("key") == planned.key and containerd_images().get(ref) == prev.get("digest"):
             log(f"{ref} unchanged ({time.monotonic() - t0:.1f}s)")
+            return prev["digest"]
+        # One build at a time per machine: builds share the base, the step snapshots (pruned at
+        # the end of each build) and two CPU cores.
+        lock = open(BUILD_CACHE / ".lock", "w")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        prev = json.loads(record.read_text()) if record.exists() else {}
+        if prev.get("key") == planned.key and containerd_images().get(ref) == prev.get("digest"):
+            log(f"{ref} was just built by another build")
             return prev["digest"]
         b.stages.clear()
         stage = b.build(execute=True)
@@ -783,6 +799,8 @@ def build(dockerfile: str | Path, ref: str, context: str | Path, build_args: dic
         return digest
     finally:
         b.cleanup()
+        if lock is not None:
+            lock.close()
 
 
 def main(argv: list[str] | None = None) -> int:
