@@ -652,7 +652,6 @@ def prepare_host() -> None:
 # component command lines
 
 def argv_for(name: str) -> list[str]:
-    v = versions()
     if name == "containerd":
         # tini -s makes itself the subreaper: orphaned shims are reaped even though PID 1 is not an init.
         return [binary("tini"), "-s", "-g", "--", binary("containerd"), "--config", str(CONF / "containerd.toml")]
