@@ -1,0 +1,522 @@
+"""What the end-to-end tests and the cluster benchmarks share: the cluster, the images, the operator,
+DDPJobs of the digits example, and reading what the trainer did (progress endpoint, log lines).
+
+Plain functions and small classes, no pytest: tests/e2e/conftest.py wraps them in fixtures and the
+benchmarks (tests/benchmarks/{e2e_recovery,startup,api_writes,scale}.py) call them directly.
+
+Provider-agnostic: everything goes through kubectl and the API server (rank 0's progress is read through
+the API server's pod proxy), so the same code runs on the embedded cluster and on kind.
+
+The operator (`DDPJOB_OPERATOR`):
+- `helm` (default): the chart installed as release `ddp-operator` in `ddp-system` (the release name
+  and namespace `make demo` and `make kind-e2e` use), watching every namespace, running the image
+  localhost/ddp-operator:0.1.0. Uninstalled afterwards unless it was there before.
+- `installed`: an operator already runs in the cluster (hack/kind-e2e.sh installs the chart itself).
+- `subprocess`: `python -m ddp_operator` on this machine against the kubeconfig, watching only
+  namespaces named `ddp-e2e-*` (every namespace these tests and benchmarks create), so it can run
+  beside the integration and chart tests, which have operators of their own.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from calendar import timegm
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from tests import tools  # noqa: E402
+from tests.conftest import (  # noqa: E402  the suite's cluster helpers, shared with the benchmarks
+    Cluster,
+    Kubectl,
+    _kind_name,
+    _reachable,
+    dump_namespace,
+    embedded,
+    ensure_image,
+    wait_for,
+)
+
+TAG = "0.1.0"
+OPERATOR_IMAGE = f"localhost/ddp-operator:{TAG}"
+TRAINER_IMAGE = f"localhost/ddp-trainer:{TAG}"
+RELEASE = "ddp-operator"
+OPERATOR_NS = "ddp-system"
+CHART = REPO / "helm" / "ddp-operator"
+CRD_FILE = REPO / "manifests" / "base" / "crd.yaml"
+DIGITS_SAMPLE = REPO / "manifests" / "samples" / "digits.yaml"
+NS_PREFIX = "ddp-e2e-"
+LABEL_JOB, LABEL_ROLE = "ddp.dev/job-name", "ddp.dev/role"
+PROGRESS_PORT = 29401
+METRICS_PORT = 8080
+
+
+def log(msg: str) -> None:
+    print(f"[e2e {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# cluster and images
+
+def connect() -> Cluster:
+    """The cluster under test, as tests/conftest.py's `cluster` fixture chooses it: $KUBECONFIG when it
+    points at a reachable cluster other than the embedded one, else the embedded cluster (started if
+    it is down)."""
+    env = os.environ.get("KUBECONFIG")
+    if env and Path(env).resolve() != embedded.KUBECONFIG.resolve() and _reachable(env):
+        return Cluster(env, embedded=False, kind_name=_kind_name(env))
+    if not embedded.is_up():
+        embedded.up()
+    os.environ["KUBECONFIG"] = str(embedded.KUBECONFIG)
+    return Cluster(str(embedded.KUBECONFIG), embedded=True)
+
+
+def operator_mode() -> str:
+    mode = os.environ.get("DDPJOB_OPERATOR", "helm")
+    if mode not in ("helm", "installed", "subprocess"):
+        raise ValueError(f"DDPJOB_OPERATOR must be helm, installed or subprocess, not {mode!r}")
+    return mode
+
+
+def ensure_images(cluster: Cluster) -> None:
+    """Both images on the cluster's node(s), rebuilt only when their inputs changed."""
+    if cluster.embedded:
+        # The build script skips an image whose inputs are unchanged without starting the builder.
+        subprocess.run([str(REPO / "hack" / "build-images.sh")], check=True, cwd=REPO)
+    elif cluster.kind_name and operator_mode() != "installed":
+        for name in ("operator", "trainer"):
+            ensure_image(cluster, f"localhost/ddp-{name}:{TAG}", REPO / name / "Dockerfile", REPO)
+    # Anything else (hack/kind-e2e.sh, a real cluster): the images are already where the nodes pull from.
+
+
+def image_id(cluster: Cluster, ref: str) -> str | None:
+    """containerd's digest of `ref` on the embedded cluster (None elsewhere)."""
+    if not cluster.embedded:
+        return None
+    p = subprocess.run([sys.executable, str(REPO / "hack" / "image.py"), "ls"], capture_output=True, text=True)
+    for line in p.stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == ref:
+            return parts[1]
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# the operator
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Operator:
+    """The operator the tests run against, started and stopped according to DDPJOB_OPERATOR."""
+
+    def __init__(self, cluster: Cluster, kubectl: Kubectl, mode: str | None = None):
+        self.cluster, self.k = cluster, kubectl
+        self.mode = mode or operator_mode()
+        self.installed_here = False
+        self.proc: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+        self.metrics_port = 0
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def start(self) -> "Operator":
+        if self.mode == "installed":
+            self._wait_deployment()
+            return self
+        # The CRD as the repository has it now: helm installs crds/ once and never upgrades them.
+        self.k("apply", "--server-side", "--force-conflicts", "--field-manager=ddp-e2e", "-f", str(CRD_FILE))
+        self.k("wait", "--for=condition=Established", "crd/ddpjobs.ddp.dev", "--timeout=60s")
+        if self.mode == "helm":
+            self._helm_install()
+        else:
+            self._start_subprocess()
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+            self.proc = None
+        if self.installed_here:
+            log(f"helm uninstall {RELEASE} -n {OPERATOR_NS}")
+            self.helm("uninstall", RELEASE, "-n", OPERATOR_NS, "--wait", "--timeout", "120s", check=False)
+            self.k("delete", "namespace", OPERATOR_NS, "--wait=false", "--ignore-not-found", check=False)
+            self.installed_here = False
+
+    def helm(self, *args: str, check: bool = True, timeout: float = 400) -> subprocess.CompletedProcess:
+        p = subprocess.run([tools.tool("helm"), f"--kubeconfig={self.cluster.kubeconfig}", *args],
+                           capture_output=True, text=True, timeout=timeout)
+        if check and p.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+        return p
+
+    def _helm_install(self) -> None:
+        existed = self.helm("status", RELEASE, "-n", OPERATOR_NS, check=False).returncode == 0
+        values: dict[str, Any] = {}
+        digest = image_id(self.cluster, OPERATOR_IMAGE)
+        if digest:
+            # The tag stays 0.1.0 across local rebuilds; the digest as an annotation rolls the Pod
+            # whenever the image changed, so the tests never run a stale operator.
+            values["podAnnotations"] = {"e2e.ddp.dev/image-id": digest}
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            yaml.safe_dump(values, f)
+        try:
+            log(f"helm upgrade --install {RELEASE} {CHART.relative_to(REPO)} -n {OPERATOR_NS} (watching every namespace)")
+            self.helm("upgrade", "--install", RELEASE, str(CHART), "-n", OPERATOR_NS, "--create-namespace",
+                      "-f", f.name, "--wait", "--timeout", "240s")
+        finally:
+            os.unlink(f.name)
+        self.installed_here = not existed
+        self._wait_deployment()
+
+    def _wait_deployment(self) -> None:
+        def ready():
+            deps = self.k.json("get", "deployments", "-A", "-l", "app.kubernetes.io/name=ddp-operator")["items"]
+            return [d for d in deps if (d.get("status", {}).get("availableReplicas") or 0) >= 1
+                    and d["status"].get("updatedReplicas") == d["status"].get("replicas")]
+        found = wait_for(ready, 240, "an available ddp-operator Deployment")
+        self.deployment = found[0]
+        log(f"operator: deployment {found[0]['metadata']['namespace']}/{found[0]['metadata']['name']}")
+
+    def _start_subprocess(self) -> None:
+        self.metrics_port = _free_port()
+        self.log_path = Path(tempfile.mkdtemp(prefix="ddp-e2e-operator-")) / "operator.log"
+        env = {**os.environ, "KUBECONFIG": self.cluster.kubeconfig,
+               "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), os.environ.get("PYTHONPATH", "")])}
+        log(f"python -m ddp_operator --namespace '{NS_PREFIX}*' (log: {self.log_path})")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ddp_operator", "--namespace", NS_PREFIX + "*",
+             "--metrics-port", str(self.metrics_port), "--liveness-port", "0"],
+            env=env, stdout=open(self.log_path, "a"), stderr=subprocess.STDOUT, cwd=REPO)
+        wait_for(lambda: self.metrics_text() is not None, 60, "the operator's metrics endpoint")
+
+    # -- observation --------------------------------------------------------------------------
+    def pods(self) -> list[dict]:
+        if self.mode == "subprocess":
+            return []
+        ns = self.deployment["metadata"]["namespace"]
+        sel = ",".join(f"{k}={v}" for k, v in self.deployment["spec"]["selector"]["matchLabels"].items())
+        return [p for p in self.k.json("get", "pods", "-n", ns, "-l", sel)["items"]
+                if p.get("status", {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
+
+    def metrics_text(self) -> str | None:
+        """The operator's Prometheus metrics (through the API server's pod proxy for an in-cluster one)."""
+        try:
+            if self.mode == "subprocess":
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=3) as r:
+                    return r.read().decode()
+            pod = self.pods()[0]
+            ns = pod["metadata"]["namespace"]
+            port = next((p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])
+                         if p.get("name") == "metrics"), METRICS_PORT)
+            p = self.k("get", "--raw", f"/api/v1/namespaces/{ns}/pods/{pod['metadata']['name']}:{port}/proxy/metrics",
+                       "--request-timeout=5s", check=False, timeout=15)
+            return p.stdout if p.returncode == 0 else None
+        except Exception:  # noqa: BLE001 - not up yet
+            return None
+
+    def rss_mib(self) -> float | None:
+        """Resident memory of the operator process (prometheus_client's process collector)."""
+        text = self.metrics_text() or ""
+        m = re.search(r"^process_resident_memory_bytes ([0-9.e+]+)$", text, re.M)
+        if m:
+            return float(m.group(1)) / 2**20
+        if self.proc is not None:  # no process collector: read /proc
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return None
+
+    def username(self) -> str:
+        """The API user the operator acts as (what the audit log records)."""
+        if self.mode == "subprocess":
+            return "kubernetes-admin"  # unused for filtering: see api_writes.py
+        spec = self.deployment["spec"]["template"]["spec"]
+        sa = spec.get("serviceAccountName") or "default"
+        return f"system:serviceaccount:{self.deployment['metadata']['namespace']}:{sa}"
+
+    def logs(self, tail: int = 200) -> str:
+        if self.mode == "subprocess":
+            try:
+                return "\n".join(self.log_path.read_text().splitlines()[-tail:]) if self.log_path else ""
+            except OSError:
+                return ""
+        d = self.deployment["metadata"]
+        p = self.k("logs", "-n", d["namespace"], f"deployment/{d['name']}", f"--tail={tail}", check=False)
+        return p.stdout + p.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# namespaces
+
+def new_namespace(k: Kubectl, label: str) -> str:
+    base = re.sub(r"[^a-z0-9-]+", "-", label.lower()).strip("-")[:36].strip("-")
+    name = f"{NS_PREFIX}{base}-{secrets.token_hex(3)}"
+    k("create", "namespace", name)
+    k("label", "namespace", name, "ddpjob.dev/test=true")
+    wait_for(lambda: k("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
+             60, f"default ServiceAccount in {name}")
+    return name
+
+
+def delete_namespace(k: Kubectl, name: str, wait: bool = False) -> None:
+    k("delete", "namespace", name, f"--wait={str(wait).lower()}", "--ignore-not-found", check=False, timeout=300)
+
+
+# --------------------------------------------------------------------------------------------
+# DDPJobs of the digits example
+
+def digits_job(name: str, *, nodes: int = 2, min_nodes: int | None = None, max_nodes: int | None = None,
+               step_delay: float = 0.0, epochs: int | None = None, progress_period: int = 2,
+               env: dict[str, str] | None = None, cpu_request: str = "100m", spec: dict | None = None) -> dict:
+    """manifests/samples/digits.yaml, renamed and tuned: `step_delay` seconds of sleep per step (time to
+    kill a pod mid-run), tiny CPU requests (the control plane shares two cores with training)."""
+    job = copy.deepcopy(next(d for d in yaml.safe_load_all(DIGITS_SAMPLE.read_text()) if d and d["kind"] == "DDPJob"))
+    job["metadata"] = {"name": name}
+    s = job["spec"]
+    s["nodes"] = nodes
+    if min_nodes is not None:
+        s["minNodes"] = min_nodes
+    if max_nodes is not None:
+        s["maxNodes"] = max_nodes
+    s["progressPeriodSeconds"] = progress_period
+    trainer = next(c for c in s["template"]["spec"]["containers"] if c["name"] == "trainer")
+    trainer["resources"]["requests"]["cpu"] = cpu_request
+    variables = {"DIGITS_STEP_DELAY": str(step_delay)}
+    if epochs is not None:
+        variables["DIGITS_EPOCHS"] = str(epochs)
+    variables.update(env or {})
+    trainer["env"] = [e for e in trainer.get("env", []) if e["name"] not in variables] + \
+        [{"name": k, "value": v} for k, v in variables.items()]
+    for key, value in (spec or {}).items():
+        s[key] = value
+    return job
+
+
+def apply(k: Kubectl, namespace: str, obj: dict | list[dict]) -> None:
+    objs = obj if isinstance(obj, list) else [obj]
+    k("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(objs), timeout=300)
+
+
+def job(k: Kubectl, namespace: str, name: str) -> dict:
+    return k.json("get", "ddpj", name, "-n", namespace)
+
+
+def status(k: Kubectl, namespace: str, name: str) -> dict:
+    return job(k, namespace, name).get("status") or {}
+
+
+def wait_phase(k: Kubectl, namespace: str, name: str, phase: str, timeout: float,
+               fail_on: tuple[str, ...] = ("Failed",)) -> dict:
+    """Wait for status.phase == phase; fails at once when the job ends in a phase of `fail_on`."""
+    def check():
+        st = status(k, namespace, name)
+        if st.get("phase") == phase:
+            return st
+        if st.get("phase") in fail_on:
+            raise PhaseError(f"{namespace}/{name} is {st.get('phase')}: reason={st.get('reason')} "
+                             f"message={st.get('message')}")
+        return None
+    return wait_for_or_raise(check, timeout, f"{namespace}/{name} phase {phase}", PhaseError)
+
+
+class PhaseError(AssertionError):
+    """The job reached a terminal phase other than the one waited for."""
+
+
+def wait_for_or_raise(check: Callable[[], Any], timeout: float, what: str, fatal: type[BaseException],
+                      interval: float = 0.5) -> Any:
+    """wait_for, except that exceptions of type `fatal` end the wait at once."""
+    def guarded():
+        try:
+            return check()
+        except fatal as e:
+            return _Fatal(e)
+    result = wait_for(guarded, timeout, what, interval)
+    if isinstance(result, _Fatal):
+        raise result.error
+    return result
+
+
+class _Fatal:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def trainer_pods(k: Kubectl, namespace: str, name: str) -> list[dict]:
+    pods = k.json("get", "pods", "-n", namespace, "-l", f"{LABEL_JOB}={name},{LABEL_ROLE}=trainer")["items"]
+    return sorted(pods, key=lambda p: p["metadata"]["name"])
+
+
+def running(pod: dict) -> bool:
+    return pod.get("status", {}).get("phase") == "Running" and not pod["metadata"].get("deletionTimestamp")
+
+
+def progress(k: Kubectl, namespace: str, pod: str) -> dict | None:
+    """GET /progress of one pod through the API server's pod proxy; None unless it serves it (rank 0)."""
+    p = k("get", "--raw", f"/api/v1/namespaces/{namespace}/pods/{pod}:{PROGRESS_PORT}/proxy/progress",
+          "--request-timeout=3s", check=False, timeout=10)
+    if p.returncode != 0:
+        return None
+    try:
+        return json.loads(p.stdout)
+    except ValueError:
+        return None
+
+
+def rank0(k: Kubectl, namespace: str, name: str, min_step: int = 1) -> tuple[str, dict] | None:
+    """(pod, progress) of the pod whose trainer serves rank 0's progress, once it reached `min_step`."""
+    for pod in trainer_pods(k, namespace, name):
+        if running(pod):
+            prog = progress(k, namespace, pod["metadata"]["name"])
+            if prog is not None and (prog.get("step") or 0) >= min_step:
+                return pod["metadata"]["name"], prog
+    return None
+
+
+def wait_rank0_step(k: Kubectl, namespace: str, name: str, step: int, timeout: float) -> tuple[str, dict]:
+    """Wait until rank 0 reports at least `step` steps; fails at once if the job ended."""
+    def check():
+        found = rank0(k, namespace, name, step)
+        if found:
+            return found
+        st = status(k, namespace, name)
+        if st.get("phase") in ("Failed", "Succeeded"):
+            raise PhaseError(f"{namespace}/{name} ended {st.get('phase')} before step {step}: {st.get('message')}")
+        return None
+    return wait_for_or_raise(check, timeout, f"{namespace}/{name} rank 0 at step {step}", PhaseError)
+
+
+def kill_pod(k: Kubectl, namespace: str, pod: str) -> float:
+    """Delete a training pod as a crash would: no grace period. Returns the wall-clock time of the kill."""
+    t = time.time()
+    k("delete", "pod", pod, "-n", namespace, "--grace-period=0", "--force", "--wait=false")
+    return t
+
+
+def pod_logs(k: Kubectl, namespace: str, pod: str, tail: int | None = None) -> str:
+    args = ["logs", "-n", namespace, pod, "-c", "trainer"] + ([f"--tail={tail}"] if tail else [])
+    p = k(*args, check=False, timeout=30)
+    return p.stdout if p.returncode == 0 else ""
+
+
+# --------------------------------------------------------------------------------------------
+# the trainer's log lines: `<ISO time>Z ddp_trainer rank=0 event=step step=12 ...`
+
+_LINE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)\.(\d{3})Z ddp_trainer (.*)$")
+_KV = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
+
+
+@dataclass(frozen=True)
+class Event:
+    time: float
+    pod: str
+    event: str
+    fields: dict[str, str]
+
+    def int(self, key: str, default: int = -1) -> int:
+        try:
+            return int(self.fields[key])
+        except (KeyError, ValueError):
+            return default
+
+
+def events(text: str, pod: str = "") -> list[Event]:
+    out = []
+    for line in text.splitlines():
+        m = _LINE.match(line.strip())
+        if not m:
+            continue
+        t = timegm(time.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S")) + int(m.group(2)) / 1000
+        fields = {k: v.strip('"') for k, v in _KV.findall(m.group(3))}
+        out.append(Event(t, pod, fields.get("event", ""), fields))
+    return out
+
+
+def job_events(k: Kubectl, namespace: str, name: str) -> list[Event]:
+    """Trainer log events of every current training pod, in time order."""
+    found: list[Event] = []
+    for pod in trainer_pods(k, namespace, name):
+        pname = pod["metadata"]["name"]
+        found += events(pod_logs(k, namespace, pname), pname)
+    return sorted(found, key=lambda e: e.time)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    seconds: float  # kill -> first training step of the re-formed group
+    resumed_from: int  # the step the group resumed from (0: started over)
+    source: str  # "peer", "local", "disk" or "fresh"
+    steps_lost: int  # steps rank 0 had reached at the kill minus resumed_from
+
+
+def recovery_after(k: Kubectl, namespace: str, name: str, killed_at: float, step_at_kill: int,
+                   timeout: float) -> Recovery:
+    """Wait for the first step after a resume (or fresh start) logged after `killed_at`."""
+    def check():
+        evs = [e for e in job_events(k, namespace, name) if e.time >= killed_at]
+        restart = next((e for e in evs if e.event in ("resume", "start")), None)
+        if restart is None:
+            st = status(k, namespace, name)
+            if st.get("phase") in ("Failed", "Succeeded"):
+                raise PhaseError(f"{namespace}/{name} ended {st.get('phase')} without resuming")
+            return None
+        step = next((e for e in evs if e.event == "step" and e.time >= restart.time), None)
+        if step is None:
+            return None
+        resumed = restart.int("step", 0) if restart.event == "resume" else 0
+        source = restart.fields.get("source", "fresh")
+        return Recovery(round(step.time - killed_at, 2), resumed, source, max(0, step_at_kill - resumed))
+    return wait_for_or_raise(check, timeout, f"{namespace}/{name} to resume training", PhaseError, interval=1.0)
+
+
+def final_accuracy(k: Kubectl, namespace: str, name: str) -> float | None:
+    """testAccuracy from status.progress (the termination-log JSON), else from rank 0's log line."""
+    st = status(k, namespace, name)
+    acc = ((st.get("progress") or {}).get("metrics") or {}).get("testAccuracy")
+    if acc is not None:
+        return float(acc)
+    for e in job_events(k, namespace, name):
+        if e.event == "final" and "test_accuracy" in e.fields:
+            return float(e.fields["test_accuracy"])
+    return None
+
+
+def p50(values: list[float]) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    mid = len(v) // 2
+    return round(v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2, 2)
+
+
+def diagnostics(k: Kubectl, namespace: str, operator: Operator | None = None) -> str:
+    text = dump_namespace(k, namespace)
+    if operator is not None:
+        text += "\n----- operator log -----\n" + operator.logs(150)
+    return text
