@@ -234,8 +234,7 @@ class PeerSnapshots:
                     os.unlink(slot.path)
                 except OSError:
                     pass
-        if remove:
-            try:
-                os.rmdir(self.directory)
-            except OSError:
-                pass
+        try:
+            os.rmdir(self.directory)  # only succeeds when empty, e.g. a reader that never wrote
+        except OSError:
+            pass
