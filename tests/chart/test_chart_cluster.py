@@ -157,7 +157,7 @@ def test_install_run_upgrade_uninstall(kubectl, helm, namespace, crd_installed, 
         kubectl("apply", "-n", namespace, "-f", "-", input=TINY_JOB.format(name="tiny"))
         _wait_phase(kubectl, namespace, "tiny", "Succeeded", timeout=180)
 
-        helm("upgrade", release, str(CHART), "-n", namespace, *scope, "--set", "operator.logLevel=debug",
+        helm("upgrade", release, str(CHART), "-n", namespace, *scope, "--set", "operator.verbose=true",
              "--wait", "--timeout", "180s")
         assert "REVISION: 2" in helm("status", release, "-n", namespace).stdout
         kubectl("rollout", "status", f"deployment/{release}-ddp-operator", "-n", namespace, "--timeout=60s")
