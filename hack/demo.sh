@@ -8,6 +8,8 @@
 # Every step is idempotent: a second run skips what is done (and reports a finished demo job again;
 # --fresh trains again). DDPJOB_CLUSTER=external uses the current KUBECONFIG (e.g. kind) instead of the
 # embedded cluster and skips the host set-up; the images must already be on its nodes then.
+# DEMO_HELM_ARGS adds helm arguments, e.g. "--set rbac.scope=namespace --set watch.namespaces={ddp-demo}"
+# to keep the demo's operator to its own namespace on a shared cluster.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=hack/versions.env
@@ -51,8 +53,16 @@ up() {
     log "using the cluster of KUBECONFIG=${KUBECONFIG:-~/.kube/config}; skipping host set-up and images"
   fi
   log "5/6 operator: helm upgrade --install $RELEASE helm/ddp-operator -n $OPERATOR_NS"
+  local extra=() image_id=""
+  read -r -a extra <<<"${DEMO_HELM_ARGS:-}"
+  if [[ -z $EXTERNAL ]]; then
+    # The tag stays 0.1.0 across local rebuilds: the image digest as a Pod annotation rolls the operator
+    # whenever its image changed, and changes nothing when it did not.
+    image_id=$("$PY" hack/image.py ls | awk -F'\t' '$1 == "localhost/ddp-operator:0.1.0" {print $2}')
+    extra+=(--set-string "podAnnotations.demo\.ddp\.dev/image-id=${image_id#sha256:}")
+  fi
   "$HELM" upgrade --install "$RELEASE" helm/ddp-operator --namespace "$OPERATOR_NS" --create-namespace \
-    --wait --timeout 5m
+    --wait --timeout 5m "${extra[@]}"
   "$KUBECTL" -n "$OPERATOR_NS" get deploy,pods -l app.kubernetes.io/instance="$RELEASE" -o wide
   log "6/6 the digits sample: 2 nodes; one pod is killed midway"
   local rc=0

@@ -72,8 +72,9 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 
 log "running tests/e2e against kind"
-# DDPJOB_OPERATOR=installed: an operator already runs in the cluster (the chart), so the suite must not
-# start its own; DDPJOB_CLUSTER=external: use KUBECONFIG as given, never start the embedded cluster.
+# KUBECONFIG (reachable, not the embedded cluster's) is what makes tests/conftest.py use kind; its
+# context name (kind-<cluster>) is how the suite knows to `kind load` any image it builds itself.
+# DDPJOB_OPERATOR=installed: the chart installed above is the operator under test.
 read -r -a extra <<<"${PYTEST_ARGS:-}"
-DDPJOB_CLUSTER=external DDPJOB_OPERATOR=installed PYTHONPATH="$ROOT/operator:$ROOT/trainer:$ROOT" \
+DDPJOB_OPERATOR=installed PYTHONPATH="$ROOT/operator:$ROOT/trainer:$ROOT" \
   .venv/bin/python -m pytest -ra tests/e2e "${extra[@]}"
