@@ -16,8 +16,8 @@ cd "$(dirname "$0")/.."
 source hack/versions.env
 
 CACHE_ROOT=${DDPJOB_CACHE:-$HOME/.cache/ddpjob}
-RELEASE=ddp-operator
-OPERATOR_NS=ddp-system
+RELEASE=${DEMO_RELEASE:-ddp-operator}
+OPERATOR_NS=${DEMO_OPERATOR_NAMESPACE:-ddp-system}
 DEMO_NS=${DEMO_NAMESPACE:-ddp-demo}
 EXTERNAL=""
 if [[ ${DDPJOB_CLUSTER:-embedded} == external ]]; then EXTERNAL=1; fi
