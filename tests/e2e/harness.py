@@ -162,7 +162,7 @@ class Operator:
         if self.installed_here:
             log(f"helm uninstall {RELEASE} -n {OPERATOR_NS}")
             self.helm("uninstall", RELEASE, "-n", OPERATOR_NS, "--wait", "--timeout", "120s", check=False)
-            self.k("delete", "namespace", OPERATOR_NS, "--wait=false", "--ignore-not-found", check=False)
+            self.k("delete", "namespace", OPERATOR_NS, "--ignore-not-found", check=False, timeout=180)
             self.installed_here = False
 
     def helm(self, *args: str, check: bool = True, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -174,6 +174,10 @@ class Operator:
 
     def _helm_install(self) -> None:
         existed = self.helm("status", RELEASE, "-n", OPERATOR_NS, check=False).returncode == 0
+        if not existed:  # a previous uninstall may still be removing the namespace
+            wait_for(lambda: self.k("get", "namespace", OPERATOR_NS, check=False).returncode != 0
+                     or self.k.json("get", "namespace", OPERATOR_NS)["status"].get("phase") != "Terminating",
+                     180, f"namespace {OPERATOR_NS} to finish terminating")
         values: dict[str, Any] = {}
         digest = image_id(self.cluster, OPERATOR_IMAGE)
         if digest:

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""How much the operator writes to the API server for one clean job (`make bench-api`).
+
+    tests/benchmarks/api_writes.py [--nodes 2] [--window 120] [--quick] [--audit-log PATH]
+
+Runs one N-node digits DDPJob from apply to Succeeded with nothing going wrong, and counts the operator's
+writes (create, update, patch, delete) in the API server's audit log: the embedded cluster records the
+metadata of every write in .cluster/logs/audit.log (hack/cluster.py's audit policy); another cluster needs
+an audit log of its own (--audit-log). The operator's writes are those of its ServiceAccount (the chart's
+operator) or, for DDPJOB_OPERATOR=subprocess, the non-kubectl writes of the kubeconfig's user; only
+writes in the job's namespace count.
+
+Steady state: once the job is Running with every node ready, --window seconds of healthy training (the
+step delay keeps it training past the window). Progress polling is off by default (--progress-period 0):
+progress copies into the status are a feature with its own rate (at most one write per period).
+
+Goals (issue 4): creates <= N + 2 (Service, rendezvous-store pod, N training pods), status writes <= 6,
+0 writes per minute while healthy. The last line is one JSON object: nodes, creates, status_writes,
+steady_state_writes_per_min, and a breakdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import Counter
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.e2e import harness as h  # noqa: E402
+
+WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
+TRAIN_SAMPLES = 1258
+BATCH = 32
+JOB = "api"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--window", type=float, default=120, help="seconds of healthy training observed")
+    p.add_argument("--progress-period", type=int, default=0, help="spec.progressPeriodSeconds of the job")
+    p.add_argument("--audit-log", type=Path, default=None, help="the API server's audit log (default: embedded)")
+    p.add_argument("--quick", action="store_true", help="a 20 s window (smoke test)")
+    a = p.parse_args()
+    if a.quick:
+        a.window = 20
+    return a
+
+
+def ts(value: str) -> float:
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def read_from(path: Path, offset: int) -> list[dict]:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    out = []
+    for line in data.decode(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def classify(ev: dict) -> str:
+    ref = ev.get("objectRef") or {}
+    resource, sub, verb = ref.get("resource"), ref.get("subresource"), ev["verb"]
+    if resource == "ddpjobs":
+        return "status_writes" if sub == "status" else "job_object_writes"
+    if resource == "events":
+        return "events"
+    if verb == "create" and resource in ("pods", "services"):
+        return "creates"
+    if verb in ("delete", "deletecollection"):
+        return "deletes"
+    return f"other:{verb}:{resource}" + (f"/{sub}" if sub else "")
+
+
+def main() -> int:
+    a = parse_args()
+    cluster = h.connect()
+    k = h.Kubectl(cluster.kubeconfig)
+    audit = a.audit_log or (h.embedded.AUDIT_LOG if cluster.embedded else None)
+    if audit is None or not Path(audit).exists():
+        print(json.dumps({"error": "no API audit log: pass --audit-log (the embedded cluster writes "
+                                   ".cluster/logs/audit.log)"}))
+        return 2
+    h.ensure_images(cluster)
+    op = h.Operator(cluster, k).start()
+    user = op.username()
+    ns = h.new_namespace(k, "bench-api")
+    try:
+        steps = a.nodes and 4 * math.ceil(math.ceil(TRAIN_SAMPLES / a.nodes) / BATCH)  # 4 epochs
+        delay = round((a.window + 45) / steps, 3)  # trains well past the window
+        manifest = h.digits_job(JOB, nodes=a.nodes, step_delay=delay, epochs=4, progress_period=a.progress_period,
+                                env={"DIGITS_PATIENCE": "0"})
+        offset = Path(audit).stat().st_size
+        t_apply = time.time()
+        h.apply(k, ns, manifest)
+
+        def healthy():
+            st = h.status(k, ns, JOB)
+            if st.get("phase") in ("Failed", "Succeeded"):
+                raise h.PhaseError(f"{JOB} ended {st.get('phase')} before the window: {st}")
+            nodes = st.get("nodes") or {}
+            return st if st.get("phase") == "Running" and nodes.get("ready") == a.nodes else None
+        h.wait_for_or_raise(healthy, 300, f"{JOB} Running with {a.nodes} ready nodes", h.PhaseError)
+        h.wait_rank0_step(k, ns, JOB, 1, 120)  # training, not just started containers
+        time.sleep(3)  # let the transition's own writes land before the window opens
+        w0 = time.time()
+        h.log(f"steady-state window: {a.window:.0f} s")
+        time.sleep(a.window)  # the measurement itself: a window of wall-clock time
+        w1 = time.time()
+        st = h.status(k, ns, JOB)
+        if st.get("phase") != "Running":
+            raise AssertionError(f"{JOB} left Running during the window: {st}")
+        h.wait_phase(k, ns, JOB, "Succeeded", 900)
+        time.sleep(2)  # the last status write reaches the log
+        t_end = time.time()
+
+        ops = []
+        for ev in read_from(Path(audit), offset):
+            ref = ev.get("objectRef") or {}
+            if ev.get("verb") not in WRITE_VERBS or ref.get("namespace") != ns or ev.get("stage") != "ResponseComplete":
+                continue
+            if op.mode == "subprocess":
+                if ev.get("userAgent", "").startswith("kubectl"):
+                    continue
+            elif ev.get("user", {}).get("username") != user:
+                continue
+            ops.append(ev)
+        kinds = Counter(classify(e) for e in ops)
+        in_window = [e for e in ops if w0 <= ts(e["requestReceivedTimestamp"]) <= w1]
+        result = {
+            "nodes": a.nodes,
+            "creates": kinds.get("creates", 0),
+            "status_writes": kinds.get("status_writes", 0),
+            "steady_state_writes_per_min": round(len(in_window) / ((w1 - w0) / 60), 2),
+            "goal": {"creates": a.nodes + 2, "status_writes": 6, "steady_state_writes_per_min": 0},
+            "breakdown": dict(sorted(kinds.items())),
+            "total_writes": len(ops),
+            "window_s": round(w1 - w0, 1),
+            "window_writes": [f"{e['verb']} {e.get('objectRef', {}).get('resource')}"
+                              f"{'/' + e['objectRef']['subresource'] if e.get('objectRef', {}).get('subresource') else ''}"
+                              for e in in_window],
+            "job_seconds": round(t_end - t_apply, 1),
+            "progress_period_s": a.progress_period,
+            "operator_user": user if op.mode != "subprocess" else "(kubeconfig user, non-kubectl)",
+        }
+    except BaseException:
+        print(h.diagnostics(k, ns, op), file=sys.stderr)
+        raise
+    finally:
+        h.delete_namespace(k, ns)
+        op.stop()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""The operator under many jobs at once, control plane only (`make bench-scale`).
+
+    tests/benchmarks/scale.py [--jobs 200] [--nodes 1] [--quick]
+
+Applies --jobs DDPJobs in one `kubectl apply` and measures how long the operator takes to create every
+child (per job: the headless Service, the rendezvous-store pod and --nodes training pods), and the
+operator's resident memory (its Prometheus process metrics), sampled throughout and reported at its peak.
+Pods never run: their nodeSelector matches no node, so they stay Pending and only the operator, the API
+server and the scheduler work. Everything is deleted afterwards (the namespace).
+
+Goals (issue 4): all_children_created_s <= 30, operator_rss_mib <= 200. The last line is one JSON object:
+jobs, all_children_created_s, operator_rss_mib, and more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.e2e import harness as h  # noqa: E402
+
+NOWHERE = {"ddp.dev/bench-node": "nowhere"}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--jobs", type=int, default=200)
+    p.add_argument("--nodes", type=int, default=1, help="training pods per job")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--quick", action="store_true", help="20 jobs (smoke test)")
+    a = p.parse_args()
+    if a.quick:
+        a.jobs = 20
+    return a
+
+
+def job(i: int, nodes: int) -> dict:
+    j = h.digits_job(f"s{i:04d}", nodes=nodes, progress_period=0)
+    j["spec"]["template"]["spec"]["nodeSelector"] = dict(NOWHERE)
+    return j
+
+
+class RssSampler(threading.Thread):
+    """The operator's RSS every `period` seconds, in the background."""
+
+    def __init__(self, op: h.Operator, period: float = 2.0):
+        super().__init__(daemon=True)
+        self.op, self.period = op, period
+        self.samples: list[float] = []
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            rss = self.op.rss_mib()
+            if rss is not None:
+                self.samples.append(rss)
+            self.stopped.wait(self.period)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.is_alive():
+            self.join(10)
+
+
+def count_children(k: h.Kubectl, ns: str) -> tuple[int, int]:
+    sel = f"{h.LABEL_JOB}"
+    pods = k("get", "pods", "-n", ns, "-l", sel, "-o", "name", timeout=120).stdout.split()
+    svcs = k("get", "services", "-n", ns, "-l", sel, "-o", "name", timeout=120).stdout.split()
+    return len(pods), len(svcs)
+
+
+def main() -> int:
+    a = parse_args()
+    cluster = h.connect()
+    k = h.Kubectl(cluster.kubeconfig)
+    h.ensure_images(cluster)
+    op = h.Operator(cluster, k).start()
+    ns = h.new_namespace(k, "bench-scale")
+    sampler = RssSampler(op)
+    try:
+        rss_before = op.rss_mib()
+        sampler.start()
+        want_pods, want_svcs = a.jobs * (a.nodes + 1), a.jobs
+        manifests = [job(i, a.nodes) for i in range(a.jobs)]
+        t0 = time.time()
+        h.apply(k, ns, manifests)
+        t_applied = time.time()
+        h.log(f"{a.jobs} DDPJobs applied in {t_applied - t0:.1f} s; waiting for {want_pods} pods, {want_svcs} services")
+        seen: tuple[int, int] = (0, 0)
+
+        def done():
+            nonlocal seen
+            seen = count_children(k, ns)
+            return seen[0] >= want_pods and seen[1] >= want_svcs
+        try:
+            h.wait_for(done, a.timeout, "every child of every job", interval=0.5)
+        except AssertionError:
+            h.log(f"only {seen} of ({want_pods}, {want_svcs}) children after {a.timeout} s")
+            raise
+        t_children = time.time()
+
+        def all_pending():
+            jobs = k.json("get", "ddpj", "-n", ns, timeout=120)["items"]
+            return sum(1 for j in jobs if (j.get("status") or {}).get("phase")) == a.jobs
+        h.wait_for(all_pending, 120, "a status on every job", interval=1.0)
+        t_status = time.time()
+        sampler.stop()
+        rss_after = op.rss_mib()
+        samples = sampler.samples + ([rss_after] if rss_after else [])
+        result = {
+            "jobs": a.jobs,
+            "all_children_created_s": round(t_children - t0, 1),
+            "operator_rss_mib": round(max(samples), 1) if samples else None,
+            "goal": {"all_children_created_s": 30, "operator_rss_mib": 200},
+            "apply_s": round(t_applied - t0, 1),
+            "all_statuses_s": round(t_status - t0, 1),
+            "children": {"pods": want_pods, "services": want_svcs},
+            "operator_rss_mib_before": round(rss_before, 1) if rss_before else None,
+            "operator_rss_mib_after": round(rss_after, 1) if rss_after else None,
+            "rss_samples": len(samples),
+        }
+    except BaseException:
+        print(h.dump_namespace(k, ns)[-20000:], file=sys.stderr)
+        print(op.logs(80), file=sys.stderr)
+        raise
+    finally:
+        sampler.stop()
+        # Jobs first, so the operator sees them go; then the namespace with whatever is left.
+        k("delete", "ddpj", "--all", "-n", ns, "--wait=false", check=False, timeout=300)
+        h.delete_namespace(k, ns, wait=True)
+        op.stop()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

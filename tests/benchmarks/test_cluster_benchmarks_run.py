@@ -1,0 +1,66 @@
+"""The cluster benchmarks run in quick mode against the cluster under test and print their JSON keys
+(figures are not judged here: `make bench-*` runs them in full and reports them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e import harness
+
+HERE = Path(__file__).resolve().parent
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+
+
+@pytest.fixture(scope="module")
+def bench_env(cluster, kubectl):
+    """One operator for all four benchmarks (each would otherwise install and remove the chart itself)."""
+    env = {**os.environ, "KUBECONFIG": cluster.kubeconfig}
+    op = None
+    if harness.operator_mode() == "helm":
+        harness.ensure_images(cluster)
+        op = harness.Operator(cluster, kubectl).start()
+        env["DDPJOB_OPERATOR"] = "installed"
+    yield env
+    if op is not None:
+        op.stop()
+
+
+def _run(env: dict, script: str, *args: str, timeout: float = 900) -> dict:
+    proc = subprocess.run([sys.executable, str(HERE / script), "--quick", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_e2e_recovery_quick(bench_env):
+    r = _run(bench_env, "e2e_recovery.py")
+    assert {"kills", "survived", "recovery_s_p50", "rank0_recovery_s_p50", "steps_lost_max"} <= set(r), r
+    assert r["kills"] == 2
+
+
+def test_startup_quick(bench_env):
+    r = _run(bench_env, "startup.py")
+    assert {"apply_to_running_s", "apply_to_first_step_s", "baseline_first_step_s", "delta_s"} <= set(r), r
+    assert r["apply_to_first_step_s"] > 0 and r["baseline_first_step_s"] > 0
+
+
+def test_api_writes_quick(bench_env, cluster):
+    if not cluster.embedded and not os.environ.get("DDPJOB_AUDIT_LOG"):
+        pytest.skip("needs the API server's audit log (the embedded cluster keeps one)")
+    extra = ["--audit-log", os.environ["DDPJOB_AUDIT_LOG"]] if os.environ.get("DDPJOB_AUDIT_LOG") else []
+    r = _run(bench_env, "api_writes.py", *extra)
+    assert {"nodes", "creates", "status_writes", "steady_state_writes_per_min"} <= set(r), r
+    assert r["creates"] >= r["nodes"]  # the filter found the operator's writes
+
+
+def test_scale_quick(bench_env):
+    r = _run(bench_env, "scale.py")
+    assert {"jobs", "all_children_created_s", "operator_rss_mib"} <= set(r), r
+    assert r["jobs"] == 20
