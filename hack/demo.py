@@ -74,14 +74,14 @@ class Demo:
         if pod.status.phase != "Running" or pod.metadata.deletion_timestamp:
             return None
         try:
-            raw = self.core.connect_get_namespaced_pod_proxy_with_path(
-                f"{pod.metadata.name}:{PROGRESS_PORT}", self.ns, "progress", _request_timeout=2)
+            # Raw bytes: the client would otherwise hand back a str() of the parsed JSON.
+            resp = self.core.connect_get_namespaced_pod_proxy_with_path(
+                f"{pod.metadata.name}:{PROGRESS_PORT}", self.ns, "progress", _request_timeout=2,
+                _preload_content=False)
+            record = json.loads(resp.data)
         except Exception:  # not rank 0, not serving yet, or restarting: all mean "no progress here"
             return None
-        try:
-            return json.loads(raw) if isinstance(raw, str) else raw
-        except ValueError:
-            return None
+        return record if isinstance(record, dict) and "step" in record else None
 
     # --- steps ----------------------------------------------------------------------------------
     def ensure_namespace(self) -> None:
@@ -96,13 +96,13 @@ class Demo:
         job = copy.deepcopy(next(d for d in yaml.safe_load_all(SAMPLE.read_text()) if d and d["kind"] == "DDPJob"))
         job["metadata"]["namespace"] = self.ns
         job["metadata"]["name"] = self.name
-        # Demo-only: copy progress into the status often, and slow each step a little so that the run
-        # lasts long enough to watch and to kill a pod in the middle of it.
+        # Demo-only: copy progress into the status often, slow each step a little and train all 10
+        # epochs (no early stop), so that the run lasts long enough to watch and to kill a pod midway.
         job["spec"]["progressPeriodSeconds"] = 2
         trainer = next(c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == "trainer")
-        env = [e for e in trainer.get("env", []) if e["name"] != "DIGITS_STEP_DELAY"]
-        env.append({"name": "DIGITS_STEP_DELAY", "value": str(self.a.step_delay)})
-        trainer["env"] = env
+        demo_env = {"DIGITS_STEP_DELAY": str(self.a.step_delay), "DIGITS_PATIENCE": "0"}
+        trainer["env"] = [e for e in trainer.get("env", []) if e["name"] not in demo_env] + [
+            {"name": k, "value": v} for k, v in demo_env.items()]
         return job
 
     def delete_job(self) -> None:
@@ -136,6 +136,10 @@ class Demo:
         if not ok:
             say(f"DEMO FAILED: expected Succeeded with accuracy >= {self.a.min_accuracy} "
                 f"(reason: {st.get('reason')}, message: {st.get('message')})")
+        elif not recovery:
+            say("DEMO INCOMPLETE: the job succeeded but no recovery was measured (the kill came too late, or "
+                "training finished first); run `hack/demo.sh --fresh` to try again")
+            ok = False
         return 0 if ok else 1
 
     def run(self) -> int:
@@ -151,14 +155,14 @@ class Demo:
             body = self.manifest()
             self.crd.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, body)
             say(f"applied {SAMPLE.relative_to(REPO)} as {self.ns}/{self.name} "
-                f"(2 nodes; demo: DIGITS_STEP_DELAY={self.a.step_delay}, progressPeriodSeconds=2)")
+                f"(2 nodes; demo: DIGITS_STEP_DELAY={self.a.step_delay}, DIGITS_PATIENCE=0, progressPeriodSeconds=2)")
         else:
             say(f"{self.ns}/{self.name} is already running: watching it")
         return self.watch()
 
     def watch(self) -> int:
         say("    time  phase       nodes  step  epoch    loss  valAcc  restarts  pods")
-        last_line = ""
+        last_line, last_key, last_print = "", None, 0.0
         max_step = -1        # furthest step seen before the kill
         kill_time = None     # monotonic time of the kill
         killed = None        # (name, uid)
@@ -191,9 +195,12 @@ class Demo:
             line = (f"{st.get('phase', '-'):<10} {st.get('nodesReady', '-'):>6} {step if step is not None else '-':>5} "
                     f"{shown.get('epoch', '-'):>6} {f'{loss:.4f}' if isinstance(loss, (int, float)) else '-':>7} "
                     f"{f'{acc:.3f}' if isinstance(acc, (int, float)) else '-':>7} {st.get('restarts', 0):>9}  {pod_txt}")
-            if line != last_line:
-                say(f"{time.monotonic() - self.t0:7.1f}s  {line}")
-                last_line = line
+            # A line when the job or its pods change, and at most every 2 s while only progress moves.
+            key = (st.get("phase"), st.get("nodesReady"), st.get("restarts"), pod_txt)
+            now = time.monotonic()
+            if line != last_line and (key != last_key or now - last_print >= 2):
+                say(f"{now - self.t0:7.1f}s  {line}")
+                last_line, last_key, last_print = line, key, now
 
             if st.get("phase") in FINISHED:
                 return self.report(job)
@@ -210,8 +217,10 @@ class Demo:
                     victims = [rank0]
                 victim = victims[-1]
                 say(f"\n>>> killing {victim.metadata.name} at step {max_step} "
-                    f"({'rank 0' if victim is rank0 else 'not rank 0'}): kubectl delete pod --grace-period=1\n")
-                self.core.delete_namespaced_pod(victim.metadata.name, self.ns, grace_period_seconds=1)
+                    f"({'rank 0' if victim is rank0 else 'not rank 0'}): "
+                    f"kubectl delete pod --grace-period={self.a.kill_grace}\n")
+                self.core.delete_namespaced_pod(victim.metadata.name, self.ns,
+                                                grace_period_seconds=self.a.kill_grace)
                 kill_time = time.monotonic()
                 killed = (victim.metadata.name, victim.metadata.uid)
                 self.annotate(**{"killed-pod": victim.metadata.name, "killed-at-step": max_step})
@@ -241,8 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job", default="digits")
     ap.add_argument("--kill", choices=["worker", "rank0"], default="worker",
                     help="which training pod to kill: one that is not rank 0 (default) or rank 0's")
+    ap.add_argument("--kill-grace", type=int, default=0,
+                    help="grace period of the kill: 0 (default: immediate, as a crash) or more (SIGTERM first)")
     ap.add_argument("--kill-epoch", type=int, default=3, help="kill once training reaches this epoch")
-    ap.add_argument("--step-delay", type=float, default=0.1, help="DIGITS_STEP_DELAY for the demo job")
+    ap.add_argument("--step-delay", type=float, default=0.25, help="DIGITS_STEP_DELAY for the demo job")
     ap.add_argument("--min-accuracy", type=float, default=0.90)
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--fresh", action="store_true", help="delete a finished demo job and train again")

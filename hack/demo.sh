@@ -61,8 +61,18 @@ up() {
     image_id=$("$PY" hack/image.py ls | awk -F'\t' '$1 == "localhost/ddp-operator:0.1.0" {print $2}')
     extra+=(--set-string "podAnnotations.demo\.ddp\.dev/image-id=${image_id#sha256:}")
   fi
-  "$HELM" upgrade --install "$RELEASE" helm/ddp-operator --namespace "$OPERATOR_NS" --create-namespace \
-    --wait --timeout 5m "${extra[@]}"
+  local try out
+  for try in 1 2 3 4 5 6; do
+    if out=$("$HELM" upgrade --install "$RELEASE" helm/ddp-operator --namespace "$OPERATOR_NS" \
+      --create-namespace --wait --timeout 5m "${extra[@]}" 2>&1); then
+      echo "$out"
+      break
+    fi
+    echo "$out" >&2
+    # Another client (a test suite sharing the release) may be mid-upgrade: wait for it, then retry.
+    [[ $out == *"another operation"* && $try -lt 6 ]] || exit 1
+    sleep 10
+  done
   "$KUBECTL" -n "$OPERATOR_NS" get deploy,pods -l app.kubernetes.io/instance="$RELEASE" -o wide
   log "6/6 the digits sample: 2 nodes; one pod is killed midway"
   local rc=0
