@@ -41,7 +41,7 @@ JOB = "st"
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=3, help="DDPJob + baseline pairs")
+    p.add_argument("--rounds", type=int, default=5, help="DDPJob + baseline pairs")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="one round (smoke test)")
     a = p.parse_args()

@@ -188,8 +188,19 @@ class Operator:
             yaml.safe_dump(values, f)
         try:
             log(f"helm upgrade --install {RELEASE} {CHART.relative_to(REPO)} -n {OPERATOR_NS} (watching every namespace)")
-            self.helm("upgrade", "--install", RELEASE, str(CHART), "-n", OPERATOR_NS, "--create-namespace",
-                      "-f", f.name, "--wait", "--timeout", "240s")
+            args = ("upgrade", "--install", RELEASE, str(CHART), "-n", OPERATOR_NS, "--create-namespace",
+                    "-f", f.name, "--wait", "--timeout", "240s")
+
+            def upgraded():
+                p = self.helm(*args, check=False)
+                if p.returncode == 0:
+                    return True
+                if "another operation" in p.stderr:  # e.g. `make demo` upgrading the same release
+                    return False
+                raise _Fatal(AssertionError(f"helm {' '.join(args)} failed:\n{p.stdout}\n{p.stderr}"))
+            result = wait_for(lambda: _unwrap(upgraded), 300, f"helm upgrade of {RELEASE}", interval=5)
+            if isinstance(result, _Fatal):
+                raise result.error
         finally:
             os.unlink(f.name)
         self.installed_here = not existed
@@ -364,8 +375,17 @@ def wait_for_or_raise(check: Callable[[], Any], timeout: float, what: str, fatal
     return result
 
 
-class _Fatal:
+def _unwrap(fn: Callable[[], Any]) -> Any:
+    """fn(), with a raised _Fatal returned instead (wait_for treats exceptions as "not yet")."""
+    try:
+        return fn()
+    except _Fatal as f:
+        return f
+
+
+class _Fatal(Exception):
     def __init__(self, error: BaseException):
+        super().__init__(str(error))
         self.error = error
 
     def __bool__(self) -> bool:
