@@ -125,6 +125,8 @@ def main() -> int:
         "baseline_running_s": median([r["baseline"]["running_s"] for r in rounds]),
         "baseline_first_step_s": base_first,
         "delta_s": round(op_first - base_first, 2),
+        # The same, paired by round (both halves of a round share the machine's load at the time).
+        "delta_s_paired_p50": median([r["ddpjob"]["first_step_s"] - r["baseline"]["first_step_s"] for r in rounds]),
         "goal": {"delta_s": 2},
         "nodes": a.nodes,
         "rounds": rounds,
