@@ -64,6 +64,7 @@ def test_defaults_render_hardened_operator(render):
     assert c["image"] == "localhost/ddp-operator:0.1.0"
     assert c["imagePullPolicy"] == "IfNotPresent"
     assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["enableServiceLinks"] is False  # DDP_OPERATOR_METRICS_PORT would clash with the operator's own
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     sc = c["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True
