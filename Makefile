@@ -14,7 +14,7 @@ help: ## list targets
 deps: ## system packages + .venv (idempotent)
 	hack/install-deps.sh
 
-binaries: ## build Kubernetes, etcd, CoreDNS, Helm, kubeconform from the Go module proxy (cached)
+binaries: ## build Kubernetes, etcd, CoreDNS and Helm from the Go module proxy (cached)
 	hack/build-binaries.sh
 
 cluster-up: deps binaries ## start the embedded single-node cluster (kubeconfig: .cluster/kubeconfig)

@@ -113,16 +113,20 @@ def versions() -> dict[str, str]:
     return out
 
 
-def binary(name: str) -> str:
-    """Path of a built component (kube-*, kubectl, etcd, coredns, helm, kubeconform) or a system tool."""
+def pinned_path(name: str) -> Path | None:
+    """Where hack/build-binaries.sh puts the pinned build of `name`; None for tools nobody pins."""
     v = versions()
     where = {"etcd": f"etcd-{v['ETCD_VERSION']}", "coredns": f"coredns-{v['COREDNS_VERSION']}",
-             "helm": f"helm-{v['HELM_VERSION']}", "kubeconform": f"kubeconform-{v['KUBECONFORM_VERSION']}"}
+             "helm": f"helm-{v['HELM_VERSION']}"}
     if name.startswith("kube"):
-        path = CACHE / f"kube-{v['KUBE_VERSION']}" / name
-    elif name in where:
-        path = CACHE / where[name] / name
-    else:
+        return CACHE / f"kube-{v['KUBE_VERSION']}" / name
+    return CACHE / where[name] / name if name in where else None
+
+
+def binary(name: str) -> str:
+    """Path of a built component (kube-*, kubectl, etcd, coredns, helm) or a system tool."""
+    path = pinned_path(name)
+    if path is None:
         found = shutil.which(name, path=_path_env())
         if not found:
             raise ClusterError(f"{name} not found on PATH; run hack/install-deps.sh")
