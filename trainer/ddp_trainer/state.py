@@ -55,38 +55,32 @@ class TensorRef:
         return (TensorRef, (self.index,))
 
 
+def _map_leaves(node: Any, leaf: Any) -> Any:
+    """Rebuild a tree of dicts/lists/tuples with `leaf` applied to everything else."""
+    if isinstance(node, dict):
+        return {k: _map_leaves(v, leaf) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_map_leaves(v, leaf) for v in node]
+    if isinstance(node, tuple):
+        return tuple(_map_leaves(v, leaf) for v in node)
+    return leaf(node)
+
+
 def flatten(tree: Any) -> tuple[Any, list[torch.Tensor]]:
     """Split a tree of dicts/lists/tuples into (skeleton without tensors, tensors in order)."""
     tensors: list[torch.Tensor] = []
 
-    def walk(node: Any) -> Any:
+    def take(node: Any) -> Any:
         if isinstance(node, torch.Tensor):
             tensors.append(node)
             return TensorRef(len(tensors) - 1)
-        if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        if isinstance(node, tuple):
-            return tuple(walk(v) for v in node)
         return node
 
-    return walk(tree), tensors
+    return _map_leaves(tree, take), tensors
 
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    def walk(node: Any) -> Any:
-        if isinstance(node, TensorRef):
-            return tensors[node.index]
-        if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        if isinstance(node, tuple):
-            return tuple(walk(v) for v in node)
-        return node
-
-    return walk(skeleton)
+    return _map_leaves(skeleton, lambda node: tensors[node.index] if isinstance(node, TensorRef) else node)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
