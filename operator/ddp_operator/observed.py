@@ -32,7 +32,7 @@ class PodState:
     role: str
     index: int | None
     group: int
-    phase: str                     # Pending | Running | Succeeded | Failed | Unknown | Gone (tombstone)
+    phase: str                     # Pending | Running | Succeeded | Failed | Unknown | Gone (tombstone, not ended)
     deleting: bool
     deletion_time: datetime | None  # deletionTimestamp (grace period already included by the API server)
     node: str
@@ -43,10 +43,13 @@ class PodState:
     message: str
     disruption: str | None         # disruption reason (eviction, preemption, node loss), or None
     final_report: Mapping[str, Any] | None  # rank 0's termination-log JSON, when present
+    # A tombstone: the pod's last state from its DELETED watch event. The object no longer exists, whatever
+    # its last phase says (a pod deleted gracefully usually ends Failed first: torchrun exits on SIGTERM).
+    gone: bool = False
 
     @property
     def terminal(self) -> bool:
-        return self.phase in ("Succeeded", "Failed", "Gone")
+        return self.gone or self.phase in ("Succeeded", "Failed")
 
     @property
     def active(self) -> bool:
@@ -91,7 +94,9 @@ def _disruption(pod: Mapping) -> str | None:
 
 
 def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
-    """`gone`: the pod's last state from a DELETED watch event (a tombstone)."""
+    """`gone`: the pod's last state from a DELETED watch event (a tombstone). Its phase becomes "Gone" unless it
+    had ended (Succeeded/Failed) before, which keeps its exit for the record; `PodState.gone` is what says the
+    object no longer exists."""
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
     labels = meta.get("labels") or {}
@@ -125,4 +130,5 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
         message=message[-MESSAGE_TAIL:],
         disruption=_disruption(pod),
         final_report=_final_report(message),
+        gone=gone,
     )

@@ -52,9 +52,10 @@ class Action:
 
 @dataclass(frozen=True)
 class Observed:
-    pods: tuple[PodState, ...]               # live pods and tombstones (phase "Gone") of this job
+    pods: tuple[PodState, ...]               # live pods and tombstones (`gone`) of this job
     service_exists: bool = True
-    node_ready: Mapping[str, bool] = field(default_factory=dict)  # for nodes of pods stuck Terminating
+    # For nodes of pods stuck Terminating: True/False, or None when unknown (no permission to read Nodes).
+    node_ready: Mapping[str, bool | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class Plan:
 def stuck_pods(job: Job, pods: tuple[PodState, ...], now: datetime) -> list[PodState]:
     """Pods Terminating longer than stuckTerminatingTimeoutSeconds: the shell looks up their nodes."""
     timeout = timedelta(seconds=job.spec.failure_policy.stuck_terminating_timeout_seconds)
-    return [p for p in pods if p.phase != "Gone" and p.deleting and p.node and p.deletion_time
+    return [p for p in pods if not p.gone and p.deleting and p.node and p.deletion_time
             and now >= p.deletion_time + timeout]
 
 
@@ -111,12 +112,14 @@ class _Pass:
         self.requeue.append(max(0.0, (when - self.now).total_seconds()))
 
     def delete(self, pod: PodState) -> None:
-        if pod.phase != "Gone" and not pod.deleting:
+        if not pod.gone and not pod.deleting:
             self.actions.append(Action(DELETE, "Pod", pod.name, uid=pod.uid))
 
     @property
     def live(self) -> list[PodState]:
-        return [p for p in self.observed.pods if p.phase != "Gone"]
+        # Tombstones are out, whatever their last phase: a gracefully deleted pod's tombstone is usually
+        # Failed, and counting it as present would hold back its replacement until some later wake-up.
+        return [p for p in self.observed.pods if not p.gone]
 
     @property
     def trainers(self) -> list[PodState]:
@@ -261,6 +264,12 @@ class _Pass:
                 self.delete(p)
 
     def stuck(self) -> None:
+        """Force-delete a pod Terminating past the timeout only on a node known to be NotReady or gone.
+
+        On a Ready node (or one whose state is unknown) the kubelet finishes the deletion and the pod's DELETED
+        event triggers the pass that recreates it: nothing to do. The one wake-up kept, at the timeout, is for
+        looking at the node then; recreation never waits for it.
+        """
         timeout = timedelta(seconds=self.job.spec.failure_policy.stuck_terminating_timeout_seconds)
         for p in self.live:
             if not (p.deleting and p.node and p.deletion_time):
@@ -303,7 +312,7 @@ class _Pass:
 
     def active_phase(self) -> None:
         job = self.job
-        current = [p for p in self.trainers if self.current(p) and p.phase != "Gone"]
+        current = [p for p in self.trainers if self.current(p) and not p.gone]
         running = sum(1 for p in current if p.running)
         ever_running = get_condition(self.conditions, names.COND_RUNNING) is not None
         was_training = self.prev.get("phase") in (names.PHASE_RUNNING, names.PHASE_RESTARTING)
@@ -386,7 +395,7 @@ class _Pass:
 
     def status(self) -> dict:
         job = self.job
-        trainers = [p for p in self.trainers if p.phase != "Gone" and p.group == self.group
+        trainers = [p for p in self.trainers if not p.gone and p.group == self.group
                     and p.index is not None and p.index < job.spec.nodes]
         counts = pod_counts(trainers, job.spec.nodes)
         status: dict[str, Any] = {

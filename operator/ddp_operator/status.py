@@ -64,8 +64,8 @@ def pod_counts(trainers: Iterable[PodState], desired: int) -> dict[str, int]:
         "active": sum(1 for p in trainers if p.active),
         "running": sum(1 for p in trainers if p.running),
         "ready": sum(1 for p in trainers if p.ready and not p.deleting),
-        "succeeded": sum(1 for p in trainers if p.succeeded and p.phase != "Gone"),
-        "failed": sum(1 for p in trainers if p.terminal and not p.succeeded and p.phase != "Gone"),
+        "succeeded": sum(1 for p in trainers if p.succeeded and not p.gone),
+        "failed": sum(1 for p in trainers if p.terminal and not p.succeeded and not p.gone),
     }
 
 

@@ -6,7 +6,7 @@ import time
 
 from kubernetes.client.exceptions import ApiException
 
-from ddp_cluster import owner_uids, wait_for
+from ddp_cluster import NS_PREFIX, owner_uids, wait_for
 
 PODS = {"job-0", "job-1", "job-rdzv"}
 
@@ -63,6 +63,11 @@ def test_failed_pod_is_replaced_and_counted(k):
 
 
 def test_operator_restart_changes_nothing(k, operator):
+    # The write counters are process-wide: earlier tests' namespaces must be gone, or the restarted operator
+    # replays their teardown (pods deleted under a live job, creates refused by NamespaceTerminating).
+    wait_for(lambda: not [n for n in k.core.list_namespace(label_selector="ddpjob.dev/test=true").items
+                          if n.metadata.name.startswith(NS_PREFIX) and n.metadata.name != k.ns],
+             120, interval=1, what="earlier test namespaces deleted")
     _running(k)
     before_job = k.job()
     before_pods = {n: p.metadata.resource_version for n, p in k.pods().items()}
@@ -273,3 +278,29 @@ def test_pod_stuck_terminating_on_a_lost_node_is_force_deleted(k):
     wait_for(lambda: "job-1" in k.pods() and _uid(k, "job-1") != old, timeout=30,
              what="force-deleted pod replaced")
     assert any(e.reason == "StuckPodForceDeleted" for e in k.events())
+
+
+def test_gracefully_deleted_pod_is_replaced_when_it_is_gone(k):
+    """`kubectl delete pod job-1` with a grace period: torchrun exits 1 on SIGTERM, then the kubelet removes the
+    object. The replacement follows the DELETED event at once, not stuckTerminatingTimeoutSeconds later."""
+    _running(k, failurePolicy={"stuckTerminatingTimeoutSeconds": 120})
+    # A node name makes the deletion graceful (unscheduled pods go at once); no kubelet finishes it but the test.
+    k.core.create_namespaced_pod_binding("job-1", k.ns, {
+        "apiVersion": "v1", "kind": "Binding", "metadata": {"name": "job-1"},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": "test-node"}}, _preload_content=False)
+    old = _uid(k, "job-1")
+    k.core.delete_namespaced_pod("job-1", k.ns, grace_period_seconds=30)
+    k.set_phase("job-1", "Failed", exit_code=1)  # torchrun's exit on SIGTERM
+    status = k.wait_phase("Restarting")
+    assert status["restarts"] == 1 and "replacing it" in status["message"]
+    # Asserting that nothing happens while it terminates (this also lets any coalesced status write and its
+    # wake-up pass, so the replacement below can only come from the DELETED event).
+    time.sleep(3)
+    assert _uid(k, "job-1") == old and k.pods()["job-1"].metadata.deletion_timestamp is not None
+    k.core.delete_namespaced_pod("job-1", k.ns, grace_period_seconds=0)  # the kubelet's final delete
+    wait_for(lambda: "job-1" in k.pods() and _uid(k, "job-1") != old, timeout=10,
+             what="replacement right after the DELETED event")
+    k.set_phase("job-1", "Running")
+    status = k.wait_phase("Running")
+    assert status["restarts"] == 1 and len(status["attempts"]) == 1
+    assert not any(e.reason == "StuckPodForceDeleted" for e in k.events())

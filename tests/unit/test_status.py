@@ -41,6 +41,10 @@ def test_final_report_and_tombstone():
     assert observe_pod(trainer(0, phase="Succeeded", exit_code=0, message="bye")).final_report is None
     gone = observe_pod(trainer(0), gone=True)
     assert gone.phase == "Gone" and gone.terminal and gone.reason == "Deleted"
+    assert gone.gone and not observe_pod(trainer(0)).gone
+    # A pod that ended before it was deleted keeps its exit; `gone` still says it no longer exists.
+    failed = observe_pod(trainer(0, phase="Failed", exit_code=1), gone=True)
+    assert failed.gone and failed.phase == "Failed" and failed.exit_code == 1 and not failed.active
 
 
 def test_store_pod_role():
