@@ -51,6 +51,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# kopf's namespace-pattern syntax: globs (* ?), negations (!) and comma-separated lists.
+_PATTERN_CHARS = frozenset("*?!,")
+
+
+def exact_namespaces(namespaces: list[str]) -> bool:
+    """True if the operator serves only namespaces named exactly, so kopf need not scan the cluster.
+
+    kopf otherwise lists and watches Namespaces and CRDs cluster-wide, which namespace-scoped RBAC (the chart's
+    rbac.scope=namespace) forbids; the 403s are retried for about a minute before kopf falls back to the very
+    same names. Globs do need the namespace scan to find matching namespaces.
+    """
+    return bool(namespaces) and not any(_PATTERN_CHARS & set(n) for n in namespaces)
+
+
+def settings_for(namespaces: list[str]) -> kopf.OperatorSettings:
+    """kopf settings that depend on the command line (the rest are set in handlers.configure)."""
+    settings = kopf.OperatorSettings()
+    settings.scanning.disabled = exact_namespaces(namespaces)
+    return settings
+
+
 def _standby_liveness(port: int):
     """A standby replica is alive while it waits for the Lease; kopf's own probe starts with leadership."""
     if not port:
@@ -97,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     scope = ", ".join(args.namespace) if args.namespace else "all namespaces"
     log.info("ddp-operator %s watching %s", __version__, scope)
     kopf.run(
+        settings=settings_for(args.namespace),
         standalone=True,  # two replicas are kept apart by --leader-elect, not kopf peering
         clusterwide=not args.namespace,
         namespaces=args.namespace,

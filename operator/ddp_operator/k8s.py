@@ -44,6 +44,7 @@ class Api:
         self.core = client.CoreV1Api(self.client)
         self.custom = client.CustomObjectsApi(self.client)
         self.coordination = client.CoordinationV1Api(self.client)
+        self._nodes_forbidden = False
 
     def _dict(self, obj: Any) -> dict:
         return self.client.sanitize_for_serialization(obj)
@@ -130,13 +131,25 @@ class Api:
             log.warning("could not post event %s for %s/%s: %s", reason, meta["namespace"], meta["name"], e.reason)
 
     # --- nodes ------------------------------------------------------------------------------------
-    def node_ready(self, name: str) -> bool:
-        """False if the node is gone or its Ready condition is not True."""
+    def node_ready(self, name: str) -> bool | None:
+        """False if the node is gone or its Ready condition is not True; None if Nodes may not be read.
+
+        Namespace-scoped RBAC (the chart's rbac.scope=namespace) grants no Node read. The node's state is then
+        unknown, which the plan treats as "do not force-delete"; after the first 403 no more reads are tried,
+        so a stuck pod does not turn into a stream of failing requests and retried passes.
+        """
+        if self._nodes_forbidden:
+            return None
         try:
             node = self.core.read_node(name)
         except ApiException as e:
             if e.status == 404:
                 return False
+            if e.status == 403:
+                self._nodes_forbidden = True
+                log.info("no permission to read Nodes (%s): pods stuck Terminating are waited for, never "
+                         "force-deleted", describe_error(e))
+                return None
             raise
         return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
 
