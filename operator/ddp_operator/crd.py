@@ -39,7 +39,7 @@ DEFAULTS: dict[str, Any] = {
     "failurePolicy": {
         "backoffLimit": 6,
         "countDisruptions": False,
-        "incidentWindowSeconds": 60,
+        "incidentWindowSeconds": 20,
         "stuckTerminatingTimeoutSeconds": 120,
     },
     "runPolicy": {"suspend": False, "cleanPodPolicy": "Running"},
