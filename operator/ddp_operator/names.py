@@ -37,6 +37,11 @@ ROLE_RDZV = "rdzv"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "ddp-operator"
 
+# --- Timing ---------------------------------------------------------------------------------------
+# torchrun exits 0 only when every worker finished, so a trainer still running this long after a peer
+# exited 0 is an agent waiting for a rendezvous that will never complete; it is stopped.
+SUCCESS_GRACE_SECONDS = 60
+
 # --- Ports ----------------------------------------------------------------------------------------
 DEFAULT_RDZV_PORT = 29400
 PROGRESS_PORT = 29401

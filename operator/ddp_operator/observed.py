@@ -43,6 +43,7 @@ class PodState:
     message: str
     disruption: str | None         # disruption reason (eviction, preemption, node loss), or None
     final_report: Mapping[str, Any] | None  # rank 0's termination-log JSON, when present
+    finished_at: datetime | None = None     # when the main container terminated
     # A tombstone: the pod's last state from its DELETED watch event. The object no longer exists, whatever
     # its last phase says (a pod deleted gracefully usually ends Failed first: torchrun exits on SIGTERM).
     gone: bool = False
@@ -130,5 +131,6 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
         message=message[-MESSAGE_TAIL:],
         disruption=_disruption(pod),
         final_report=_final_report(message),
+        finished_at=parse_time(terminated.get("finishedAt")),
         gone=gone,
     )

@@ -13,7 +13,8 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
 - Exit codes listed as permanent (or not listed as retryable) fail the job at once.
 - Losing the rendezvous-store pod restarts the whole group: group += 1 (new rendezvous id), every trainer pod
   is deleted and recreated. That is one incident.
-- Succeeded: some trainer exited 0 and no trainer is still running. Failures after a success are not replaced.
+- Succeeded: some trainer exited 0 and no trainer is still running. Failures after a success are not replaced;
+  trainers still running SUCCESS_GRACE_SECONDS after the first success are stopped.
 - Pods of an older group, or with an index >= spec.nodes (scale down), are deleted and never counted.
 """
 
@@ -354,6 +355,18 @@ class _Pass:
         for p in current:
             if p.phase == "Pending" and not p.deleting:
                 self.delete(p)  # never started: it cannot join a finished training
+        finished = [p.finished_at for p in current if p.succeeded and p.finished_at]
+        if still_running and finished:
+            # torchrun exits 0 only after every worker finished, so a peer still running well after that is
+            # an agent retrying a rendezvous nobody will join (e.g. its worker crashed in teardown): stop it
+            # instead of waiting out its join timeout.
+            give_up = min(finished) + timedelta(seconds=names.SUCCESS_GRACE_SECONDS)
+            if self.now >= give_up:
+                for p in still_running:
+                    self.delete(p)
+                still_running = []
+            else:
+                self.due_in(give_up)
         if still_running:
             self.phase, self.reason = names.PHASE_RUNNING, names.REASON_SUCCEEDED
             self.message = (f"a trainer exited 0; waiting for {len(still_running)} still running "

@@ -35,7 +35,7 @@ def make_job(**spec):
 
 def pod(name, *, role="trainer", index=None, group=0, phase="Running", exit_code=None, reason=None,
         message=None, deleting_since=None, node="node-1", disruption=None, status_reason=None, uid=None,
-        ready=None):
+        ready=None, finished_at=None):
     labels = {names.LABEL_JOB_NAME: "mnist", names.LABEL_ROLE: role, names.LABEL_GROUP: str(group)}
     if index is not None:
         labels[names.LABEL_NODE_INDEX] = str(index)
@@ -45,6 +45,8 @@ def pod(name, *, role="trainer", index=None, group=0, phase="Running", exit_code
         cs["state"] = {"terminated": {"exitCode": exit_code, "reason": reason or ("Completed" if exit_code == 0 else "Error")}}
         if message is not None:
             cs["state"]["terminated"]["message"] = message
+        if finished_at is not None:
+            cs["state"]["terminated"]["finishedAt"] = format_time(finished_at)
     conditions = []
     if ready if ready is not None else phase == "Running":
         conditions.append({"type": "Ready", "status": "True"})

@@ -177,6 +177,20 @@ def test_failure_after_a_peer_succeeded_is_not_replaced():
     assert (CREATE, "mnist-1") not in _acts(p)
 
 
+def test_peer_still_running_long_after_success_is_stopped():
+    job, status = _running()
+    pods = (rdzv(), trainer(0, phase="Succeeded", exit_code=0, finished_at=NOW), trainer(1))
+    waiting = plan(job, status, observed(*pods), later(5))
+    assert waiting.status["phase"] == "Running" and (DELETE, "mnist-1") not in _acts(waiting)
+    assert waiting.requeue_after == names.SUCCESS_GRACE_SECONDS - 5
+    stopped = plan(job, waiting.status, observed(*pods), later(names.SUCCESS_GRACE_SECONDS))
+    assert (DELETE, "mnist-1") in _acts(stopped)
+    done = plan(job, stopped.status, observed(pods[0], pods[1], gone=[trainer(1)]),
+                later(names.SUCCESS_GRACE_SECONDS + 1))
+    assert done.status["phase"] == "Succeeded" and done.status["restarts"] == 0
+    assert (CREATE, "mnist-1") not in _acts(done)
+
+
 def test_clean_pod_policies():
     for policy, expected in (("None", []), ("All", [(DELETE, "mnist-0"), (DELETE, "mnist-1"), (DELETE, "mnist-rdzv")])):
         job, status = _running(runPolicy={"cleanPodPolicy": policy})

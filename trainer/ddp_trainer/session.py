@@ -129,6 +129,12 @@ class Session:
     def close(self) -> None:
         """Leave the process group (call once, at the end of a successful run)."""
         if dist.is_initialized():
+            # Tear down only once every rank is past its last collective: a rank that destroys its gloo
+            # context while a peer still has work in flight can make that peer abort in C++ teardown.
+            try:
+                dist.barrier()
+            except RuntimeError as exc:  # a peer already left; the training itself is complete
+                self.log("close_barrier_failed", all_ranks=True, error=repr(exc))
             dist.destroy_process_group()
 
 

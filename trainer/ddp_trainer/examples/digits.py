@@ -249,4 +249,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is flushed and closed explicitly above; skipping interpreter teardown avoids C++ static
+    # destructors (gloo/c10d threads) that can abort a worker after training completed, which would make
+    # its torchrun agent start a rendezvous nobody joins.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
