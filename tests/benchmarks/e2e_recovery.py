@@ -127,10 +127,7 @@ class Bench:
 
 def main() -> int:
     a = parse_args()
-    cluster = h.connect()
-    k = h.Kubectl(cluster.kubeconfig)
-    h.ensure_images(cluster)
-    op = h.Operator(cluster, k).start()
+    _, k, op = h.start_operator()
     bench = None
     try:
         bench = Bench(a, k, op)

@@ -77,10 +77,7 @@ def count_children(k: h.Kubectl, ns: str) -> tuple[int, int]:
 
 def main() -> int:
     a = parse_args()
-    cluster = h.connect()
-    k = h.Kubectl(cluster.kubeconfig)
-    h.ensure_images(cluster)
-    op = h.Operator(cluster, k).start()
+    _, k, op = h.start_operator()
     ns = h.new_namespace(k, "bench-scale")
     sampler = RssSampler(op)
     try:

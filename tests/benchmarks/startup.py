@@ -93,10 +93,7 @@ def median(values: list[float]) -> float | None:
 
 def main() -> int:
     a = parse_args()
-    cluster = h.connect()
-    k = h.Kubectl(cluster.kubeconfig)
-    h.ensure_images(cluster)
-    op = h.Operator(cluster, k).start()
+    _, k, op = h.start_operator()
     rounds: list[dict] = []
     try:
         for i in range(a.rounds):

@@ -286,6 +286,14 @@ class Operator:
 # --------------------------------------------------------------------------------------------
 # namespaces
 
+def start_operator() -> tuple[Cluster, Kubectl, Operator]:
+    """Every benchmark's prelude: connect, make sure both images exist, start (or adopt) the operator."""
+    cluster = connect()
+    k = Kubectl(cluster.kubeconfig)
+    ensure_images(cluster)
+    return cluster, k, Operator(cluster, k).start()
+
+
 def new_namespace(k: Kubectl, label: str) -> str:
     base = re.sub(r"[^a-z0-9-]+", "-", label.lower()).strip("-")[:36].strip("-")
     name = f"{NS_PREFIX}{base}-{secrets.token_hex(3)}"
