@@ -40,3 +40,14 @@ def owner_reference(job: Job) -> dict:
         "controller": True,
         "blockOwnerDeletion": True,
     }
+
+
+def child_metadata(job: Job, name: str, labels: dict[str, str], annotations: dict | None = None) -> dict:
+    """metadata of every child: in the job's namespace, labelled, controlled by the job."""
+    return {
+        "name": name,
+        "namespace": job.namespace,
+        "labels": labels,
+        **({"annotations": dict(annotations)} if annotations else {}),
+        "ownerReferences": [owner_reference(job)],
+    }

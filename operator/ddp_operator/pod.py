@@ -6,7 +6,7 @@ import copy
 
 from ddp_operator import names
 from ddp_operator.env import merge_env, trainer_env
-from ddp_operator.labels import owner_reference, pod_labels
+from ddp_operator.labels import child_metadata, pod_labels
 from ddp_operator.spec import Job
 
 # Keeps the scheduler honest on small machines without reserving a core per pod.
@@ -73,12 +73,8 @@ def render_trainer_pod(job: Job, index: int, group: int) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": job.namespace,
-            "labels": {**(meta.get("labels") or {}), **pod_labels(job, names.ROLE_TRAINER, group, index)},
-            **({"annotations": dict(meta["annotations"])} if meta.get("annotations") else {}),
-            "ownerReferences": [owner_reference(job)],
-        },
+        "metadata": child_metadata(
+            job, name, {**(meta.get("labels") or {}), **pod_labels(job, names.ROLE_TRAINER, group, index)},
+            meta.get("annotations")),
         "spec": spec,
     }

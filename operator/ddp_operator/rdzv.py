@@ -8,7 +8,7 @@ the store itself triggers a whole-group restart (plan.py).
 from __future__ import annotations
 
 from ddp_operator import names
-from ddp_operator.labels import owner_reference, pod_labels
+from ddp_operator.labels import child_metadata, pod_labels
 from ddp_operator.spec import Job
 
 # SIGTERM handler: as PID 1 the interpreter would otherwise ignore it and wait out the grace period.
@@ -64,11 +64,6 @@ def render_rdzv_pod(job: Job, group: int) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": job.namespace,
-            "labels": pod_labels(job, names.ROLE_RDZV, group),
-            "ownerReferences": [owner_reference(job)],
-        },
+        "metadata": child_metadata(job, name, pod_labels(job, names.ROLE_RDZV, group)),
         "spec": dict(sorted(spec.items())),
     }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ddp_operator import names
-from ddp_operator.labels import job_labels, owner_reference
+from ddp_operator.labels import child_metadata, job_labels
 from ddp_operator.spec import Job
 
 
@@ -13,12 +13,7 @@ def render_service(job: Job) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {
-            "name": job.name,
-            "namespace": job.namespace,
-            "labels": job_labels(job),
-            "ownerReferences": [owner_reference(job)],
-        },
+        "metadata": child_metadata(job, job.name, job_labels(job)),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
