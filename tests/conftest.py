@@ -210,15 +210,20 @@ def kubectl(cluster) -> Kubectl:
     return Kubectl(cluster.kubeconfig)
 
 
-@pytest.fixture
-def namespace(request, kubectl) -> str:
-    base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
-    name = f"t-{base}-{secrets.token_hex(3)}"
+def create_test_namespace(kubectl: Kubectl, name: str) -> str:
+    """Create a labelled test namespace and wait until it accepts pods."""
     kubectl("create", "namespace", name)
     kubectl("label", "namespace", name, "ddpjob.dev/test=true")
     # Pods are refused until the namespace's default ServiceAccount exists.
     wait_for(lambda: kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
              60, f"default ServiceAccount in {name}")
+    return name
+
+
+@pytest.fixture
+def namespace(request, kubectl) -> str:
+    base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = create_test_namespace(kubectl, f"t-{base}-{secrets.token_hex(3)}")
     yield name
     report = getattr(request.node, "rep_call", None)
     if report is not None and report.failed:

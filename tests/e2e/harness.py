@@ -46,6 +46,7 @@ from tests.conftest import (  # noqa: E402  the suite's cluster helpers, shared 
     Kubectl,
     _kind_name,
     _reachable,
+    create_test_namespace,
     dump_namespace,
     embedded,
     ensure_image,
@@ -296,12 +297,7 @@ def start_operator() -> tuple[Cluster, Kubectl, Operator]:
 
 def new_namespace(k: Kubectl, label: str) -> str:
     base = re.sub(r"[^a-z0-9-]+", "-", label.lower()).strip("-")[:36].strip("-")
-    name = f"{NS_PREFIX}{base}-{secrets.token_hex(3)}"
-    k("create", "namespace", name)
-    k("label", "namespace", name, "ddpjob.dev/test=true")
-    wait_for(lambda: k("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
-             60, f"default ServiceAccount in {name}")
-    return name
+    return create_test_namespace(k, f"{NS_PREFIX}{base}-{secrets.token_hex(3)}")
 
 
 def delete_namespace(k: Kubectl, name: str, wait: bool = False) -> None:
