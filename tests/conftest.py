@@ -210,6 +210,16 @@ def kubectl(cluster) -> Kubectl:
     return Kubectl(cluster.kubeconfig)
 
 
+def stop_process(proc: subprocess.Popen, grace: float = 15) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `grace` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
 def create_test_namespace(kubectl: Kubectl, name: str) -> str:
     """Create a labelled test namespace and wait until it accepts pods."""
     kubectl("create", "namespace", name)

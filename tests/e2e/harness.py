@@ -50,6 +50,7 @@ from tests.conftest import (  # noqa: E402  the suite's cluster helpers, shared 
     dump_namespace,
     embedded,
     ensure_image,
+    stop_process,
     wait_for,
 )
 
@@ -153,12 +154,7 @@ class Operator:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+            stop_process(self.proc)
             self.proc = None
         if self.installed_here:
             log(f"helm uninstall {RELEASE} -n {OPERATOR_NS}")

@@ -15,6 +15,8 @@ from datetime import datetime, timezone
 
 import yaml
 
+from tests.conftest import stop_process
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 KUBECONFIG = pathlib.Path(os.environ.get("KUBECONFIG") or REPO / ".cluster" / "kubeconfig")
 CRD = REPO / "manifests" / "base" / "crd.yaml"
@@ -75,12 +77,7 @@ class Operator:
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+            stop_process(self.proc)
         self.proc = None
 
     def restart(self) -> None:
