@@ -38,10 +38,14 @@ generate: ## regenerate every copy of the CRD from its single source
 test: deps binaries ## the whole suite, exactly as CI runs it
 	$(PY) hack/cluster.py up
 	hack/build-images.sh
-	$(PY) -m pytest -ra tests/unit tests/trainer tests/cluster tests/integration tests/chart tests/e2e tests/benchmarks
+	$(PY) -m pytest -ra tests/unit tests/bootstrap tests/trainer tests/cluster tests/integration tests/chart tests/e2e tests/benchmarks
 
 test-unit: ## pure unit tests (no cluster)
 	$(PY) -m pytest -ra tests/unit
+
+.PHONY: test-bootstrap
+test-bootstrap: ## no Go on PATH, empty cache: the pinned Go toolchain is fetched, verified and builds etcd
+	$(PY) -m pytest -ra tests/bootstrap
 
 test-trainer: ## trainer tests: real torchrun agents on loopback
 	$(PY) -m pytest -ra tests/trainer

@@ -10,6 +10,10 @@ source "$here/versions.env"
 CACHE_ROOT=${DDPJOB_CACHE:-$HOME/.cache/ddpjob}
 export GOTOOLCHAIN=local GOFLAGS=-mod=mod GOPROXY=${GOPROXY:-https://proxy.golang.org,direct}
 log() { printf '[build %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+# Go: the one on PATH when it is new enough, else the pinned toolchain from the module proxy
+# (hack/install-go.py; a fresh Debian has no usable Go).
+goroot=$(python3 "$here/install-go.py")
+export GOROOT=$goroot PATH="$goroot/bin:$PATH"
 
 # Each component gets its own scratch module so dependency graphs never mix.
 scratch() { local d="$CACHE_ROOT/src/$1"; mkdir -p "$d"; echo "$d"; }

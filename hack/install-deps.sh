@@ -2,7 +2,8 @@
 # Installs what the project needs on a fresh Debian 12 machine, idempotently (a second run is quick):
 #   - system packages for the embedded cluster and the offline image builder
 #   - .venv at the repository root with requirements-dev.txt and the project itself (editable)
-# Go (for hack/build-binaries.sh) is expected on the machine already.
+# Go is not needed: hack/build-binaries.sh uses a new enough `go` on PATH or fetches the pinned
+# toolchain itself (hack/install-go.py).
 #   hack/install-deps.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,8 @@ log() { printf '[deps %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 # shims (PID 1 is not an init here); gcc+libc6-dev compile the static pause binary.
 PACKAGES=(containerd runc containernetworking-plugins conntrack iptables iproute2 openssl
           debootstrap tini gcc libc6-dev tar util-linux ca-certificates python3 python3-venv)
+# ShellCheck lints the shipping scripts in tests/chart/test_scripts.py (which fails without it in CI).
+PACKAGES+=(shellcheck)
 
 missing=()
 for p in "${PACKAGES[@]}"; do
