@@ -17,6 +17,10 @@ Layout (why each piece is where it is):
   configs, logs (including the API audit log), pid files and the etcd data.
 - containerd gets its own socket/root/state (/run/ddpjob, /var/lib/ddpjob/containerd) so it never
   fights a system containerd; its image store survives `down` the way a node's image cache does.
+- One cluster per host (fixed bridge, ports and containerd socket): the checkout whose `up` started
+  it owns it, recorded in /var/lib/ddpjob/owner.json (and visible as its components' working
+  directory, <checkout>/.cluster). `up` from another checkout reuses it (.cluster/kubeconfig becomes
+  a link to the owner's); `down` there stops nothing. A failed `up` stops what it started.
 - Networking: the CNI bridge `cni0` owns 10.88.0.1/16 and is created before anything starts. That
   address is the node IP: the API server, kubelet and CoreDNS listen on it (pods reach all three),
   etcd and health endpoints stay on loopback. Nothing listens on the host's real interfaces.
@@ -76,6 +80,10 @@ CONTAINERD_STATE = Path("/run/ddpjob/containerd")
 CONTAINERD_SOCK = "/run/ddpjob/containerd.sock"
 RUNC_ROOT = "/run/ddpjob/runc"  # runc's own state (default /run/containerd/runc)
 K8S_NAMESPACE = "k8s.io"  # containerd namespace the CRI plugin uses
+# Host-wide, beside the image store (it survives `down`, unlike /run/ddpjob): which checkout owns the
+# cluster, and the lock that serialises up/down across checkouts.
+HOST_STATE = CONTAINERD_ROOT.parent
+OWNER_FILE = HOST_STATE / "owner.json"
 KUBELET_ROOT = Path("/var/lib/kubelet")
 CNI_BIN_DIR = "/usr/lib/cni"  # Debian's containernetworking-plugins
 PAUSE_VERSION = "3.10.1"  # the pause version Kubernetes 1.34 ships
@@ -87,6 +95,18 @@ NODE_NAME = os.environ.get("DDPJOB_NODE_NAME") or socket.gethostname().split("."
 COMPONENTS = ["containerd", "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
               "coredns", "kube-proxy", "kubelet"]
 CONTROL_PLANE = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "coredns"]
+
+# What each component listens on (checked before it starts: a clear message instead of its own
+# `bind: address already in use` at the end of its flags). "udp" marks CoreDNS's UDP socket.
+PORTS = {
+    "etcd": [("127.0.0.1", 2379), ("127.0.0.1", 2380), ("127.0.0.1", 2381)],
+    "kube-apiserver": [(NODE_IP, API_PORT)],
+    "kube-controller-manager": [("127.0.0.1", 10257)],
+    "kube-scheduler": [("127.0.0.1", 10259)],
+    "coredns": [(NODE_IP, 53), (NODE_IP, "udp", 53)],
+    "kube-proxy": [("127.0.0.1", 10256), ("127.0.0.1", 10249)],
+    "kubelet": [(NODE_IP, 10250), ("127.0.0.1", 10248)],
+}
 
 # Host values the kubelet/kube-proxy change; saved at the first `up`, restored by `down`.
 TOUCHED_SYSCTLS = ["net.ipv4.ip_forward", "vm.overcommit_memory", "kernel.panic", "kernel.panic_on_oops"]
@@ -165,6 +185,8 @@ def ctr(*args: str, check: bool = True, input: str | None = None, timeout: float
 def write(path: Path, text: str, mode: int = 0o644) -> Path:
     """Write only when the content changes: kube-proxy exits when its config file is rewritten."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink():  # .cluster/kubeconfig linked to another checkout's cluster: never write through
+        path.unlink()
     if not path.exists() or path.read_text() != text:
         path.write_text(text)
     path.chmod(mode)
@@ -228,10 +250,14 @@ def is_running(name: str) -> bool:
     return any(name.encode() in part for part in cmd[:6])
 
 
+_started: list[str] = []  # components this process started, in order (a failed `up` stops them)
+
+
 def start(name: str, argv: list[str]) -> bool:
     """Start a component detached from us (own session) so it outlives `up`; False if already running."""
     if is_running(name):
         return False
+    _started.append(name)
     for d in (LOGS, PIDS):
         d.mkdir(parents=True, exist_ok=True)
     logfile = LOGS / f"{name}.log"
@@ -552,10 +578,10 @@ subjects:
 # --------------------------------------------------------------------------------------------
 # probes
 
-def _ssl_context(client: bool = True) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(cafile=str(PKI / "ca.crt"))
+def _ssl_context(client: bool = True, pki: Path = PKI) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
     if client:
-        ctx.load_cert_chain(str(PKI / "admin.crt"), str(PKI / "admin.key"))
+        ctx.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
     return ctx
 
 
@@ -714,14 +740,27 @@ def argv_for(name: str) -> list[str]:
 
 def ensure_containerd() -> None:
     """containerd alone is enough for image imports (hack/image.py), cluster up or not."""
-    if is_running("containerd") and containerd_ready():
+    if containerd_ready():  # ours, or the one of the checkout that owns the host's cluster
         return
     if os.geteuid() != 0:
         raise ClusterError("containerd needs root")
-    write_configs()
-    CONTAINERD_STATE.parent.mkdir(parents=True, exist_ok=True)
-    start("containerd", argv_for("containerd"))
-    wait_for("containerd socket", containerd_ready, 30, "containerd")
+    with _locked():
+        other = _other_owner()
+        if other:
+            raise ClusterError(f"{_owner_line(other)}; its containerd is not answering: "
+                               f"run `make cluster-status` or `make cluster-down` in {other['repo']}")
+        if not is_running("containerd"):
+            _check_containerd_db_free()
+            _claim()  # containerd is the first component: whoever starts it owns the host's cluster
+        write_configs()
+        CONTAINERD_STATE.parent.mkdir(parents=True, exist_ok=True)
+        started = start("containerd", argv_for("containerd"))
+        try:
+            wait_for("containerd socket", containerd_ready, 30, "containerd")
+        except BaseException:
+            if started:  # never leave a containerd behind that holds its database lock
+                stop("containerd")
+            raise
 
 
 def _node_ready() -> bool:
@@ -730,18 +769,218 @@ def _node_ready() -> bool:
     return out.strip() == "True"
 
 
+_lock_depth = 0
+
+
 @contextlib.contextmanager
 def _locked():
-    """One up/down at a time per checkout (parallel pytest sessions may all try to start it)."""
+    """One up/down at a time on the host (parallel pytest sessions and other checkouts may all try to
+    start the one cluster); re-entrant within this process."""
+    global _lock_depth
     STATE.mkdir(parents=True, exist_ok=True)
-    with open(STATE / ".lock", "w") as f:
+    if _lock_depth:
+        _lock_depth += 1
+        try:
+            yield
+        finally:
+            _lock_depth -= 1
+        return
+    try:
+        HOST_STATE.mkdir(parents=True, exist_ok=True)
+        lockfile = HOST_STATE / "lock"
+        open(lockfile, "a").close()
+    except OSError:  # not root: nothing host-wide can be started anyway
+        lockfile = STATE / ".lock"
+    with open(lockfile, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
-        yield
+        _lock_depth = 1
+        try:
+            yield
+        finally:
+            _lock_depth = 0
+
+
+# --------------------------------------------------------------------------------------------
+# ownership: one cluster per host
+
+def _component_processes() -> dict[Path, list[tuple[int, str]]]:
+    """Running cluster components on this host, by checkout: start() runs each one in its
+    checkout's .cluster/, so a cluster is found even without (or with a stale) owner record."""
+    names = set(COMPONENTS) | {"tini"}
+    found: dict[Path, list[tuple[int, str]]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cwd = os.readlink(d / "cwd").removesuffix(" (deleted)")
+            if not cwd.endswith("/.cluster") or not _alive(int(d.name)):
+                continue
+            name = Path((d / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")).name
+        except OSError:
+            continue
+        if name in names:
+            found.setdefault(Path(cwd).parent, []).append((int(d.name), name))
+    return found
+
+
+def owner() -> dict | None:
+    """The checkout whose cluster runs on this host: {"repo", "pid", "since", "components"}; None
+    when no component of any checkout runs."""
+    try:
+        rec = json.loads(OWNER_FILE.read_text())
+    except (OSError, ValueError):
+        rec = {}
+    running = _component_processes()
+    if not running:
+        return None
+    repo = Path(rec["repo"]) if rec.get("repo") else None
+    if repo not in running:  # no record (a cluster started before records existed) or a stale one
+        repo, rec = sorted(running)[0], {}
+    return {"repo": str(repo), "pid": rec.get("pid"), "since": rec.get("since"),
+            "components": sorted({name for _, name in running[repo]})}
+
+
+def _other_owner() -> dict | None:
+    o = owner()
+    return o if o and Path(o["repo"]).resolve() != REPO.resolve() else None
+
+
+def _owner_line(o: dict) -> str:
+    since = f", up since {o['since']} by pid {o['pid']}" if o.get("since") else ""
+    return f"the embedded cluster of this host belongs to {o['repo']}{since}"
+
+
+def _claim() -> None:
+    HOST_STATE.mkdir(parents=True, exist_ok=True)
+    OWNER_FILE.write_text(json.dumps({"repo": str(REPO), "pid": os.getpid(),
+                                      "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+
+
+def _release() -> None:
+    try:
+        if Path(json.loads(OWNER_FILE.read_text())["repo"]).resolve() == REPO.resolve():
+            OWNER_FILE.unlink()
+    except (OSError, ValueError, KeyError):
+        pass
+
+
+def _reuse(o: dict) -> dict[str, float]:
+    """`up` in a checkout that does not own the host's cluster: use the owner's, if it is healthy."""
+    state = Path(o["repo"]) / ".cluster"
+    if not http_ok(f"{API_URL}/readyz", _ssl_context(pki=state / "pki")):
+        raise ClusterError(f"{_owner_line(o)} and it is not ready (running: {', '.join(o['components'])}): "
+                           f"run `make cluster-up` or `make cluster-down` in {o['repo']}")
+    STATE.mkdir(parents=True, exist_ok=True)
+    if KUBECONFIG.is_symlink() or KUBECONFIG.exists():
+        KUBECONFIG.unlink()
+    KUBECONFIG.symlink_to(state / "kubeconfig")
+    print(f"{_owner_line(o)}; reusing it (`make cluster-down` there frees the host for this checkout); "
+          f"export KUBECONFIG={KUBECONFIG}")
+    return {}
+
+
+# --------------------------------------------------------------------------------------------
+# host conflicts: ports and containerd's database
+
+def _listeners() -> dict[tuple[str, str, int], int]:
+    """(proto, address, port) -> socket inode of every listening TCP / bound UDP socket (IPv4 and
+    IPv6 wildcards as 0.0.0.0)."""
+    out = {}
+    for proto, f in (("tcp", "tcp"), ("tcp", "tcp6"), ("udp", "udp"), ("udp", "udp6")):
+        try:
+            lines = Path(f"/proc/net/{f}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if proto == "tcp" and cols[3] != "0A":  # LISTEN
+                continue
+            addr_hex, port_hex = cols[1].split(":")
+            if len(addr_hex) == 8:
+                addr = socket.inet_ntoa(bytes.fromhex(addr_hex)[::-1])
+            elif addr_hex == "0" * 32:
+                addr = "0.0.0.0"
+            elif addr_hex[:24] == "0000000000000000FFFF0000":  # v4-mapped
+                addr = socket.inet_ntoa(bytes.fromhex(addr_hex[24:])[::-1])
+            else:
+                continue
+            out[(proto, addr, int(port_hex, 16))] = int(cols[9])
+    return out
+
+
+def _socket_holder(inode: int) -> str:
+    """'pid N (command line)' of the process that holds a socket, or 'an unknown process'."""
+    target = f"socket:[{inode}]"
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            for fd in (d / "fd").iterdir():
+                if os.readlink(fd) == target:
+                    cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                    return f"pid {d.name} ({cmd[:80]})"
+        except OSError:
+            continue
+    return "an unknown process"
+
+
+def _check_ports(names: list[str]) -> None:
+    """Fail with one line when a port one of `names` needs is taken by something else."""
+    listening = _listeners()
+    for name in names:
+        for spec in PORTS.get(name, []):
+            addr, proto, port = (spec[0], "tcp", spec[1]) if len(spec) == 2 else spec
+            inode = listening.get((proto, addr, port)) or listening.get((proto, "0.0.0.0", port))
+            if inode is not None:
+                raise ClusterError(f"cannot start {name}: {addr}:{port}/{proto} is in use by {_socket_holder(inode)}; "
+                                   "stop it and run `make cluster-up` again")
+
+
+def _check_containerd_db_free() -> None:
+    """A containerd left running (e.g. by a failed start) holds its boltdb lock: a second one would
+    wait 30 s on `waiting for response from boltdb open` and fail without saying why."""
+    db = str(CONTAINERD_ROOT / "io.containerd.metadata.v1.bolt" / "meta.db")
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) == db for fd in (d / "fd").iterdir()):
+                cwd = os.readlink(d / "cwd")
+                raise ClusterError(f"containerd's database {db} is held by pid {d.name} (started in {cwd}): "
+                                   f"run `make cluster-down` in {Path(cwd).parent}, or kill {d.name}")
+        except OSError:
+            continue
 
 
 def up() -> dict[str, float]:
     with _locked():
-        return _up()
+        other = _other_owner()
+        if other:
+            return _reuse(other)
+        was_running = [n for n in COMPONENTS if is_running(n)]
+        if not was_running or not OWNER_FILE.exists():
+            _claim()
+        del _started[:]
+        try:
+            return _up()
+        except BaseException:
+            # A failed start stops what it started: a containerd left behind would hold its database
+            # lock, and every later `up` from any checkout would hang on it. When nothing ran before,
+            # the host is cleaned as by `down` (the etcd data stays); components that were already
+            # running (a degraded cluster being repaired) are left alone.
+            if _started:
+                log(f"up failed: stopping what it started ({', '.join(_started)})")
+                try:
+                    if was_running:
+                        for name in reversed(_started):
+                            stop(name)
+                    else:
+                        _down(False, keep_etcd=True)
+                except Exception as e:  # noqa: BLE001 - report the original failure
+                    log(f"cleanup after the failed up failed too: {e}")
+            if not was_running:
+                _release()
+            raise
 
 
 def _up() -> dict[str, float]:
@@ -755,6 +994,7 @@ def _up() -> dict[str, float]:
     for tool in ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy",
                  "kubectl", "etcd", "coredns", "containerd", "runc", "tini", "iptables", "conntrack", "openssl"):
         binary(tool)  # fail before touching the host if anything is missing
+    _check_ports([n for n in COMPONENTS if not is_running(n)])
     prepare_host()
     write_configs()
     step("host prepared, PKI and configs written")
@@ -820,6 +1060,8 @@ def _our_stray_processes() -> list[int]:
                 continue
             if b"containerd-shim" in cmd and CONTAINERD_SOCK.encode() in cmd:
                 pids.append(int(d.name))
+    # components of this checkout whose pid file is gone (they run in its .cluster/)
+    pids += [pid for pid, _ in _component_processes().get(REPO, [])]
     return sorted(set(p for p in pids if p != os.getpid()))
 
 
@@ -853,10 +1095,18 @@ def _remove_cgroups() -> None:
 
 def down(purge: bool = False) -> None:
     with _locked():
+        other = _other_owner()
+        if other:
+            if KUBECONFIG.is_symlink():  # this checkout's own link to the owner's kubeconfig
+                KUBECONFIG.unlink()
+            print(f"{_owner_line(other)}, not to this checkout: nothing stopped "
+                  f"(`make cluster-down` in {other['repo']} stops it)")
+            return
         _down(purge)
+        _release()
 
 
-def _down(purge: bool) -> None:
+def _down(purge: bool, keep_etcd: bool = False) -> None:
     t0 = time.monotonic()
     for name in ("kubelet", "kube-proxy", "kube-scheduler", "kube-controller-manager", "coredns"):
         stop(name)
@@ -894,7 +1144,7 @@ def _down(purge: bool) -> None:
     for ns in netns:
         Path(ns).unlink(missing_ok=True)
     for path in [KUBELET_ROOT, Path("/var/log/pods"), Path("/var/log/containers"), CONTAINERD_STATE.parent,
-                 Path("/var/lib/cni/networks") / CNI_NETWORK, ETCD_DATA, PIDS,
+                 Path("/var/lib/cni/networks") / CNI_NETWORK, *([] if keep_etcd else [ETCD_DATA]), PIDS,
                  CONTAINERD_ROOT / "io.containerd.grpc.v1.cri" / "sandboxes",
                  CONTAINERD_ROOT / "io.containerd.grpc.v1.cri" / "containers"]:
         shutil.rmtree(path, ignore_errors=True)
@@ -1043,6 +1293,9 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "down":
             down(a.purge)
         elif a.cmd == "status":
+            other = _other_owner()
+            if other:
+                print(f"{_owner_line(other)}: `make cluster-status` there shows it")
             st = status()
             print(json.dumps(st, indent=2)) if a.json else print_status(st)
             return 0 if st["up"] else 1

@@ -185,6 +185,14 @@ def tar_layer(rootfs: Path, out: Path) -> str:
 # --------------------------------------------------------------------------------------------
 # pause image
 
+def go_binary() -> str:
+    """The Go hack/build-binaries.sh builds with: a new enough one on PATH, else the pinned toolchain
+    (hack/install-go.py; a fresh machine has no `go` on PATH)."""
+    goroot = subprocess.run([sys.executable, str(Path(__file__).with_name("install-go.py"))],
+                            stdout=subprocess.PIPE, text=True, check=True).stdout.strip()
+    return str(Path(goroot) / "bin" / "go")
+
+
 def ensure_pause() -> str:
     """Build Kubernetes' own pause.c statically and import it as cluster.PAUSE_IMAGE (no pull possible)."""
     ref = cluster.PAUSE_IMAGE
@@ -194,11 +202,12 @@ def ensure_pause() -> str:
     out = CACHE / f"pause-{cluster.PAUSE_VERSION}"
     binary = out / "pause"
     if not binary.exists():
-        modcache = subprocess.run(["go", "env", "GOMODCACHE"], capture_output=True, text=True,
+        go = go_binary()
+        modcache = subprocess.run([go, "env", "GOMODCACHE"], capture_output=True, text=True,
                                   check=True).stdout.strip()
         src = Path(modcache) / f"k8s.io/kubernetes@{kube}/build/pause/linux/pause.c"
         if not src.exists():
-            subprocess.run(["go", "mod", "download", f"k8s.io/kubernetes@{kube}"], check=True,
+            subprocess.run([go, "mod", "download", f"k8s.io/kubernetes@{kube}"], check=True,
                            env={**os.environ, "GOFLAGS": "-mod=mod"}, cwd=tempfile.gettempdir())
         out.mkdir(parents=True, exist_ok=True)
         subprocess.run(["gcc", "-Os", "-static", "-Wall", "-Werror", f'-DVERSION=v{cluster.PAUSE_VERSION}-ddpjob',

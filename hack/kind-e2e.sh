@@ -72,9 +72,10 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 
 log "running tests/e2e against kind"
-# KUBECONFIG (reachable, not the embedded cluster's) is what makes tests/conftest.py use kind; its
-# context name (kind-<cluster>) is how the suite knows to `kind load` any image it builds itself.
+# DDPJOB_TEST_KUBECONFIG is what makes tests/conftest.py use kind (it never follows a plain
+# KUBECONFIG); its context name (kind-<cluster>) is how the suite knows to `kind load` any image it
+# builds itself.
 # DDPJOB_OPERATOR=installed: the chart installed above is the operator under test.
 read -r -a extra <<<"${PYTEST_ARGS:-}"
-DDPJOB_OPERATOR=installed PYTHONPATH="$ROOT/operator:$ROOT/trainer:$ROOT" \
+DDPJOB_TEST_KUBECONFIG=$KCFG DDPJOB_OPERATOR=installed PYTHONPATH="$ROOT/operator:$ROOT/trainer:$ROOT" \
   .venv/bin/python -m pytest -ra tests/e2e "${extra[@]}"

@@ -1,9 +1,14 @@
 """Suite-wide fixtures: a real Kubernetes cluster and the means to use it from tests.
 
-- `cluster` (session): the cluster under test. `$KUBECONFIG` when it points to a reachable cluster
-  (kind, for users with Docker); otherwise the embedded cluster of hack/cluster.py, brought up when
-  needed and left up afterwards (a second session starts in a second, not a minute). When it cannot
-  start, the session fails with the reason when CI=true and skips cluster tests otherwise.
+- `cluster` (session): the cluster under test. The embedded cluster of hack/cluster.py, brought up
+  when needed and left up afterwards (a second session starts in a second, not a minute; a cluster
+  another checkout of this host runs is reused); or the cluster `DDPJOB_TEST_KUBECONFIG` names (kind:
+  `make kind-e2e` sets it for the cluster it made). `$KUBECONFIG` is never used: it may point at a
+  real cluster, and the tests install CRDs, Helm releases and pods and restart the embedded cluster.
+  When the cluster cannot be reached or started, the session fails with the reason when CI=true and
+  skips cluster tests otherwise. `cluster.found` lists what the session found on the cluster that is
+  not the tests' (non-system namespaces, workloads in `default`): the restart tests leave such a
+  cluster alone.
 - `kubectl` (session): kubectl bound to that cluster: `kubectl("get", "pods")` returns the
   CompletedProcess (raising with stdout/stderr on failure unless check=False), `kubectl.json(...)`
   the parsed `-o json` output.
@@ -150,6 +155,7 @@ class Cluster:
     kubeconfig: str
     embedded: bool  # hack/cluster.py's cluster on this host (host-level checks are possible)
     kind_name: str | None = None  # set for kind clusters (images go in with `kind load`)
+    found: tuple[str, ...] = ()  # what was on the cluster before the session that is not the tests'
 
     def kubectl(self, *args: str, **kw) -> subprocess.CompletedProcess:
         return Kubectl(self.kubeconfig)(*args, **kw)
@@ -184,25 +190,49 @@ def _kind_name(kubeconfig: str) -> str | None:
     return ctx[len("kind-"):] if ctx.startswith("kind-") else None
 
 
+SYSTEM_NAMESPACES = {"default", "kube-system", "kube-public", "kube-node-lease"}
+TEST_LABEL = "ddpjob.dev/test"  # on every namespace the tests create (create_test_namespace)
+
+
+def not_the_tests(kubeconfig: str) -> tuple[str, ...]:
+    """What the cluster holds that the tests did not make: other namespaces, workloads in default."""
+    k = Kubectl(kubeconfig)
+    found = [f"namespace {n['metadata']['name']}" for n in k.json("get", "namespaces")["items"]
+             if n["metadata"]["name"] not in SYSTEM_NAMESPACES
+             and n["metadata"].get("labels", {}).get(TEST_LABEL) != "true"]
+    found += [f"default/{o['kind'].lower()} {o['metadata']['name']}"
+              for o in k.json("get", "pods,deployments,statefulsets,jobs", "-n", "default")["items"]]
+    return tuple(found)
+
+
+def connect() -> Cluster:
+    """The cluster under test (see `cluster`); raises when it cannot be reached or started."""
+    named = os.environ.get("DDPJOB_TEST_KUBECONFIG")
+    if named and Path(named).resolve() != embedded.KUBECONFIG.resolve():
+        if not _reachable(named):
+            raise RuntimeError(f"DDPJOB_TEST_KUBECONFIG={named} names a cluster that does not answer")
+        os.environ["KUBECONFIG"] = named  # libraries and child processes use the same cluster
+        return Cluster(named, embedded=False, kind_name=_kind_name(named))
+    if not embedded.is_up():
+        embedded.up()  # reuses the host's cluster when another checkout owns it
+    # Libraries (kopf, the kubernetes client) and child processes find the cluster the usual way.
+    os.environ["KUBECONFIG"] = str(embedded.KUBECONFIG)
+    return Cluster(str(embedded.KUBECONFIG), embedded=True)
+
+
 # --------------------------------------------------------------------------------------------
 # fixtures
 
 @pytest.fixture(scope="session")
 def cluster() -> Cluster:
-    env = os.environ.get("KUBECONFIG")
-    if env and Path(env).resolve() != embedded.KUBECONFIG.resolve() and _reachable(env):
-        return Cluster(env, embedded=False, kind_name=_kind_name(env))
     try:
-        if not embedded.is_up():
-            embedded.up()
-    except Exception as e:  # noqa: BLE001 - any reason the cluster cannot start
-        msg = f"the embedded cluster could not start: {e}"
+        c = connect()
+    except Exception as e:  # noqa: BLE001 - any reason the cluster cannot be used
+        msg = f"the cluster under test is not available: {e}"
         if IN_CI:
             pytest.fail(msg, pytrace=False)
         pytest.skip(msg)
-    # Libraries (kopf, the kubernetes client) and child processes find the cluster the usual way.
-    os.environ["KUBECONFIG"] = str(embedded.KUBECONFIG)
-    return Cluster(str(embedded.KUBECONFIG), embedded=True)
+    return Cluster(c.kubeconfig, c.embedded, c.kind_name, found=not_the_tests(c.kubeconfig))
 
 
 @pytest.fixture(scope="session")

@@ -66,6 +66,11 @@ def test_build_binaries_bootstraps_the_pinned_go_without_go_on_path(tmp_path):
     assert again.returncode == 0 and again.stdout.strip() == str(goroot), again.stdout + again.stderr
     assert "downloading" not in again.stderr
 
+    # hack/image.py (the pause image, built at the first `cluster up`) finds the same Go without PATH's.
+    found = subprocess.run([sys.executable, "-c", "import image; print(image.go_binary())"], env=env,
+                           cwd=REPO / "hack", capture_output=True, text=True, timeout=120)
+    assert found.returncode == 0 and found.stdout.strip() == str(go), found.stdout + found.stderr
+
 
 def test_a_tampered_toolchain_zip_is_refused(tmp_path):
     """A proxy that serves other bytes than the checksum database recorded: nothing is installed."""

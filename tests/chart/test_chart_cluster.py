@@ -56,9 +56,10 @@ def test_rendered_chart_is_valid_on_the_server(kubectl, render, namespace, value
 
 def test_kustomize_install_is_valid_on_the_server(kubectl, kustomize, namespace, crd_installed):
     """manifests/ as `kubectl apply -k` would install it (moved into the test namespace: a dry run
-    cannot create ddp-system and then objects inside it)."""
+    cannot create ddp-system and then objects inside it). The Namespace itself is applied, not
+    created: `make demo` may already have made ddp-system on this cluster."""
     objs = kustomize(MANIFESTS)
-    kubectl("create", "--dry-run=server", "-f", "-", input=_dump([o for o in objs if o["kind"] == "Namespace"]))
+    _server_dry_run(kubectl, [o for o in objs if o["kind"] == "Namespace"], namespace)
     objs = [o for o in objs if o["kind"] != "Namespace"]
     for o in objs:
         if o["metadata"].get("namespace") == "ddp-system":

@@ -44,15 +44,13 @@ from tests import tools  # noqa: E402
 from tests.conftest import (  # noqa: E402  the suite's cluster helpers, shared with the benchmarks
     Cluster,
     Kubectl,
-    _kind_name,
-    _reachable,
     create_test_namespace,
     dump_namespace,
-    embedded,
     ensure_image,
     stop_process,
     wait_for,
 )
+from tests.conftest import connect as _connect  # noqa: E402
 
 TAG = "0.1.0"
 OPERATOR_IMAGE = f"localhost/ddp-operator:{TAG}"
@@ -76,16 +74,10 @@ def log(msg: str) -> None:
 # cluster and images
 
 def connect() -> Cluster:
-    """The cluster under test, as tests/conftest.py's `cluster` fixture chooses it: $KUBECONFIG when it
-    points at a reachable cluster other than the embedded one, else the embedded cluster (started if
-    it is down)."""
-    env = os.environ.get("KUBECONFIG")
-    if env and Path(env).resolve() != embedded.KUBECONFIG.resolve() and _reachable(env):
-        return Cluster(env, embedded=False, kind_name=_kind_name(env))
-    if not embedded.is_up():
-        embedded.up()
-    os.environ["KUBECONFIG"] = str(embedded.KUBECONFIG)
-    return Cluster(str(embedded.KUBECONFIG), embedded=True)
+    """The cluster under test, as tests/conftest.py's `cluster` fixture chooses it: the one
+    DDPJOB_TEST_KUBECONFIG names (kind), else the embedded cluster (started if it is down); never an
+    arbitrary $KUBECONFIG."""
+    return _connect()
 
 
 def operator_mode() -> str:
