@@ -63,7 +63,7 @@ def trainer_env(job: Job, index: int, group: int) -> list[dict]:
         _var(names.ENV_MAX_RESTARTS, s.torchrun.max_restarts),
         *(_var(*extra_arg_env(a)) for a in s.torchrun.extra_args),
         # Without it the surviving rank-0 agent reuses a stale master address after a membership change
-        # and the whole job dies ~60 s later (measured, see DESIGN.md).
+        # and the whole job dies ~60 s later (measured; docs/torchrun-facts.md).
         _var(names.ENV_DISABLE_SHARED_STORE, "1"),
         _var(names.ENV_OMP_NUM_THREADS, s.omp_num_threads),
         _var(names.ENV_PYTHONUNBUFFERED, "1"),
