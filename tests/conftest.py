@@ -12,6 +12,10 @@
 - `kubectl` (session): kubectl bound to that cluster: `kubectl("get", "pods")` returns the
   CompletedProcess (raising with stdout/stderr on failure unless check=False), `kubectl.json(...)`
   the parsed `-o json` output.
+- `foreign_operators_paused` (session): DDPJob operators the session did not install that watch
+  every namespace (e.g. `make demo`'s release) would reconcile the tests' jobs too; tests that run
+  operators of their own request it: such Deployments are scaled to 0 and restored to their replica
+  count when the session ends.
 - `namespace` (function): a fresh namespace per test, deleted afterwards; when the test failed,
   its pods, events, descriptions and container logs are printed first (shown in the report).
 - `wait_for` (and the module-level function): poll a condition with a timeout, never a fixed sleep.
@@ -269,6 +273,33 @@ def namespace(request, kubectl) -> str:
     if report is not None and report.failed:
         print(dump_namespace(kubectl, name))
     kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+
+
+@pytest.fixture(scope="session")
+def foreign_operators_paused(kubectl):
+    test_namespaces = {n["metadata"]["name"] for n in kubectl.json("get", "namespaces")["items"]
+                       if n["metadata"].get("labels", {}).get(TEST_LABEL) == "true"}
+    paused = []
+    for d in kubectl.json("get", "deployments", "-A", "-l", "app.kubernetes.io/name=ddp-operator")["items"]:
+        ns, name = d["metadata"]["namespace"], d["metadata"]["name"]
+        args = [a for c in d["spec"]["template"]["spec"]["containers"] for a in c.get("args", [])]
+        scoped = [a.split("=", 1)[1] for a in args if a.startswith("--namespace=")]
+        if ns in test_namespaces or (scoped and not any(set("*?!,") & set(a) for a in scoped)):
+            continue  # the tests' own, or one that watches named namespaces only
+        replicas = d["spec"].get("replicas", 1)
+        if replicas:
+            print(f"pausing the DDPJob operator {ns}/{name} (watches every namespace) until the session ends")
+            kubectl("scale", "deployment", name, "-n", ns, "--replicas=0")
+            paused.append((ns, name, replicas, d["spec"]["selector"]["matchLabels"]))
+    for ns, name, _, labels in paused:
+        sel = ",".join(f"{k}={v}" for k, v in labels.items())
+        wait_for(lambda: not kubectl.json("get", "pods", "-n", ns, "-l", sel)["items"], 120,
+                 f"the pods of {ns}/{name} to stop")
+    yield [(ns, name) for ns, name, _, _ in paused]
+    for ns, name, replicas, _ in paused:
+        current = kubectl("get", "deployment", name, "-n", ns, "-o", "jsonpath={.spec.replicas}", check=False)
+        if current.returncode == 0 and current.stdout.strip() == "0":  # nobody (e.g. a helm upgrade) restored it
+            kubectl("scale", "deployment", name, "-n", ns, f"--replicas={replicas}", check=False)
 
 
 @pytest.fixture(name="wait_for")

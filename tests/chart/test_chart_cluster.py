@@ -140,7 +140,7 @@ def images(ensure_image):
         ensure_image(f"localhost/ddp-{name}:0.1.0", tools.REPO_ROOT / name / "Dockerfile", tools.REPO_ROOT)
 
 
-def test_install_run_upgrade_uninstall(kubectl, helm, namespace, crd_installed, images):
+def test_install_run_upgrade_uninstall(kubectl, helm, namespace, crd_installed, images, foreign_operators_paused):
     """The chart on a real cluster: the operator Pod (uid 1000, read-only root) becomes ready, runs a job
     to Succeeded, survives an upgrade, and uninstall removes everything but the CRD."""
     release = f"ddpop-{uuid.uuid4().hex[:6]}"

@@ -2,7 +2,7 @@
 harness.py for DDPJOB_OPERATOR), a namespace per test named ddp-e2e-*, and a post-mortem on failure
 (pods, events, descriptions, container logs, the DDPJob, the operator's log).
 
-The cluster and kubectl come from tests/conftest.py: the embedded cluster, or $KUBECONFIG (kind)."""
+The cluster and kubectl come from tests/conftest.py: the embedded cluster, or DDPJOB_TEST_KUBECONFIG's (kind)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="module")
-def operator(cluster, kubectl):
+def operator(cluster, kubectl, request):
     """The operator for this module's tests; a chart installed here is uninstalled after them (module
     scope, so that tiers collected after this one never meet a cluster-wide operator they did not ask for)."""
+    if harness.operator_mode() == "subprocess":  # helm mode reuses an installed release instead
+        request.getfixturevalue("foreign_operators_paused")
     harness.ensure_images(cluster)
     op = harness.Operator(cluster, kubectl).start()
     yield op

@@ -39,7 +39,7 @@ def api(cluster):
 
 
 @pytest.fixture(scope="session")
-def operator(api, cluster, tmp_path_factory):
+def operator(api, cluster, tmp_path_factory, foreign_operators_paused):
     op = Operator(tmp_path_factory.mktemp("operator") / "operator.log", cluster.kubeconfig)
     op.start()
     yield op
