@@ -867,7 +867,11 @@ def _release() -> None:
 def _reuse(o: dict) -> dict[str, float]:
     """`up` in a checkout that does not own the host's cluster: use the owner's, if it is healthy."""
     state = Path(o["repo"]) / ".cluster"
-    if not http_ok(f"{API_URL}/readyz", _ssl_context(pki=state / "pki")):
+    try:
+        ready = http_ok(f"{API_URL}/readyz", _ssl_context(pki=state / "pki"))
+    except (OSError, ssl.SSLError):  # its PKI is not readable from here
+        ready = False
+    if not ready:
         raise ClusterError(f"{_owner_line(o)} and it is not ready (running: {', '.join(o['components'])}): "
                            f"run `make cluster-up` or `make cluster-down` in {o['repo']}")
     STATE.mkdir(parents=True, exist_ok=True)
