@@ -56,7 +56,7 @@ test-cluster: ## embedded-cluster tests
 test-integration: ## operator against the real API server
 	$(PY) -m pytest -ra tests/integration
 
-test-e2e: ## real pods running torchrun (embedded cluster or $$KUBECONFIG, e.g. kind)
+test-e2e: ## real pods running torchrun (embedded cluster or $$DDPJOB_TEST_KUBECONFIG, e.g. kind)
 	$(PY) -m pytest -ra tests/e2e
 
 test-chart: ## helm lint, template validation, install/upgrade/uninstall

@@ -1,6 +1,6 @@
 """The cluster behaves like a real one: what the operator and the trainer pods rely on.
 
-Runs against the embedded cluster (hack/cluster.py) or any $KUBECONFIG cluster; the checks that reach
+Runs against the embedded cluster (hack/cluster.py) or the DDPJOB_TEST_KUBECONFIG cluster; the checks that reach
 into the node from the host (killing a container's process) need the embedded one.
 """
 from __future__ import annotations

@@ -18,7 +18,8 @@ import yaml
 from tests.conftest import stop_process
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-KUBECONFIG = pathlib.Path(os.environ.get("KUBECONFIG") or REPO / ".cluster" / "kubeconfig")
+# The suite passes the cluster fixture's kubeconfig; the default is never an arbitrary $KUBECONFIG.
+KUBECONFIG = pathlib.Path(os.environ.get("DDPJOB_TEST_KUBECONFIG") or REPO / ".cluster" / "kubeconfig")
 CRD = REPO / "manifests" / "base" / "crd.yaml"
 NS_PREFIX = "ddp-it-"
 GROUP, VERSION, PLURAL = "ddp.dev", "v1alpha1", "ddpjobs"
