@@ -25,6 +25,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -275,8 +276,10 @@ def namespace(request, kubectl) -> str:
     kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
 
 
-@pytest.fixture(scope="session")
-def foreign_operators_paused(kubectl):
+@contextlib.contextmanager
+def foreign_operators_paused_in(kubectl: Kubectl):
+    """Scale every DDPJob operator Deployment that watches all namespaces (or globs) and does not live in
+    a test namespace to 0; on exit, restore the replica count of each one nobody restored meanwhile."""
     test_namespaces = {n["metadata"]["name"] for n in kubectl.json("get", "namespaces")["items"]
                        if n["metadata"].get("labels", {}).get(TEST_LABEL) == "true"}
     paused = []
@@ -291,15 +294,23 @@ def foreign_operators_paused(kubectl):
             print(f"pausing the DDPJob operator {ns}/{name} (watches every namespace) until the session ends")
             kubectl("scale", "deployment", name, "-n", ns, "--replicas=0")
             paused.append((ns, name, replicas, d["spec"]["selector"]["matchLabels"]))
-    for ns, name, _, labels in paused:
-        sel = ",".join(f"{k}={v}" for k, v in labels.items())
-        wait_for(lambda: not kubectl.json("get", "pods", "-n", ns, "-l", sel)["items"], 120,
-                 f"the pods of {ns}/{name} to stop")
-    yield [(ns, name) for ns, name, _, _ in paused]
-    for ns, name, replicas, _ in paused:
-        current = kubectl("get", "deployment", name, "-n", ns, "-o", "jsonpath={.spec.replicas}", check=False)
-        if current.returncode == 0 and current.stdout.strip() == "0":  # nobody (e.g. a helm upgrade) restored it
-            kubectl("scale", "deployment", name, "-n", ns, f"--replicas={replicas}", check=False)
+    try:
+        for ns, name, _, labels in paused:
+            sel = ",".join(f"{k}={v}" for k, v in labels.items())
+            wait_for(lambda: not kubectl.json("get", "pods", "-n", ns, "-l", sel)["items"], 120,
+                     f"the pods of {ns}/{name} to stop")
+        yield [(ns, name) for ns, name, _, _ in paused]
+    finally:
+        for ns, name, replicas, _ in paused:
+            current = kubectl("get", "deployment", name, "-n", ns, "-o", "jsonpath={.spec.replicas}", check=False)
+            if current.returncode == 0 and current.stdout.strip() == "0":  # e.g. a helm upgrade restored it
+                kubectl("scale", "deployment", name, "-n", ns, f"--replicas={replicas}", check=False)
+
+
+@pytest.fixture(scope="session")
+def foreign_operators_paused(kubectl):
+    with foreign_operators_paused_in(kubectl) as paused:
+        yield paused
 
 
 @pytest.fixture(name="wait_for")

@@ -1,0 +1,54 @@
+"""`make demo` then `make test` on the same cluster: an operator release the tests did not install and that
+watches every namespace (the demo's) is paused while tests run operators of their own, then restored.
+
+The chart is installed here exactly as the demo installs it (default values: every namespace), in a
+namespace without the tests' label, under a release name of its own. Pods need not become ready (the
+image may not be on the node when this runs alone): what is checked is the Deployment's scale."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.chart.conftest import CHART
+from tests.conftest import foreign_operators_paused_in, wait_for
+
+pytestmark = pytest.mark.cluster
+
+
+def test_a_cluster_wide_operator_the_tests_did_not_install_is_paused_then_restored(kubectl, helm):
+    release = f"coexist-{uuid.uuid4().hex[:6]}"
+    ns = f"ddp-coexist-{uuid.uuid4().hex[:6]}"  # unlabelled: to the fixtures it is the user's
+    deployment = f"{release}-ddp-operator"
+    sel = f"app.kubernetes.io/instance={release}"
+    try:
+        helm("install", release, str(CHART), "-n", ns, "--create-namespace", "--timeout", "120s")
+        wait_for(lambda: kubectl.json("get", "pods", "-n", ns, "-l", sel)["items"], 60, f"a pod of {deployment}")
+
+        with foreign_operators_paused_in(kubectl) as paused:
+            assert (ns, deployment) in paused
+            spec = kubectl.json("get", "deployment", deployment, "-n", ns)["spec"]
+            assert spec["replicas"] == 0
+            assert kubectl.json("get", "pods", "-n", ns, "-l", sel)["items"] == []
+
+        assert kubectl.json("get", "deployment", deployment, "-n", ns)["spec"]["replicas"] == 1
+        wait_for(lambda: kubectl.json("get", "pods", "-n", ns, "-l", sel)["items"], 60, f"{deployment} back")
+    finally:
+        helm("uninstall", release, "-n", ns, "--wait", "--timeout", "120s", check=False)
+        kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
+
+
+def test_an_operator_that_watches_named_namespaces_is_left_alone(kubectl, helm):
+    release = f"coexist-{uuid.uuid4().hex[:6]}"
+    ns = f"ddp-coexist-{uuid.uuid4().hex[:6]}"
+    deployment = f"{release}-ddp-operator"
+    try:
+        helm("install", release, str(CHART), "-n", ns, "--create-namespace", "--timeout", "120s",
+             "--set", f"watch.namespaces={{{ns}}}", "--set", "rbac.scope=namespace")
+        with foreign_operators_paused_in(kubectl) as paused:
+            assert (ns, deployment) not in paused
+            assert kubectl.json("get", "deployment", deployment, "-n", ns)["spec"]["replicas"] == 1
+    finally:
+        helm("uninstall", release, "-n", ns, "--wait", "--timeout", "120s", check=False)
+        kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
