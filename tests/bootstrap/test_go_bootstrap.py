@@ -91,3 +91,32 @@ def test_a_tampered_toolchain_zip_is_refused(tmp_path):
     assert p.stdout == ""
     assert not (cache / f"go-{V['GO_VERSION']}").exists()
     assert list(cache.iterdir()) == []  # the download and the staging directory are gone too
+
+
+def fake_go(bindir: Path, version: str, goroot: str) -> None:
+    bindir.mkdir(parents=True)
+    (bindir / "go").write_text(f"#!/bin/sh\n[ \"$1\" = env ] && printf '%s\\n%s\\n' {goroot} {version}\n")
+    (bindir / "go").chmod(0o755)
+
+
+def test_a_go_older_than_the_minimum_is_passed_over_and_a_new_enough_one_is_used(tmp_path):
+    """Debian's own Go (1.19) cannot build the pinned components; a Go at GO_MIN_VERSION or newer can."""
+    cache = tmp_path / "cache"
+    pinned = cache / f"go-{V['GO_VERSION']}"  # an installed pinned toolchain: no download needed
+    fake_go(pinned / "bin", f"go{V['GO_VERSION']}", str(pinned))
+    arch = "ARM64" if os.uname().machine == "aarch64" else "AMD64"
+    (pinned / ".ddpjob-verified").write_text(V[f"GO_TOOLCHAIN_SUM_{arch}"] + "\n")
+
+    fake_go(tmp_path / "old" / "bin", "go1.19.8", "/usr/lib/go-1.19")
+    env = fresh_env(cache)
+    env["PATH"] = f"{tmp_path / 'old' / 'bin'}{os.pathsep}{env['PATH']}"
+    p = subprocess.run([sys.executable, str(REPO / "hack" / "install-go.py")], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == str(pinned), p.stdout + p.stderr
+    assert f"go1.19.8 on PATH is older than go{V['GO_MIN_VERSION']}" in p.stderr
+
+    fake_go(tmp_path / "new" / "bin", f"go{V['GO_MIN_VERSION']}", "/opt/go")
+    env["PATH"] = f"{tmp_path / 'new' / 'bin'}{os.pathsep}{env['PATH']}"
+    p = subprocess.run([sys.executable, str(REPO / "hack" / "install-go.py")], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "/opt/go", p.stdout + p.stderr
