@@ -47,6 +47,9 @@ class PodState:
     # A tombstone: the pod's last state from its DELETED watch event. The object no longer exists, whatever
     # its last phase says (a pod deleted gracefully usually ends Failed first: torchrun exits on SIGTERM).
     gone: bool = False
+    # The trainer container ended but the pod still runs, kept up by a classic sidecar container. `phase` is
+    # then the trainer's outcome (Succeeded/Failed); the pod itself still needs stopping (cleanPodPolicy).
+    lingering: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -110,6 +113,10 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
     exit_code = terminated.get("exitCode")
     reason = terminated.get("reason") or status.get("reason") or ""
     phase = status.get("phase") or "Pending"
+    lingering = False
+    if role == names.ROLE_TRAINER and phase in ("Pending", "Running") and (cs.get("state") or {}).get("terminated"):
+        # Completion is the trainer container's, not the pod's: a sidecar may keep the pod Running for ever.
+        phase, lingering = ("Succeeded" if exit_code == 0 else "Failed"), not gone
     if gone:
         phase = "Gone" if phase not in ("Succeeded", "Failed") else phase
         reason = reason or "Deleted"
@@ -133,4 +140,5 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
         final_report=_final_report(message),
         finished_at=parse_time(terminated.get("finishedAt")),
         gone=gone,
+        lingering=lingering,
     )
