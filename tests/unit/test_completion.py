@@ -51,9 +51,20 @@ def test_native_sidecar_pod_that_ended_is_success_as_before():
 
 
 def test_native_sidecar_still_stopping_is_success_too():
+    """The kubelet stops native sidecars itself: the pods are left to end (and kept, cleanPodPolicy Running)."""
     job, status = _running()
     pods = [with_sidecar(trainer(i, phase="Running", exit_code=0), native=True) for i in range(2)]
-    assert plan(job, status, observed(rdzv(), *pods), later(5)).status["phase"] == names.PHASE_SUCCEEDED
+    p = plan(job, status, observed(rdzv(), *pods), later(5))
+    assert p.status["phase"] == names.PHASE_SUCCEEDED and _acts(p) == [(DELETE, "mnist-rdzv")]
+
+
+def test_trainer_ended_before_the_pod_phase_caught_up():
+    """The kubelet reports the container before the phase: such a pod is not stopped, it ends by itself."""
+    state = observe_pod(trainer(0, phase="Running", exit_code=0))
+    assert state.succeeded and not state.lingering
+    job, status = _running()
+    p = plan(job, status, observed(rdzv(), *(trainer(i, phase="Running", exit_code=0) for i in range(2))), later(5))
+    assert p.status["phase"] == names.PHASE_SUCCEEDED and _acts(p) == [(DELETE, "mnist-rdzv")]
 
 
 def test_clean_pod_policy_none_leaves_lingering_pods():
