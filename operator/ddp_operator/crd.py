@@ -305,6 +305,9 @@ def _spec_schema() -> dict:
                               "spec.torchrun.extraArgs must not set options the operator owns, in either "
                               "spelling (nnodes, nproc-per-node, rdzv-*, local-addr, max-restarts, node-rank, "
                               "master-*, standalone)"),
+                        _rule(f"self.all(x, self.exists_one(y, {_CEL_OPTION.replace('x.', 'y.')} == {_CEL_OPTION}))",
+                              "spec.torchrun.extraArgs must not set an option twice (- and _ spell the same "
+                              "option)"),
                     ],
                 },
             },

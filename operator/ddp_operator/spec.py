@@ -227,6 +227,11 @@ def _extra_args(section: Mapping) -> tuple[str, ...]:
         if reserved_option(arg):
             raise SpecError("spec.torchrun.extraArgs",
                             f"{arg!r} sets an option the operator owns; use the matching spec field instead")
+    options = [option_name(a) for a in args]
+    repeated = sorted({o for o in options if options.count(o) > 1})
+    if repeated:
+        raise SpecError("spec.torchrun.extraArgs", f"sets --{', --'.join(repeated)} more than once "
+                                                   f"(- and _ spell the same option)")
     return tuple(args)
 
 

@@ -51,6 +51,7 @@ INVALID = [
      "spec.torchrun.extraArgs"),
     ("extra-rdzv-prefix", {"torchrun": {"extraArgs": ["--rdzv_timeout=5"]}}, "spec.torchrun.extraArgs"),
     ("extra-space-value", {"torchrun": {"extraArgs": ["--nnodes 4"]}}, "spec.torchrun.extraArgs"),
+    ("extra-twice", {"torchrun": {"extraArgs": ["--log-dir=/a", "--log_dir=/b"]}}, "set an option twice"),
     ("env-standalone", {"template": _tpl_env("PET_STANDALONE")}, "containers[trainer].env sets PET_STANDALONE"),
     ("env-node-rank", {"template": _tpl_env("PET_NODE_RANK")}, "containers[trainer].env sets PET_NODE_RANK"),
     ("env-master-addr", {"template": _tpl_env("PET_MASTER_ADDR")}, "sets PET_MASTER_ADDR"),

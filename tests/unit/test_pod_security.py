@@ -34,6 +34,11 @@ def test_owned_torchrun_options_are_rejected_in_every_spelling(args):
     assert err.value.field == "spec.torchrun.extraArgs"
 
 
+def test_an_option_set_twice_in_two_spellings_is_rejected():
+    with pytest.raises(SpecError, match="--log-dir more than once"):
+        make_job(torchrun={"extraArgs": ["--log-dir=/a", "--log_dir=/b"]})
+
+
 def test_other_torchrun_options_pass_in_either_spelling():
     job = make_job(torchrun={"extraArgs": ["--log_dir=/tmp/l", "--redirects=3", "--no-python"]})
     env = {e["name"]: e.get("value") for e in trainer_env(job, 0, 0)}
