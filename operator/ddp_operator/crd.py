@@ -296,7 +296,8 @@ def _spec_schema() -> dict:
                     "type": "array",
                     "description": "Further torchrun options as `--option=value` or `--flag`; each becomes a "
                                    "PET_<OPTION> variable. Options the operator owns (nnodes, nproc-per-node, "
-                                   "rdzv-*, local-addr, max-restarts, node-rank, master-*) are rejected.",
+                                   "rdzv-*, local-addr, max-restarts, node-rank, master-*, standalone) are "
+                                   "rejected in either spelling (`-` or `_`), as is an option given twice.",
                     "maxItems": 32,
                     "items": {"type": "string", "maxLength": 1024, "pattern": EXTRA_ARG_PATTERN,
                               "description": "One torchrun option, e.g. --log-dir=/tmp/logs."},
