@@ -87,7 +87,7 @@ def test_crd_rules_are_built_from_the_same_constants():
         assert f"'{var}'" in text
     for option in names.RESERVED_TORCHRUN_OPTIONS:
         assert f"'{option}'" in text
-    assert "replace('_', '-')" in text and "messageExpression" in text
+    assert "replace('_', '-')" in text
 
 
 # --- operator volume names ------------------------------------------------------------------------------------
