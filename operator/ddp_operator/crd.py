@@ -118,7 +118,36 @@ def _exit_codes(description: str) -> dict:
 
 
 # --- spec -----------------------------------------------------------------------------------------
+def _cel_list(values: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
+
+
+# `x` is an extraArgs item; its option name in torchrun's `-` spelling (`--nproc_per_node=2` -> nproc-per-node).
+_CEL_OPTION = "x.split('=')[0].substring(2).replace('_', '-')"
+_CEL_RESERVED_OPTION = (f"({_CEL_OPTION} in {_cel_list(names.RESERVED_TORCHRUN_OPTIONS)} || "
+                        f"{_CEL_OPTION}.startsWith('{names.RESERVED_OPTION_PREFIX}'))")
+def _trainer_env_rules() -> list[dict]:
+    """One rule per owned variable, so that the message names it (a messageExpression listing the offending
+    names costs more than the API server's CEL budget allows for a list this long)."""
+    container = f"self.name != '{names.TRAINER_CONTAINER}' || !has(self.env) || "
+    rules = [_rule(container + f"!self.env.exists(e, e.name == '{var}')",
+                   f"spec.template.spec.containers[trainer].env must not set {var}: the operator sets it from "
+                   f"the spec (nodes, nprocPerNode, torchrun.*)", ".env")
+             for var in names.RESERVED_ENV]
+    rules.append(_rule(container + f"!self.env.exists(e, e.name.startsWith('{names.RESERVED_ENV_PREFIX}'))",
+                       f"spec.template.spec.containers[trainer].env must not set {names.RESERVED_ENV_PREFIX}* "
+                       f"variables: the operator owns the rendezvous (spec.torchrun)", ".env"))
+    return rules
+
+
 def _template_schema() -> dict:
+    env_var = {
+        "type": "object",
+        "description": "An environment variable (core/v1 EnvVar).",
+        "required": ["name"],
+        "x-kubernetes-preserve-unknown-fields": True,
+        "properties": {"name": _str("Variable name.", maxLength=128)},
+    }
     container = {
         "type": "object",
         "description": "A container (core/v1 Container); only the fields the operator reads are typed here.",
@@ -127,7 +156,28 @@ def _template_schema() -> dict:
         "properties": {
             "name": _str("Container name; the training container must be named `trainer`.", maxLength=63),
             "image": _str("Container image, e.g. localhost/ddp-trainer:0.1.0."),
+            "env": {
+                "type": "array",
+                "description": "Environment variables. In the `trainer` container the PET_* variables of "
+                               "torchrun options the operator owns are rejected; the operator adds its own "
+                               "(docs/contract.md).",
+                "maxItems": 256,
+                "items": env_var,
+            },
         },
+        "x-kubernetes-validations": _trainer_env_rules(),
+    }
+    volume = {
+        "type": "object",
+        "description": "A pod volume (core/v1 Volume).",
+        "required": ["name"],
+        "x-kubernetes-preserve-unknown-fields": True,
+        "properties": {"name": _str("Volume name; " + " and ".join(names.OPERATOR_VOLUMES)
+                                    + " are reserved for the operator.", maxLength=63)},
+        "x-kubernetes-validations": [_rule(
+            f"!(self.name in {_cel_list(names.OPERATOR_VOLUMES)})",
+            "spec.template.spec.volumes: the names " + ", ".join(names.OPERATOR_VOLUMES) + " are reserved for "
+            "the operator's volumes (spec.shm, spec.checkpoint); rename the volume", ".name")],
     }
     pod_spec = _obj(
         "Pod spec (core/v1 PodSpec) of every training pod. The operator adds the torchrun environment "
@@ -144,6 +194,13 @@ def _template_schema() -> dict:
             "restartPolicy": _str(
                 "Must be Never or unset: a failed training pod is replaced by the operator, which "
                 "keeps the restart budget and the rendezvous consistent.", enum=["Never"]),
+            "volumes": {
+                "type": "array",
+                "description": "Volumes of each training pod; the operator adds "
+                               + " and ".join(names.OPERATOR_VOLUMES) + ".",
+                "maxItems": 256,
+                "items": volume,
+            },
         },
         required=["containers"],
         rules=[
@@ -234,16 +291,16 @@ def _spec_schema() -> dict:
                     "type": "array",
                     "description": "Further torchrun options as `--option=value` or `--flag`; each becomes a "
                                    "PET_<OPTION> variable. Options the operator owns (nnodes, nproc-per-node, "
-                                   "rdzv-*, local-addr, max-restarts, node-rank, master-*) are rejected.",
+                                   "rdzv-*, local-addr, max-restarts, node-rank, master-*, standalone) are "
+                                   "rejected in either spelling (`-` or `_`).",
                     "maxItems": 32,
                     "items": {"type": "string", "maxLength": 1024, "pattern": EXTRA_ARG_PATTERN,
                               "description": "One torchrun option, e.g. --log-dir=/tmp/logs."},
                     "x-kubernetes-validations": [
-                        _rule("self.all(a, !(a.split('=')[0].substring(2) in "
-                              + "[" + ", ".join(f"'{o}'" for o in names.RESERVED_TORCHRUN_OPTIONS) + "]))",
-                              "spec.torchrun.extraArgs must not set options the operator owns "
-                              "(nnodes, nproc-per-node, rdzv-*, local-addr, max-restarts, node-rank, master-*, "
-                              "standalone)"),
+                        _rule(f"!self.exists(x, {_CEL_RESERVED_OPTION})",
+                              "spec.torchrun.extraArgs must not set options the operator owns, in either "
+                              "spelling (nnodes, nproc-per-node, rdzv-*, local-addr, max-restarts, node-rank, "
+                              "master-*, standalone)"),
                     ],
                 },
             },

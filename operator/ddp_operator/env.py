@@ -42,7 +42,7 @@ def rdzv_conf(job: Job) -> str:
 def extra_arg_env(arg: str) -> tuple[str, str]:
     """`--log-dir=/x` -> ("PET_LOG_DIR", "/x"); a bare `--flag` -> ("PET_FLAG", "1"), as torchrun's env action reads it."""
     option, sep, value = arg[2:].partition("=")
-    return "PET_" + option.replace("-", "_").upper(), value if sep else "1"
+    return names.ENV_PREFIX + option.replace("-", "_").upper(), value if sep else "1"
 
 
 def _var(name: str, value: Any) -> dict:

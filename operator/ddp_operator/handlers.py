@@ -2,9 +2,9 @@
 
 Every trigger (job created/resumed/updated, an owned pod changed, a time-based wake-up) ends in
 `Reconciler.reconcile(namespace, name)`: read the job and its pods from kopf's in-memory indexes, call the
-pure `plan.plan`, write the status once (only if it changed), then create/delete children and post Events
-for changed conditions. kopf starts handlers only after the indexes are filled, so a restarted operator sees
-every existing pod before it decides anything.
+pure `plan.plan`, write the status once (only if it changed), post its Events, then create/delete children.
+kopf starts handlers only after the indexes are filled, so a restarted operator sees every existing pod before
+it decides anything.
 
 API writes are kept minimal (the bench-api goal): no finalizers (no kopf timers/daemons; wake-ups come from
 an in-process ticker), kopf's handler state lives in two annotations under ddp.dev, pod-count-only status
@@ -71,6 +71,7 @@ class Reconciler:
         self._progress_at: dict[str, float] = {}
         self._progress_ip: dict[str, str] = {}
         self._phases: dict[str, str] = {}
+        self._create_failed: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)  # last refusal per child
         self._guard = threading.Lock()
         self.indexes: dict[str, Any] | None = None
         self._stop = threading.Event()
@@ -100,7 +101,7 @@ class Reconciler:
 
     def job_deleted(self, key: tuple[str, str], uid: str) -> None:
         with self._guard:
-            for store in (self._tombstones, self._created, self._wakeups, self._last_pass):
+            for store in (self._tombstones, self._created, self._wakeups, self._last_pass, self._create_failed):
                 store.pop(key, None)
             for store in (self._written, self._written_at, self._progress_at, self._progress_ip, self._phases):
                 store.pop(uid, None)
@@ -209,9 +210,11 @@ class Reconciler:
         result = plan(job, prev, observed, now)
         # Status first: a failure is on record (by pod UID) before the pod is deleted, so a crash between
         # the two never counts it twice.
-        self._write_status(key, uid, prev, result.status)
-        self._execute(job.namespace, key, body, result)
+        # A pass with Events is never coalesced: the next pass would post them again from the same old status.
+        self._write_status(key, uid, prev, result.status, force=bool(result.events))
+        # Events before the actions: a refused create fails the pass, and the status that carried them is written.
         self._post_events(body, result)
+        self._execute(job.namespace, key, body, result)
         with self._guard:
             for u in seen_tombstones:
                 self._tombstones.get(key, {}).pop(u, None)
@@ -247,7 +250,7 @@ class Reconciler:
     def _execute(self, namespace: str, key: tuple[str, str], body: Mapping, result: Plan) -> None:
         for action in result.actions:
             if action.verb == CREATE:
-                created = self.api.create(action.body)
+                created = self._create(key, body, action)
                 if created is not None:
                     log.info("[%s/%s] created %s %s", *key, action.kind, action.name)
                     if action.kind == "Pod":
@@ -262,6 +265,24 @@ class Reconciler:
             elif action.verb == DELETE_JOB:
                 log.info("[%s/%s] ttlSecondsAfterFinished expired; deleting the job", *key)
                 self.api.delete_job(namespace, action.name, body["metadata"]["uid"])
+
+    def _create(self, key: tuple[str, str], body: Mapping, action: Any) -> dict | None:
+        """Create a child; a refusal (PodSecurity, quota, a webhook) becomes a FailedCreate Warning on the job,
+        posted again only when the reason changes, then the pass fails and is retried."""
+        try:
+            created = self.api.create(action.body)
+        except ApiException as e:
+            reason = describe_error(e)
+            with self._guard:
+                new = self._create_failed[key].get(action.name) != reason
+                self._create_failed[key][action.name] = reason
+            if new:
+                self.api.post_event(body, "Warning", names.REASON_CREATE_FAILED,
+                                    f"cannot create {action.kind} {action.name}: {reason}", COMPONENT)
+            raise
+        with self._guard:
+            self._create_failed.get(key, {}).pop(action.name, None)
+        return created
 
     def _post_events(self, body: Mapping, result: Plan) -> None:
         for event in result.events:

@@ -21,6 +21,8 @@ RDZV_POD_SUFFIX = "rdzv"
 SHM_VOLUME = "dshm"
 SHM_PATH = "/dev/shm"
 CHECKPOINT_VOLUME = "checkpoint"
+# Volume names the operator adds to training pods; a template may not use them (spec.checkpoint / spec.shm).
+OPERATOR_VOLUMES = (SHM_VOLUME, CHECKPOINT_VOLUME)
 TERMINATION_LOG = "/dev/termination-log"
 
 # Longest job name that keeps `<job>-rdzv` and `<job>-<index>` (index < MAX_NODES) within 63 characters.
@@ -70,13 +72,17 @@ ENV_PROGRESS_PORT = "DDPJOB_PROGRESS_PORT"
 ENV_RDZV_PORT = "DDPJOB_RDZV_PORT"
 RDZV_BACKEND = "c10d"
 SNAPSHOT_DIR = "/dev/shm/ddpjob"
-# torchrun options the operator owns; `torchrun.extraArgs` may not set them.
+# torchrun options the operator owns, in torchrun's `-` spelling. torchrun accepts `-` and `_` alike and reads
+# each from PET_<OPTION>, so `torchrun.extraArgs` is checked after normalising `_` to `-`, and the trainer
+# container's env may not set any of RESERVED_ENV. Every option starting with RESERVED_OPTION_PREFIX is owned too.
 RESERVED_TORCHRUN_OPTIONS = (
-    "nnodes", "nproc-per-node", "nproc_per_node", "rdzv-backend", "rdzv_backend", "rdzv-endpoint",
-    "rdzv_endpoint", "rdzv-id", "rdzv_id", "rdzv-conf", "rdzv_conf", "local-addr", "local_addr",
-    "max-restarts", "max_restarts", "node-rank", "node_rank", "master-addr", "master_addr",
-    "master-port", "master_port", "standalone",
+    "nnodes", "nproc-per-node", "rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf", "local-addr",
+    "max-restarts", "node-rank", "master-addr", "master-port", "standalone",
 )
+RESERVED_OPTION_PREFIX = "rdzv-"
+ENV_PREFIX = "PET_"
+RESERVED_ENV = tuple(ENV_PREFIX + o.replace("-", "_").upper() for o in RESERVED_TORCHRUN_OPTIONS)
+RESERVED_ENV_PREFIX = ENV_PREFIX + RESERVED_OPTION_PREFIX.replace("-", "_").upper()
 GPU_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu")
 
 # --- Status ---------------------------------------------------------------------------------------
@@ -114,6 +120,9 @@ REASON_DEADLINE = "DeadlineExceeded"
 REASON_INVALID_SPEC = "InvalidSpec"
 REASON_FORCE_DELETED = "StuckPodForceDeleted"
 REASON_SCALED = "Scaled"
+REASON_PHASE_CHANGED = "PhaseChanged"
+REASON_TTL_EXPIRED = "TTLExpired"
+REASON_CREATE_FAILED = "FailedCreate"
 
 # Pod condition / status reasons that mark a disruption (not the training's fault).
 DISRUPTION_CONDITION = "DisruptionTarget"

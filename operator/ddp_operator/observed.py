@@ -47,6 +47,10 @@ class PodState:
     # A tombstone: the pod's last state from its DELETED watch event. The object no longer exists, whatever
     # its last phase says (a pod deleted gracefully usually ends Failed first: torchrun exits on SIGTERM).
     gone: bool = False
+    # The trainer container ended but a classic sidecar container keeps the pod running. `phase` is then the
+    # trainer's outcome (Succeeded/Failed); the pod itself still needs stopping (cleanPodPolicy). Native sidecars
+    # (init containers with restartPolicy Always) are stopped by the kubelet, so they never make a pod linger.
+    lingering: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -110,6 +114,12 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
     exit_code = terminated.get("exitCode")
     reason = terminated.get("reason") or status.get("reason") or ""
     phase = status.get("phase") or "Pending"
+    lingering = False
+    if role == names.ROLE_TRAINER and phase in ("Pending", "Running") and (cs.get("state") or {}).get("terminated"):
+        # Completion is the trainer container's, not the pod's: a sidecar may keep the pod Running for ever.
+        phase = "Succeeded" if exit_code == 0 else "Failed"
+        lingering = not gone and any(c.get("name") != container and not (c.get("state") or {}).get("terminated")
+                                     for c in status.get("containerStatuses") or [])
     if gone:
         phase = "Gone" if phase not in ("Succeeded", "Failed") else phase
         reason = reason or "Deleted"
@@ -133,4 +143,5 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
         final_report=_final_report(message),
         finished_at=parse_time(terminated.get("finishedAt")),
         gone=gone,
+        lingering=lingering,
     )

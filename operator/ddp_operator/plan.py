@@ -16,6 +16,12 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
 - Succeeded: some trainer exited 0 and no trainer is still running. Failures after a success are not replaced;
   trainers still running SUCCESS_GRACE_SECONDS after the first success are stopped.
 - Pods of an older group, or with an index >= spec.nodes (scale down), are deleted and never counted.
+- A trainer pod's outcome is its `trainer` container's: exit 0 is a success and any other exit a failure even
+  while a sidecar container keeps the pod Running; such a pod is then stopped like a running one
+  (cleanPodPolicy once the job finished, replacement after a failure).
+- Events: every phase change carries one (the changed conditions', else one with the new status reason), as
+  do a change of spec.nodes (Scaled), a TTL deletion (TTLExpired) and a force-deleted pod. The shell adds
+  FailedCreate when the API server refuses a child.
 """
 
 from __future__ import annotations
@@ -152,7 +158,7 @@ class _Pass:
         """Clean up after Succeeded/Failed and delete the job when its TTL is up."""
         rp = self.job.spec.run_policy
         for p in self.live:
-            running = not p.terminal
+            running = not p.terminal or p.lingering
             if rp.clean_pod_policy == "All" or (running and (
                     rp.clean_pod_policy == "Running" or self.phase == names.PHASE_FAILED)):
                 self.delete(p)
@@ -160,6 +166,10 @@ class _Pass:
             expiry = self.completion_time + timedelta(seconds=rp.ttl_seconds_after_finished)
             if self.now >= expiry:
                 self.actions.append(Action(DELETE_JOB, names.KIND, self.job.name))
+                self.extra_events.append(Event(
+                    "Normal", names.REASON_TTL_EXPIRED,
+                    f"spec.runPolicy.ttlSecondsAfterFinished={rp.ttl_seconds_after_finished} passed since the job "
+                    f"finished; deleting it"))
             else:
                 self.due_in(expiry)
 
@@ -284,6 +294,15 @@ class _Pass:
                                                f"pod {p.name} stuck Terminating on NotReady node {p.node}; "
                                                f"force-deleted"))
 
+    def scaled(self) -> None:
+        """An Event when spec.nodes differs from the node count the last pass worked towards."""
+        before = int((self.prev.get("nodes") or {}).get("desired") or 0)
+        after = self.job.spec.nodes
+        if before and before != after:
+            self.extra_events.append(Event("Normal", names.REASON_SCALED,
+                                           f"spec.nodes changed from {before} to {after}; "
+                                           f"{'adding' if after > before else 'removing'} training pods"))
+
     def create_missing(self) -> None:
         job = self.job
         if not self.observed.service_exists:
@@ -399,6 +418,7 @@ class _Pass:
         if not self.trainer_failures() or not self.rdzv_lost():
             self.finished()
             return
+        self.scaled()
         self.stale()
         self.create_missing()
         self.active_phase()
@@ -452,12 +472,23 @@ def describe(p: PodState) -> str:
     return f"{verb}{' (' + ', '.join(details) + ')' if details else ''}{where}"
 
 
+def phase_event(old_phase: str | None, new_status: Mapping[str, Any], condition_evts: list[Event]) -> list[Event]:
+    """A phase change without a condition Event gets one of its own, with the new status reason."""
+    new_phase = new_status.get("phase")
+    if new_phase == old_phase or condition_evts:
+        return []
+    warning = new_phase in (names.PHASE_FAILED, names.PHASE_RESTARTING)
+    return [Event("Warning" if warning else "Normal", new_status.get("reason") or names.REASON_PHASE_CHANGED,
+                  f"phase {old_phase or 'none'} -> {new_phase}: {new_status.get('message', '')}".rstrip(": "))]
+
+
 def plan(job: Job, status: Mapping[str, Any] | None, observed: Observed, now: datetime) -> Plan:
     """The next status, actions and Events for `job`. `status` is the one the operator last wrote."""
     p = _Pass(job, status or {}, observed, now)
     p.run()
     new_status = p.status()
     events = condition_events((status or {}).get("conditions") or [], new_status["conditions"])
+    events += phase_event((status or {}).get("phase"), new_status, events)
     return Plan(
         status=new_status,
         actions=tuple(p.actions),

@@ -54,6 +54,8 @@ def render_trainer_pod(job: Job, index: int, group: int) -> dict:
     spec["hostname"] = name
     spec["subdomain"] = job.name
     spec["restartPolicy"] = "Never"
+    # Training needs no API credentials; a template that does can say so.
+    spec.setdefault("automountServiceAccountToken", False)
     spec["containers"] = [
         _trainer_container(job, c, index, group) if c.get("name") == names.TRAINER_CONTAINER else c
         for c in spec["containers"]
@@ -66,7 +68,7 @@ def render_trainer_pod(job: Job, index: int, group: int) -> dict:
         if job.spec.shm.size_limit is not None:
             empty_dir["sizeLimit"] = job.spec.shm.size_limit
         volumes.append({"name": names.SHM_VOLUME, "emptyDir": empty_dir})
-    if job.spec.checkpoint and not any(v.get("name") == names.CHECKPOINT_VOLUME for v in volumes):
+    if job.spec.checkpoint:  # spec.py rejects a template volume of the same name
         volumes.append({"name": names.CHECKPOINT_VOLUME, **copy.deepcopy(dict(job.spec.checkpoint.volume))})
     if volumes:
         spec["volumes"] = volumes

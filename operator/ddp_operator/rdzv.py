@@ -23,10 +23,28 @@ while True:
     time.sleep(3600)
 """
 
-# Scheduling-related fields copied from the training template so the store lands where trainers can reach it
-# and can pull the same image.
+# Fields copied from the training template: scheduling ones so the store lands where trainers can reach it and
+# can pull the same image, and isolation ones so a hardened template (PodSecurity "restricted", gVisor, user
+# namespaces, no API token) yields a hardened store pod too.
 _COPIED_POD_FIELDS = ("imagePullSecrets", "nodeSelector", "tolerations", "priorityClassName", "schedulerName",
-                      "securityContext", "serviceAccountName", "dnsPolicy", "dnsConfig")
+                      "securityContext", "serviceAccountName", "dnsPolicy", "dnsConfig",
+                      "automountServiceAccountToken", "runtimeClassName", "hostUsers")
+
+
+# Container securityContext keys that only restrict; what grants (privileged, capabilities.add, procMount) is
+# for the trainer's devices and is not copied to the store, which needs nothing but a TCP port.
+_RESTRICTING_KEYS = ("runAsUser", "runAsGroup", "runAsNonRoot", "allowPrivilegeEscalation",
+                     "readOnlyRootFilesystem", "seccompProfile", "appArmorProfile", "seLinuxOptions")
+
+
+def store_security_context(trainer_security: dict | None) -> dict:
+    """The trainer container's securityContext, restricting parts only."""
+    trainer_security = trainer_security or {}
+    out = {k: trainer_security[k] for k in _RESTRICTING_KEYS if k in trainer_security}
+    drop = (trainer_security.get("capabilities") or {}).get("drop")
+    if drop:
+        out["capabilities"] = {"drop": list(drop)}
+    return out
 
 
 def rdzv_pod_name(job: Job) -> str:
@@ -50,10 +68,12 @@ def render_rdzv_pod(job: Job, group: int) -> dict:
     }
     if trainer.get("imagePullPolicy"):
         container["imagePullPolicy"] = trainer["imagePullPolicy"]
-    if trainer.get("securityContext"):
-        container["securityContext"] = trainer["securityContext"]
+    security = store_security_context(trainer.get("securityContext"))
+    if security:
+        container["securityContext"] = security
     name = rdzv_pod_name(job)
     spec = {k: template_spec[k] for k in _COPIED_POD_FIELDS if k in template_spec}
+    spec.setdefault("automountServiceAccountToken", False)  # the store never calls the API
     spec.update({
         "hostname": name,
         "subdomain": job.name,

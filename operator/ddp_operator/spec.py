@@ -180,7 +180,41 @@ def _template(spec: Mapping) -> dict:
     for key in ("hostname", "subdomain"):
         if pod.get(key):
             raise SpecError(f"spec.template.spec.{key}", "is set by the operator (<job>-<index>.<job>); remove it")
+    _operator_owned(pod)
     return copy.deepcopy(dict(template))
+
+
+def option_name(arg: str) -> str:
+    """`--nproc_per_node=4` -> "nproc-per-node": torchrun reads `-` and `_` spellings as the same option."""
+    return arg.split("=", 1)[0][2:].replace("_", "-")
+
+
+def reserved_option(arg: str) -> bool:
+    option = option_name(arg)
+    return option in names.RESERVED_TORCHRUN_OPTIONS or option.startswith(names.RESERVED_OPTION_PREFIX)
+
+
+def reserved_env(name: Any) -> bool:
+    """A PET_* variable torchrun reads for an option the operator owns."""
+    return isinstance(name, str) and (name in names.RESERVED_ENV or name.startswith(names.RESERVED_ENV_PREFIX))
+
+
+def _operator_owned(pod: Mapping) -> None:
+    """The template may not set what the operator owns: torchrun's PET_* variables (they would silently replace
+    the rendezvous settings) and the names of the volumes it adds (they would replace spec.checkpoint/spec.shm)."""
+    trainer = next(c for c in pod["containers"] if isinstance(c, Mapping) and c.get("name") == names.TRAINER_CONTAINER)
+    env = trainer.get("env") or []
+    owned = [e.get("name") for e in env if isinstance(e, Mapping) and reserved_env(e.get("name"))]
+    if owned:
+        raise SpecError("spec.template.spec.containers[trainer].env",
+                        f"sets {', '.join(owned)}: torchrun options the operator owns; use the matching spec "
+                        f"field (nodes, minNodes/maxNodes, nprocPerNode, torchrun.*) instead")
+    volumes = [v.get("name") for v in pod.get("volumes") or [] if isinstance(v, Mapping)]
+    taken = [v for v in volumes if v in names.OPERATOR_VOLUMES]
+    if taken:
+        raise SpecError("spec.template.spec.volumes",
+                        f"volume name {', '.join(taken)} is reserved for the operator's volumes "
+                        f"({', '.join(names.OPERATOR_VOLUMES)}: spec.shm, spec.checkpoint); rename it")
 
 
 def _extra_args(section: Mapping) -> tuple[str, ...]:
@@ -190,9 +224,14 @@ def _extra_args(section: Mapping) -> tuple[str, ...]:
     for arg in args:
         if not isinstance(arg, str) or not re.match(crd.EXTRA_ARG_PATTERN, arg):
             raise SpecError("spec.torchrun.extraArgs", f"{arg!r} is not of the form --option=value or --flag")
-        if arg.split("=", 1)[0][2:] in names.RESERVED_TORCHRUN_OPTIONS:
+        if reserved_option(arg):
             raise SpecError("spec.torchrun.extraArgs",
                             f"{arg!r} sets an option the operator owns; use the matching spec field instead")
+    options = [option_name(a) for a in args]
+    repeated = sorted({o for o in options if options.count(o) > 1})
+    if repeated:
+        raise SpecError("spec.torchrun.extraArgs", f"sets --{', --'.join(repeated)} more than once "
+                                                   f"(- and _ spell the same option)")
     return tuple(args)
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 import yaml
 
+from tests import rbac_needs
 from tests.chart.conftest import CHART, KUBE_VERSION, VALUES_ALL, by_kind, one, run
 
 OPERATOR_VERBS_FORBIDDEN = {"*", "escalate", "bind", "impersonate"}
@@ -89,14 +90,25 @@ def test_cluster_rbac_is_least_privilege(render):
                 granted.setdefault((group, res), set()).update(rule["verbs"])
                 assert not OPERATOR_VERBS_FORBIDDEN & set(rule["verbs"]), rule
                 assert res != "*" and group != "*", rule
-    assert granted[("ddp.dev", "ddpjobs")] == {"get", "list", "watch", "patch", "delete"}
-    assert granted[("ddp.dev", "ddpjobs/status")] == {"get", "patch"}
-    assert granted[("", "pods")] == {"get", "list", "watch", "create", "delete"}
-    assert granted[("", "services")] == {"get", "list", "watch", "create"}
-    assert granted[("", "events")] == {"create", "patch"}
-    assert granted[("", "nodes")] == {"get"}
+    needs = rbac_needs.needs()
+    assert rbac_needs.granted(role["rules"]) == needs.namespaced | needs.cluster
     assert not any(res in {"secrets", "configmaps", "pods/exec", "leases"} for _, res in granted)
     assert not any("update" in verbs for (g, res), verbs in granted.items() if res != "ddpjobs/finalizers")
+
+
+def test_every_scope_grants_exactly_what_the_code_needs(render):
+    """Derived from the operator's calls (tests/rbac_needs.py): the namespaced Roles get the namespaced needs,
+    the leader-election Role the Lease needs, the ClusterRole both namespaced and cluster-only ones."""
+    needs = rbac_needs.needs()
+    objs = render("--set", "rbac.scope=namespace", "--set", "watch.namespaces={team-a}", "--set", "replicaCount=2")
+    roles = {r["metadata"]["name"]: r for r in by_kind(objs, "Role")}
+    leader = roles.pop("ddp-operator-leader-election")
+    (namespaced,) = roles.values()
+    assert rbac_needs.granted(namespaced["rules"]) == needs.namespaced
+    assert rbac_needs.granted(leader["rules"]) == needs.leader
+    cluster = render("--set", "replicaCount=2")
+    assert rbac_needs.granted(one(cluster, "ClusterRole")["rules"]) == needs.namespaced | needs.cluster
+    assert rbac_needs.granted(one(cluster, "Role")["rules"]) == needs.leader
 
 
 def test_namespace_scope_creates_only_namespaced_rbac(render):

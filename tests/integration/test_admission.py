@@ -15,6 +15,12 @@ def _tpl(**pod):
     return {"spec": {"containers": [{"name": "trainer", "image": "x"}], **pod}}
 
 
+def _tpl_env(name):
+    """A template whose trainer sets `name`, beside an ordinary variable."""
+    return {"spec": {"containers": [{"name": "trainer", "image": "x", "env": [
+        {"name": "HF_HOME", "value": "/c"}, {"name": name, "value": "1"}]}]}}
+
+
 # (name suffix, spec patch or callable(body), text the error must contain)
 INVALID = [
     ("zero-nodes", {"nodes": 0}, "spec.nodes"),
@@ -39,6 +45,20 @@ INVALID = [
     ("max-restarts", {"torchrun": {"maxRestarts": -1}}, "spec.torchrun.maxRestarts"),
     ("extra-owned", {"torchrun": {"extraArgs": ["--nnodes=4"]}}, "spec.torchrun.extraArgs"),
     ("extra-format", {"torchrun": {"extraArgs": ["nnodes"]}}, "spec.torchrun.extraArgs"),
+    # Owned torchrun options in another spelling, and their PET_* variables in the trainer's env.
+    ("extra-owned-spelling", {"torchrun": {"extraArgs": ["--nproc-per_node=64"]}}, "spec.torchrun.extraArgs"),
+    ("extra-owned-underscore", {"torchrun": {"extraArgs": ["--log-dir=/l", "--master_port=1"]}},
+     "spec.torchrun.extraArgs"),
+    ("extra-rdzv-prefix", {"torchrun": {"extraArgs": ["--rdzv_timeout=5"]}}, "spec.torchrun.extraArgs"),
+    ("extra-space-value", {"torchrun": {"extraArgs": ["--nnodes 4"]}}, "spec.torchrun.extraArgs"),
+    ("env-standalone", {"template": _tpl_env("PET_STANDALONE")}, "containers[trainer].env must not set PET_STANDALONE"),
+    ("env-node-rank", {"template": _tpl_env("PET_NODE_RANK")}, "containers[trainer].env must not set PET_NODE_RANK"),
+    ("env-master-addr", {"template": _tpl_env("PET_MASTER_ADDR")}, "must not set PET_MASTER_ADDR"),
+    ("env-nnodes", {"template": _tpl_env("PET_NNODES")}, "must not set PET_NNODES"),
+    ("env-rdzv-any", {"template": _tpl_env("PET_RDZV_TIMEOUT")}, "must not set PET_RDZV_*"),
+    ("volume-checkpoint", {"template": _tpl(volumes=[{"name": "checkpoint", "emptyDir": {}}]),
+                           "checkpoint": {"volume": {"emptyDir": {}}}}, "spec.template.spec.volumes"),
+    ("volume-shm", {"template": _tpl(volumes=[{"name": "dshm", "emptyDir": {}}])}, "spec.template.spec.volumes"),
     ("backoff", {"failurePolicy": {"backoffLimit": -1}}, "spec.failurePolicy.backoffLimit"),
     ("exit-code", {"failurePolicy": {"permanentExitCodes": [0]}}, "spec.failurePolicy.permanentExitCodes"),
     ("both-codes", {"failurePolicy": {"permanentExitCodes": [3], "retryableExitCodes": [1]}},

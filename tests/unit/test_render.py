@@ -34,9 +34,16 @@ def _full_job():
     container = spec["spec"]["containers"][0]
     container["imagePullPolicy"] = "IfNotPresent"
     container["resources"] = {"limits": {"nvidia.com/gpu": 2, "cpu": "8"}}
-    container["env"] = [{"name": "OMP_NUM_THREADS", "value": "2"}, {"name": "PET_NNODES", "value": "9"},
-                        {"name": "HF_HOME", "value": "/cache"}]
+    container["env"] = [{"name": "OMP_NUM_THREADS", "value": "2"}, {"name": "HF_HOME", "value": "/cache"}]
     spec["spec"]["containers"].append({"name": "sidecar", "image": "busybox:1.36"})
+    # A hardened template: the store pod must come out as hardened as the trainers.
+    spec["spec"]["automountServiceAccountToken"] = True
+    spec["spec"]["runtimeClassName"] = "gvisor"
+    spec["spec"]["hostUsers"] = False
+    spec["spec"]["securityContext"] = {"runAsNonRoot": True, "runAsUser": 1000,
+                                       "seccompProfile": {"type": "RuntimeDefault"}}
+    container["securityContext"] = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
     return parse_job(body)
 
 

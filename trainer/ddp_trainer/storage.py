@@ -4,6 +4,12 @@ A file is ``MAGIC | sha256(payload) | payload`` where the payload is ``torch.sav
 to a temporary file in the same directory, is fsynced, renamed over the target and the directory is
 fsynced, so a reader sees either the old file or the complete new one; the digest catches everything
 else (truncation, bit rot, a partial copy).
+
+Loading uses ``torch.load(weights_only=True)``: a checkpoint directory is shared storage, and the digest
+proves integrity, not origin, so a file planted there must not run code when a trainer resumes. The
+trainer's own state (state dicts, the position dict, plain extras) needs no more than tensors and builtin
+containers; anything else a user keeps in ``extra`` must be allowed with
+``torch.serialization.add_safe_globals``.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ def decode(data: bytes, *, name: str = "<bytes>") -> Any:
     if hashlib.sha256(payload).digest() != digest:
         raise CorruptFileError(f"{name}: checksum mismatch (truncated or corrupted)")
     try:
-        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as exc:  # a valid digest over a bad payload: written by something else
         raise CorruptFileError(f"{name}: cannot unpickle: {exc}") from exc
 

@@ -77,27 +77,29 @@ Least privilege, from what the operator calls (operator/ddp_operator/k8s.py) and
 watch and annotate the objects it handles: no secrets, no configmaps, no pods/exec, no updates.
 */}}
 {{- define "ddp-operator.namespacedRules" -}}
-# kopf watches DDPJobs and records handler state in annotations (patch); TTL deletes finished jobs.
+# kopf watches DDPJobs and records handler state in annotations (patch); TTL deletes finished jobs;
+# the operator merge-patches status.
 - apiGroups: [ddp.dev]
   resources: [ddpjobs]
-  verbs: [get, list, watch, patch, delete]
+  verbs: [list, watch, patch, delete]
 - apiGroups: [ddp.dev]
   resources: [ddpjobs/status]
-  verbs: [get, patch]
+  verbs: [patch]
 # Owner references with blockOwnerDeletion need this where OwnerReferencesPermissionEnforcement is on.
 - apiGroups: [ddp.dev]
   resources: [ddpjobs/finalizers]
   verbs: [update]
-# Children: created with owner references, so garbage collection removes them with the job.
+# Children: created with owner references, so garbage collection removes them with the job. Reads come from
+# kopf's watches (list, watch), never a get; tests/rbac_needs.py derives every verb from the code.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch, create, delete]
+  verbs: [list, watch, create, delete]
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, list, watch, create]
+  verbs: [list, watch, create]
 - apiGroups: [""]
   resources: [events]
-  verbs: [create, patch]
+  verbs: [create]
 {{- end }}
 
 {{/* The Lease of leader election, in the release namespace. */}}

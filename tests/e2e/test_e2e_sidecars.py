@@ -1,0 +1,45 @@
+"""Sidecars on real pods: completion is decided by the `trainer` container, so a digits job whose pods also run
+a never-ending sidecar still reaches Succeeded, with a classic sidecar (a second container, which keeps the pod
+Running after the trainer exited) and with a native one (an init container with restartPolicy Always, which the
+kubelet stops itself). The leftover pods are then stopped per cleanPodPolicy (Running, the default)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e import harness as h
+
+SUCCEED_TIMEOUT = 300
+# Runs until stopped; exits at once on SIGTERM so stopping the pod does not wait out the grace period.
+SIDECAR_SCRIPT = ("import signal, sys, time\n"
+                  "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+                  "print('sidecar up', flush=True)\n"
+                  "while True:\n    time.sleep(3600)\n")
+
+
+def _sidecar(native: bool) -> dict:
+    c = {"name": "log-shipper", "image": h.TRAINER_IMAGE, "imagePullPolicy": "IfNotPresent",
+         "command": ["python3", "-c", SIDECAR_SCRIPT], "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}}}
+    if native:
+        c["restartPolicy"] = "Always"
+    return c
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["classic-sidecar", "native-sidecar"])
+def test_job_with_a_sidecar_succeeds(kubectl, ns, native):
+    job = h.digits_job("side", nodes=2, epochs=2)
+    pod = job["spec"]["template"]["spec"]
+    pod.setdefault("initContainers" if native else "containers", []).append(_sidecar(native))
+    h.apply(kubectl, ns, job)
+    st = h.wait_phase(kubectl, ns, "side", "Succeeded", SUCCEED_TIMEOUT)
+    assert st.get("restarts", 0) == 0, st
+    assert {c["type"]: c["status"] for c in st["conditions"]}.get("Succeeded") == "True", st
+    # The sidecar really ran beside the trainer (so the pods were kept up by it, not by nothing).
+    events = kubectl.json("get", "events", "-n", ns)["items"]
+    started = {e["involvedObject"]["name"] for e in events
+               if e["reason"] == "Started" and "log-shipper" in (e["involvedObject"].get("fieldPath") or "")}
+    assert {"side-0", "side-1"} <= started, started
+    # cleanPodPolicy Running: nothing of the job keeps running once it Succeeded.
+    h.wait_for(lambda: not [p for p in h.trainer_pods(kubectl, ns, "side")
+                            if p["status"].get("phase") in ("Pending", "Running")],
+               60, what="the job's trainer pods stopped")
