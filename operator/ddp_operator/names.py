@@ -22,6 +22,7 @@ SHM_VOLUME = "dshm"
 SHM_PATH = "/dev/shm"
 CHECKPOINT_VOLUME = "checkpoint"
 TERMINATION_LOG = "/dev/termination-log"
+NETWORK_POLICY_API_VERSION = "networking.k8s.io/v1"
 
 # Longest job name that keeps `<job>-rdzv` and `<job>-<index>` (index < MAX_NODES) within 63 characters.
 MAX_NODES = 1000
@@ -35,6 +36,8 @@ LABEL_GROUP = f"{GROUP}/group"
 ROLE_TRAINER = "trainer"
 ROLE_RDZV = "rdzv"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+# Set by the API server on every namespace: how a NetworkPolicy selects one namespace by name.
+LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
 MANAGED_BY = "ddp-operator"
 
 # --- Timing ---------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
 - Succeeded: some trainer exited 0 and no trainer is still running. Failures after a success are not replaced;
   trainers still running SUCCESS_GRACE_SECONDS after the first success are stopped.
 - Pods of an older group, or with an index >= spec.nodes (scale down), are deleted and never counted.
+- The job's NetworkPolicy (netpol.py) exists while the job is active exactly when it is wanted
+  (spec.networkPolicy.enabled, else the operator's default): created before any pod, deleted when disabled.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Mapping
 from ddp_operator import names
 from ddp_operator.env import rdzv_endpoint, rdzv_id
 from ddp_operator.labels import selector_string, trainer_selector
+from ddp_operator.netpol import NetworkPolicyConfig, render_network_policy, wanted
 from ddp_operator.observed import PodState, format_time, parse_time
 from ddp_operator.pod import render_trainer_pod
 from ddp_operator.rdzv import render_rdzv_pod
@@ -45,7 +48,7 @@ DELETE_JOB = "delete-job"
 @dataclass(frozen=True)
 class Action:
     verb: str            # create | delete | force-delete | delete-job
-    kind: str            # Pod | Service | DDPJob
+    kind: str            # Pod | Service | NetworkPolicy | DDPJob
     name: str
     body: Mapping[str, Any] | None = None
     uid: str | None = None  # precondition for deletes: never delete a newer pod of the same name
@@ -57,6 +60,9 @@ class Observed:
     service_exists: bool = True
     # For nodes of pods stuck Terminating: True/False, or None when unknown (no permission to read Nodes).
     node_ready: Mapping[str, bool | None] = field(default_factory=dict)
+    # The job's own NetworkPolicy <job>; its UID is the precondition of a delete (never a foreign policy).
+    network_policy_exists: bool = True
+    network_policy_uid: str | None = None
 
 
 @dataclass(frozen=True)
@@ -79,8 +85,10 @@ def stuck_pods(job: Job, pods: tuple[PodState, ...], now: datetime) -> list[PodS
 class _Pass:
     """The working state of one planning pass."""
 
-    def __init__(self, job: Job, prev: Mapping[str, Any], observed: Observed, now: datetime):
+    def __init__(self, job: Job, prev: Mapping[str, Any], observed: Observed, now: datetime,
+                 network_policy: NetworkPolicyConfig = NetworkPolicyConfig()):
         self.job, self.observed, self.now = job, observed, now
+        self.network_policy_config = network_policy
         self.now_s = format_time(now)
         self.prev = dict(prev or {})
         self.conditions: list[dict] = [dict(c) for c in self.prev.get("conditions") or []]
@@ -284,8 +292,19 @@ class _Pass:
                                                f"pod {p.name} stuck Terminating on NotReady node {p.node}; "
                                                f"force-deleted"))
 
+    def network_policy(self) -> None:
+        """Create the NetworkPolicy before any pod when wanted; delete our own when it no longer is."""
+        obs = self.observed
+        if wanted(self.job, self.network_policy_config):
+            if not obs.network_policy_exists:
+                self.actions.append(Action(CREATE, "NetworkPolicy", self.job.name,
+                                           render_network_policy(self.job, self.network_policy_config)))
+        elif obs.network_policy_exists and obs.network_policy_uid:
+            self.actions.append(Action(DELETE, "NetworkPolicy", self.job.name, uid=obs.network_policy_uid))
+
     def create_missing(self) -> None:
         job = self.job
+        self.network_policy()
         if not self.observed.service_exists:
             self.actions.append(Action(CREATE, "Service", job.name, render_service(job)))
         occupied = {p.name for p in self.live}
@@ -452,9 +471,11 @@ def describe(p: PodState) -> str:
     return f"{verb}{' (' + ', '.join(details) + ')' if details else ''}{where}"
 
 
-def plan(job: Job, status: Mapping[str, Any] | None, observed: Observed, now: datetime) -> Plan:
-    """The next status, actions and Events for `job`. `status` is the one the operator last wrote."""
-    p = _Pass(job, status or {}, observed, now)
+def plan(job: Job, status: Mapping[str, Any] | None, observed: Observed, now: datetime,
+         network_policy: NetworkPolicyConfig = NetworkPolicyConfig()) -> Plan:
+    """The next status, actions and Events for `job`. `status` is the one the operator last wrote;
+    `network_policy` what the operator knows about itself for the job's NetworkPolicy."""
+    p = _Pass(job, status or {}, observed, now, network_policy)
     p.run()
     new_status = p.status()
     events = condition_events((status or {}).get("conditions") or [], new_status["conditions"])
