@@ -94,9 +94,21 @@ def test_cluster_rbac_is_least_privilege(render):
     assert granted[("", "pods")] == {"get", "list", "watch", "create", "delete"}
     assert granted[("", "services")] == {"get", "list", "watch", "create"}
     assert granted[("", "events")] == {"create", "patch"}
+    assert granted[("networking.k8s.io", "networkpolicies")] == {"list", "watch", "create", "delete"}
     assert granted[("", "nodes")] == {"get"}
     assert not any(res in {"secrets", "configmaps", "pods/exec", "leases"} for _, res in granted)
     assert not any("update" in verbs for (g, res), verbs in granted.items() if res != "ddpjobs/finalizers")
+
+
+def test_network_policy_settings_reach_the_operator(render):
+    def env(*args):
+        c = one(render(*args), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+        return {e["name"]: e.get("value") for e in c["env"]}
+    default = env()
+    # The jobs' policies admit the operator's own pods: exactly the Deployment's selector labels.
+    assert default["DDP_OPERATOR_POD_LABELS"] == "app.kubernetes.io/name=ddp-operator,app.kubernetes.io/instance=ddp-operator"
+    assert default["DDP_OPERATOR_NETWORK_POLICY"] == "true"
+    assert env("--set", "networkPolicy.enabled=false")["DDP_OPERATOR_NETWORK_POLICY"] == "false"
 
 
 def test_namespace_scope_creates_only_namespaced_rbac(render):
