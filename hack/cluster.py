@@ -638,8 +638,8 @@ def dns_query(name: str, server: str = NODE_IP, timeout: float = 1.0) -> list[st
 def kube_router_ready() -> bool:
     """Its firewall chains are hooked into FILTER's INPUT/FORWARD/OUTPUT: the policy controller has started
     (kube-router's own /healthz would listen on every interface, so it is off)."""
-    rules = run(["iptables", "-w", "-S"], check=False, quiet=True).stdout
-    return all(f"-A {builtin} " in rules and f"-j KUBE-ROUTER-{builtin}" in rules
+    rules = run(["iptables", "-w", "-S"], check=False, quiet=True).stdout.splitlines()
+    return all(any(r.startswith(f"-A {builtin} ") and r.endswith(f"-j KUBE-ROUTER-{builtin}") for r in rules)
                for builtin in ("INPUT", "FORWARD", "OUTPUT"))
 
 
