@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds every Go component of the embedded cluster from the Go module proxy into a cache directory
 # keyed by the versions in hack/versions.env, so a second run is a no-op. Never writes into the repo.
-#   hack/build-binaries.sh [component...]   components: kube etcd coredns helm (default: all)
+#   hack/build-binaries.sh [component...]   components: kube etcd coredns helm kube-router (default: all)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=hack/versions.env
@@ -134,14 +134,28 @@ build_helm() {
   rm -rf "$out"; mv "$out.tmp" "$out"; log "helm done"
 }
 
+build_kube_router() {
+  local out="$CACHE_ROOT/kube-router-$KUBE_ROUTER_VERSION"
+  [[ -x $out/kube-router ]] && { log "kube-router cached"; return; }
+  # The NetworkPolicy enforcer (firewall controller only; hack/cluster.py turns routing and the
+  # service proxy off). Its go.mod has no replace directives, so `go install` builds it as released.
+  local ldf="-s -w -X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version=$KUBE_ROUTER_VERSION"
+  ldf="$ldf -X github.com/cloudnativelabs/kube-router/v2/pkg/version.BuildDate=2026-01-01T00:00:00Z"
+  mkdir -p "$out.tmp"
+  GOBIN="$out.tmp" CGO_ENABLED=0 go install -trimpath -ldflags "$ldf" \
+    "github.com/cloudnativelabs/kube-router/v2/cmd/kube-router@$KUBE_ROUTER_VERSION"
+  rm -rf "$out"; mv "$out.tmp" "$out"; log "kube-router done"
+}
+
 mkdir -p "$CACHE_ROOT"
-components=("$@"); [[ ${#components[@]} -gt 0 ]] || components=(etcd coredns helm kube)
+components=("$@"); [[ ${#components[@]} -gt 0 ]] || components=(etcd coredns helm kube-router kube)
 for c in "${components[@]}"; do
   case $c in
     kube) build_kube ;;
     etcd) build_etcd ;;
     coredns) build_coredns ;;
     helm) build_helm ;;
+    kube-router) build_kube_router ;;
     *) echo "unknown component $c" >&2; exit 2 ;;
   esac
 done

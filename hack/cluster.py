@@ -26,6 +26,10 @@ Layout (why each piece is where it is):
   etcd and health endpoints stay on loopback. Nothing listens on the host's real interfaces.
   Pods reach the API through the `kubernetes` ClusterIP (10.0.0.1) via kube-proxy (iptables mode),
   and resolve names through CoreDNS on the host (kubelet clusterDNS = the bridge IP).
+- NetworkPolicies: the bridge plugin enforces none, so kube-router runs its firewall controller only
+  (no routing, no service proxy): iptables chains KUBE-ROUTER-*/KUBE-POD-FW-*/KUBE-NWPLCY-* and ipsets
+  KUBE-*, on bridged traffic too (br_netfilter). It always lets the node reach its own pods (kubelet
+  probes, the API server's pod proxy, a host-process operator); namespaces without a policy stay open.
 
 Standard library only, so `python3 hack/cluster.py` works before the virtualenv exists.
 """
@@ -93,7 +97,7 @@ NODE_NAME = os.environ.get("DDPJOB_NODE_NAME") or socket.gethostname().split("."
 
 # Start order; `down` stops in reverse (kubelet first, so it cannot restart containers).
 COMPONENTS = ["containerd", "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
-              "coredns", "kube-proxy", "kubelet"]
+              "coredns", "kube-proxy", "kube-router", "kubelet"]
 CONTROL_PLANE = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "coredns"]
 
 # What each component listens on (checked before it starts: a clear message instead of its own
@@ -110,6 +114,8 @@ PORTS = {
 
 # Host values the kubelet/kube-proxy change; saved at the first `up`, restored by `down`.
 TOUCHED_SYSCTLS = ["net.ipv4.ip_forward", "vm.overcommit_memory", "kernel.panic", "kernel.panic_on_oops"]
+# Bridged pod-to-pod frames pass iptables only with this on; kube-router's policies depend on it.
+BRIDGE_NF_SYSCTL = "net.bridge.bridge-nf-call-iptables"
 
 
 class ClusterError(RuntimeError):
@@ -137,8 +143,8 @@ def pinned_path(name: str) -> Path | None:
     """Where hack/build-binaries.sh puts the pinned build of `name`; None for tools nobody pins."""
     v = versions()
     where = {"etcd": f"etcd-{v['ETCD_VERSION']}", "coredns": f"coredns-{v['COREDNS_VERSION']}",
-             "helm": f"helm-{v['HELM_VERSION']}"}
-    if name.startswith("kube"):
+             "helm": f"helm-{v['HELM_VERSION']}", "kube-router": f"kube-router-{v['KUBE_ROUTER_VERSION']}"}
+    if name.startswith("kube") and name not in where:
         return CACHE / f"kube-{v['KUBE_VERSION']}" / name
     return CACHE / where[name] / name if name in where else None
 
@@ -379,6 +385,7 @@ def ensure_pki() -> None:
     _cert("scheduler", "system:kube-scheduler")
     _cert("kube-proxy", "system:kube-proxy")
     _cert("coredns", "system:coredns")  # bound to a ClusterRole in bootstrap_rbac()
+    _cert("kube-router", "system:kube-router")  # likewise
     _cert(f"node-{NODE_NAME}", f"system:node:{NODE_NAME}", orgs=("system:nodes",), sans=(f"IP:{NODE_IP}",))
 
 
@@ -417,7 +424,8 @@ def write_configs() -> None:
     ensure_pki()
     write(KUBECONFIG, kubeconfig_text("admin", "admin"), 0o600)
     for name, cert in [("controller-manager", "controller-manager"), ("scheduler", "scheduler"),
-                       ("kube-proxy", "kube-proxy"), ("coredns", "coredns"), ("kubelet", f"node-{NODE_NAME}")]:
+                       ("kube-proxy", "kube-proxy"), ("coredns", "coredns"), ("kube-router", "kube-router"),
+                       ("kubelet", f"node-{NODE_NAME}")]:
         write(CONF / f"{name}.kubeconfig", kubeconfig_text(name, cert), 0o600)
 
     # Audit: metadata of every write (who changed what, when); reads are too chatty to keep.
@@ -572,6 +580,28 @@ metadata: {name: "ddpjob:coredns"}
 roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "ddpjob:coredns"}
 subjects:
 - {apiGroup: rbac.authorization.k8s.io, kind: User, name: "system:coredns"}
+---
+# kube-router's informers (it starts them all, whichever controllers run) and its own Node.
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: "ddpjob:kube-router"}
+rules:
+- apiGroups: [""]
+  resources: [pods, namespaces, nodes, services, endpoints]
+  verbs: [get, list, watch]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [list, watch]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [list, watch]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: "ddpjob:kube-router"}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "ddpjob:kube-router"}
+subjects:
+- {apiGroup: rbac.authorization.k8s.io, kind: User, name: "system:kube-router"}
 """
 
 
@@ -631,6 +661,14 @@ def dns_query(name: str, server: str = NODE_IP, timeout: float = 1.0) -> list[st
     return out
 
 
+def kube_router_ready() -> bool:
+    """Its firewall chains are hooked into FILTER's INPUT/FORWARD/OUTPUT: the policy controller has started
+    (kube-router's own /healthz would listen on every interface, so it is off)."""
+    rules = run(["iptables", "-w", "-S"], check=False, quiet=True).stdout.splitlines()
+    return all(any(r.startswith(f"-A {builtin} ") and r.endswith(f"-j KUBE-ROUTER-{builtin}") for r in rules)
+               for builtin in ("INPUT", "FORWARD", "OUTPUT"))
+
+
 def containerd_ready() -> bool:
     return Path(CONTAINERD_SOCK).exists() and ctr("version", check=False, timeout=10).returncode == 0
 
@@ -643,6 +681,7 @@ HEALTH = {
     "kube-scheduler": lambda: https_insecure_ok("https://127.0.0.1:10259/healthz"),
     "coredns": lambda: dns_query(f"kubernetes.default.svc.{CLUSTER_DOMAIN}") == [KUBERNETES_SERVICE_IP],
     "kube-proxy": lambda: http_ok("http://127.0.0.1:10256/healthz"),
+    "kube-router": kube_router_ready,
     "kubelet": lambda: http_ok("http://127.0.0.1:10248/healthz"),
 }
 
@@ -660,10 +699,14 @@ def sysctl(key: str, value: str | None = None) -> str:
 def prepare_host() -> None:
     if os.geteuid() != 0:
         raise ClusterError("the embedded cluster needs root (it runs containerd, the kubelet and iptables)")
+    if not (Path("/proc/sys") / BRIDGE_NF_SYSCTL.replace(".", "/")).exists():
+        raise ClusterError("br_netfilter is not loaded (no /proc/sys/net/bridge): run `modprobe br_netfilter`; "
+                           "NetworkPolicies between pods on the bridge are enforced only with it")
     saved = STATE / "sysctl-saved.json"
     if not saved.exists():
-        write(saved, json.dumps({k: sysctl(k) for k in TOUCHED_SYSCTLS}))
+        write(saved, json.dumps({k: sysctl(k) for k in TOUCHED_SYSCTLS + [BRIDGE_NF_SYSCTL]}))
     sysctl("net.ipv4.ip_forward", "1")  # pods reach the outside and each other through the bridge
+    sysctl(BRIDGE_NF_SYSCTL, "1")
     for key, minimum in [("fs.inotify.max_user_instances", 512), ("fs.inotify.max_user_watches", 524288)]:
         if int(sysctl(key)) < minimum:
             sysctl(key, str(minimum))
@@ -728,6 +771,14 @@ def argv_for(name: str) -> list[str]:
         return [binary("coredns"), "-conf", str(CONF / "Corefile")]
     if name == "kube-proxy":
         return [binary("kube-proxy"), f"--config={CONF / 'kube-proxy.yaml'}", "--v=1"]
+    if name == "kube-router":
+        # The NetworkPolicy controller alone: kube-proxy serves Services and the bridge routes pods.
+        # Health and metrics ports off (they would listen on every interface; see kube_router_ready).
+        return [binary("kube-router"), f"--kubeconfig={CONF / 'kube-router.kubeconfig'}",
+                f"--hostname-override={NODE_NAME}", "--run-firewall=true", "--run-router=false",
+                "--run-service-proxy=false", "--run-loadbalancer=false", "--enable-cni=false",
+                "--enable-ipv6=false", f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--health-port=0", "--metrics-port=0", "--v=1"]
     if name == "kubelet":
         return [binary("kubelet"), f"--config={CONF / 'kubelet.yaml'}",
                 f"--kubeconfig={CONF / 'kubelet.kubeconfig'}", f"--hostname-override={NODE_NAME}",
@@ -996,7 +1047,8 @@ def _up() -> dict[str, float]:
         log(f"{label} ({timings[label]:.1f}s)")
 
     for tool in ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy",
-                 "kubectl", "etcd", "coredns", "containerd", "runc", "tini", "iptables", "conntrack", "openssl"):
+                 "kubectl", "etcd", "coredns", "containerd", "runc", "tini", "iptables", "conntrack", "openssl",
+                 "kube-router", "ipset"):
         binary(tool)  # fail before touching the host if anything is missing
     _check_ports([n for n in COMPONENTS if not is_running(n)])
     prepare_host()
@@ -1022,6 +1074,10 @@ def _up() -> dict[str, float]:
     wait_for(f"node {NODE_NAME} Ready", _node_ready, 120, "kubelet", interval=0.5)
     step("node Ready")
     wait_for("kube-proxy synced", HEALTH["kube-proxy"], 60, "kube-proxy")
+    # After the node exists (kube-router reads its own Node for the node IP); pods started before its
+    # first sync are covered by that sync.
+    start("kube-router", argv_for("kube-router"))
+    wait_for("kube-router firewall chains", HEALTH["kube-router"], 60, "kube-router")
     wait_for("kube-controller-manager healthy", HEALTH["kube-controller-manager"], 60, "kube-controller-manager")
     wait_for("kube-scheduler healthy", HEALTH["kube-scheduler"], 60, "kube-scheduler")
     wait_for("default ServiceAccount", lambda: kubectl("get", "serviceaccount", "default", "-n", "default",
@@ -1088,6 +1144,14 @@ def _clean_iptables(save: str, restore: str) -> None:
             table.append(line)
 
 
+def _our_ipsets() -> list[str]:
+    """kube-router's ipsets (KUBE-SRC-*, KUBE-DST-*, KUBE-ROUTER-*, `inet6:` for IPv6)."""
+    if not shutil.which("ipset", path=_path_env()):
+        return []
+    names = run(["ipset", "list", "-n"], check=False, quiet=True).stdout.split()
+    return [n for n in names if n.removeprefix("inet6:").startswith("KUBE-")]
+
+
 def _remove_cgroups() -> None:
     for root in Path("/sys/fs/cgroup").glob("*/kubepods"):
         for d in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [root]:
@@ -1112,7 +1176,7 @@ def down(purge: bool = False) -> None:
 
 def _down(purge: bool, keep_etcd: bool = False) -> None:
     t0 = time.monotonic()
-    for name in ("kubelet", "kube-proxy", "kube-scheduler", "kube-controller-manager", "coredns"):
+    for name in ("kubelet", "kube-router", "kube-proxy", "kube-scheduler", "kube-controller-manager", "coredns"):
         stop(name)
     # Remove every container while containerd still runs (the CRI path would need the kubelet);
     # the CNI cleanup this skips (IPAM files, iptables chains, veths) is done below by hand.
@@ -1165,6 +1229,8 @@ def _down(purge: bool, keep_etcd: bool = False) -> None:
         run(["ip", "link", "delete", BRIDGE], check=False)
     _clean_iptables("iptables-save", "iptables-restore")
     _clean_iptables("ip6tables-save", "ip6tables-restore")
+    for name in _our_ipsets():  # only once no iptables rule refers to them
+        run(["ipset", "destroy", name], check=False)
     if shutil.which("conntrack", path=_path_env()):
         for flt in (["-s", POD_CIDR], ["-d", SERVICE_CIDR]):
             run(["conntrack", "-D", *flt], check=False, quiet=True)
@@ -1202,6 +1268,7 @@ def leftovers() -> list[str]:
         if shutil.which(save, path=_path_env()):
             chains = re.findall(r"^:((?:KUBE|CNI)-\S+)", run([save], check=False).stdout, re.M)
             found += [f"{save} chain {c}" for c in chains]
+    found += [f"ipset {n}" for n in _our_ipsets()]
     for p in [Path("/var/lib/cni/networks") / CNI_NETWORK, KUBELET_ROOT, CONTAINERD_STATE.parent,
               Path("/run/containerd/s")]:
         if p.exists():

@@ -14,6 +14,7 @@ import sys
 import kopf
 
 from ddp_operator import __version__, metrics, names
+from ddp_operator.netpol import NetworkPolicyConfig, parse_labels
 
 
 def _env(name: str, default: str) -> str:
@@ -43,6 +44,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="namespace of the Lease (env POD_NAMESPACE)")
     p.add_argument("--lease-name", default=_env("DDP_OPERATOR_LEASE_NAME", "ddp-operator"),
                    help="name of the Lease (env DDP_OPERATOR_LEASE_NAME)")
+    p.add_argument("--network-policy", choices=("true", "false"),
+                   default=_env("DDP_OPERATOR_NETWORK_POLICY", "true").lower(),
+                   help="give every DDPJob a NetworkPolicy unless its spec.networkPolicy.enabled says otherwise "
+                        "(env DDP_OPERATOR_NETWORK_POLICY); false for clusters whose CNI enforces none")
+    p.add_argument("--operator-pod-labels", default=_env("DDP_OPERATOR_POD_LABELS", ""),
+                   help="labels of the operator's own pods, k=v[,k=v]: the jobs' NetworkPolicies let these pods "
+                        "(in $POD_NAMESPACE) reach the progress port (env DDP_OPERATOR_POD_LABELS); empty when "
+                        "the operator runs outside the cluster")
     p.add_argument("--version", action="version", version=f"ddp-operator {__version__}")
     args = p.parse_args(argv)
     if args.namespace is None:
@@ -70,6 +79,17 @@ def settings_for(namespaces: list[str]) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     settings.scanning.disabled = exact_namespaces(namespaces)
     return settings
+
+
+def network_policy_config(args: argparse.Namespace) -> NetworkPolicyConfig:
+    """What the jobs' NetworkPolicies need to know about this operator (see netpol.py)."""
+    try:
+        labels = parse_labels(args.operator_pod_labels)
+    except ValueError as e:
+        raise SystemExit(f"--operator-pod-labels: {e}") from None
+    return NetworkPolicyConfig(enabled_by_default=args.network_policy == "true",
+                               operator_namespace=_env("POD_NAMESPACE", "") if labels else "",
+                               operator_labels=labels)
 
 
 def _standby_liveness(port: int):
@@ -102,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         # kopf logs every handler run at INFO; our reconciler logs what it does instead.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    from ddp_operator import handlers  # noqa: F401  (registers the kopf handlers)
+    from ddp_operator import handlers  # registers the kopf handlers
+
+    handlers.NETWORK_POLICY = network_policy_config(args)
 
     metrics.serve(args.metrics_port)
     if args.leader_elect:

@@ -385,6 +385,17 @@ def _spec_schema() -> dict:
             },
             required=["volume"],
         ),
+        "networkPolicy": _obj(
+            f"The NetworkPolicy <job> the operator creates (owned by the job): ingress to the job's pods "
+            f"(trainers and the rendezvous store) only from the job's own pods, on every port, and from the "
+            f"operator's pods on the progress port {names.PROGRESS_PORT}; egress is not restricted. It takes "
+            f"effect only where the cluster's network plugin enforces NetworkPolicies.",
+            {
+                "enabled": _bool("Create the policy. Unset: the operator's default (on, unless the operator "
+                                 "runs with --network-policy=false, the chart's networkPolicy.enabled=false). "
+                                 "Setting it to false on a running job deletes the policy; true creates it."),
+            },
+        ),
     }
     rules = [
         _rule("!has(self.minNodes) || self.minNodes <= self.nodes",

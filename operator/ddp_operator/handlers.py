@@ -28,6 +28,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ddp_operator import metrics, names, progress
 from ddp_operator.k8s import describe_error
+from ddp_operator.netpol import NetworkPolicyConfig
 from ddp_operator.observed import PodState, observe_pod
 from ddp_operator.plan import CREATE, DELETE, DELETE_JOB, FORCE_DELETE, Observed, Plan, invalid, plan, stuck_pods
 from ddp_operator.spec import SpecError, parse_job
@@ -58,8 +59,11 @@ class _Created:
 class Reconciler:
     """Per-process state of the shell; every method is safe to call from kopf's worker threads."""
 
-    def __init__(self, api: Any):
+    def __init__(self, api: Any, network_policy: NetworkPolicyConfig = NetworkPolicyConfig()):
         self.api = api
+        self.network_policy = network_policy
+        # NetworkPolicies created but not yet seen by the watch (key -> uid, when): not created twice.
+        self._policies_created: dict[tuple[str, str], tuple[str, float]] = {}
         self._locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
         self._locks_guard = threading.Lock()
         self._written: dict[str, dict] = {}          # job uid -> status last written (newer than the watch)
@@ -80,7 +84,8 @@ class Reconciler:
     def bind(self, kwargs: Mapping[str, Any]) -> None:
         """Remember kopf's index objects (the same for every handler call) for the ticker."""
         if self.indexes is None and "ddpjobs_by_key" in kwargs:
-            self.indexes = {k: kwargs[k] for k in ("ddpjobs_by_key", "pods_by_job", "services_by_job")}
+            self.indexes = {k: kwargs[k] for k in ("ddpjobs_by_key", "pods_by_job", "services_by_job",
+                                                   "network_policies_by_job")}
 
     def _values(self, index: str, key: tuple[str, str]) -> list:
         if self.indexes is None:
@@ -105,6 +110,7 @@ class Reconciler:
                 store.pop(key, None)
             for store in (self._written, self._written_at, self._progress_at, self._progress_ip, self._phases):
                 store.pop(uid, None)
+            self._policies_created.pop(key, None)
         metrics.set_phases(self._phases)
 
     def wake(self, key: tuple[str, str], after: float) -> None:
@@ -205,9 +211,17 @@ class Reconciler:
             return result
         pods, seen_tombstones = self._observe(key, uid)
         node_ready = {p.node: self.api.node_ready(p.node) for p in stuck_pods(job, pods, now)}
+        policies = [uid_ for uid_, owners in self._values("network_policies_by_job", key) if uid in owners]
+        with self._guard:
+            created = self._policies_created.get(key)
+            if created and (policies or time.monotonic() - created[1] > CREATED_MEMORY_SECONDS):
+                del self._policies_created[key]
+            elif created:
+                policies = [created[0]]
         observed = Observed(pods=pods, service_exists=bool(self._values("services_by_job", key)),
-                            node_ready=node_ready)
-        result = plan(job, prev, observed, now)
+                            node_ready=node_ready, network_policy_exists=bool(policies),
+                            network_policy_uid=policies[0] if policies else None)
+        result = plan(job, prev, observed, now, self.network_policy)
         # Status first: a failure is on record (by pod UID) before the pod is deleted, so a crash between
         # the two never counts it twice.
         # A pass with Events is never coalesced: the next pass would post them again from the same old status.
@@ -256,6 +270,12 @@ class Reconciler:
                     if action.kind == "Pod":
                         with self._guard:
                             self._created[key][action.name] = _Created(created, time.monotonic())
+                    elif action.kind == "NetworkPolicy":
+                        with self._guard:
+                            self._policies_created[key] = (created["metadata"]["uid"], time.monotonic())
+            elif action.verb == DELETE and action.kind == "NetworkPolicy":
+                log.info("[%s/%s] deleting NetworkPolicy %s", *key, action.name)
+                self.api.delete_network_policy(namespace, action.name, action.uid)
             elif action.verb == DELETE:
                 log.info("[%s/%s] deleting pod %s", *key, action.name)
                 self.api.delete_pod(namespace, action.name, action.uid)
@@ -324,18 +344,21 @@ class Reconciler:
 
 
 RECONCILER: Reconciler | None = None
+# Set by __main__ from its flags before kopf starts.
+NETWORK_POLICY = NetworkPolicyConfig()
 
 
 def reconciler() -> Reconciler:
     global RECONCILER
     if RECONCILER is None:
         from ddp_operator.k8s import Api
-        RECONCILER = Reconciler(Api())
+        RECONCILER = Reconciler(Api(), NETWORK_POLICY)
     return RECONCILER
 
 
 # --- kopf registrations -------------------------------------------------------------------------------
 JOBS = (names.GROUP, names.VERSION, names.PLURAL)
+NETWORK_POLICIES = (names.NETWORK_POLICY_API_VERSION, "networkpolicies")
 OWNED = {names.LABEL_JOB_NAME: kopf.PRESENT}
 
 
@@ -351,6 +374,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Only the children's labels are watched, server-side.
     settings.watching.label_selectors["v1", "pods"] = names.LABEL_JOB_NAME
     settings.watching.label_selectors["v1", "services"] = names.LABEL_JOB_NAME
+    settings.watching.label_selectors[NETWORK_POLICIES] = names.LABEL_JOB_NAME
     settings.execution.max_workers = 16
     settings.networking.request_timeout = 60
     r = reconciler()
@@ -376,6 +400,24 @@ def pods_by_job(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_:
 @kopf.index("v1", "services", labels=OWNED)
 def services_by_job(namespace: str, name: str, **_: Any) -> dict:
     return {(namespace, name): True}
+
+
+@kopf.index(*NETWORK_POLICIES, labels=OWNED)
+def network_policies_by_job(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+    owners = tuple(o.get("uid") for o in body["metadata"].get("ownerReferences") or [])
+    return {(namespace, name): (body["metadata"]["uid"], owners)}
+
+
+@kopf.on.event(*NETWORK_POLICIES, labels=OWNED)
+def on_network_policy(event: Mapping[str, Any], namespace: str, name: str, **kwargs: Any) -> None:
+    """A deleted policy is put back at once (level-based, like every child)."""
+    r = reconciler()
+    r.bind(kwargs)
+    if event.get("type") == "DELETED":
+        try:
+            r.reconcile(namespace, name)
+        except Exception:
+            pass  # logged, and a wake-up is scheduled
 
 
 @kopf.on.resume(*JOBS)

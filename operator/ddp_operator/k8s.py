@@ -44,6 +44,7 @@ class Api:
         self.core = client.CoreV1Api(self.client)
         self.custom = client.CustomObjectsApi(self.client)
         self.coordination = client.CoordinationV1Api(self.client)
+        self.networking = client.NetworkingV1Api(self.client)
         self._nodes_forbidden = False
 
     def _dict(self, obj: Any) -> dict:
@@ -51,7 +52,7 @@ class Api:
 
     # --- children ---------------------------------------------------------------------------------
     def create(self, body: Mapping[str, Any]) -> dict | None:
-        """Create a Pod or Service; None if it already exists."""
+        """Create a Pod, Service or NetworkPolicy; None if it already exists."""
         ns, kind = body["metadata"]["namespace"], body["kind"]
         metrics.API_WRITES.labels("create", kind).inc()
         try:
@@ -59,6 +60,8 @@ class Api:
                 return self._dict(self.core.create_namespaced_pod(ns, body))
             if kind == "Service":
                 return self._dict(self.core.create_namespaced_service(ns, body))
+            if kind == "NetworkPolicy":
+                return self._dict(self.networking.create_namespaced_network_policy(ns, body))
             raise ValueError(f"unsupported kind {kind}")
         except ApiException as e:
             if e.status == 409:
@@ -76,6 +79,15 @@ class Api:
             body["gracePeriodSeconds"] = 0
         try:
             self.core.delete_namespaced_pod(name, namespace, body=body)
+        except ApiException as e:
+            if e.status not in (404, 409):
+                raise
+
+    def delete_network_policy(self, namespace: str, name: str, uid: str | None) -> None:
+        metrics.API_WRITES.labels("delete", "NetworkPolicy").inc()
+        body = {"preconditions": {"uid": uid}} if uid else {}
+        try:
+            self.networking.delete_namespaced_network_policy(name, namespace, body=body)
         except ApiException as e:
             if e.status not in (404, 409):
                 raise

@@ -24,6 +24,7 @@ CHECKPOINT_VOLUME = "checkpoint"
 # Volume names the operator adds to training pods; a template may not use them (spec.checkpoint / spec.shm).
 OPERATOR_VOLUMES = (SHM_VOLUME, CHECKPOINT_VOLUME)
 TERMINATION_LOG = "/dev/termination-log"
+NETWORK_POLICY_API_VERSION = "networking.k8s.io/v1"
 
 # Longest job name that keeps `<job>-rdzv` and `<job>-<index>` (index < MAX_NODES) within 63 characters.
 MAX_NODES = 1000
@@ -37,6 +38,8 @@ LABEL_GROUP = f"{GROUP}/group"
 ROLE_TRAINER = "trainer"
 ROLE_RDZV = "rdzv"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+# Set by the API server on every namespace: how a NetworkPolicy selects one namespace by name.
+LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
 MANAGED_BY = "ddp-operator"
 
 # --- Timing ---------------------------------------------------------------------------------------

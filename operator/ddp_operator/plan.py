@@ -22,6 +22,8 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
 - Events: every phase change carries one (the changed conditions', else one with the new status reason), as
   do a change of spec.nodes (Scaled), a TTL deletion (TTLExpired) and a force-deleted pod. The shell adds
   FailedCreate when the API server refuses a child.
+- The job's NetworkPolicy (netpol.py) exists while the job is active exactly when it is wanted
+  (spec.networkPolicy.enabled, else the operator's default): created before any pod, deleted when disabled.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any, Mapping
 from ddp_operator import names
 from ddp_operator.env import rdzv_endpoint, rdzv_id
 from ddp_operator.labels import selector_string, trainer_selector
+from ddp_operator.netpol import NetworkPolicyConfig, render_network_policy, wanted
 from ddp_operator.observed import PodState, format_time, parse_time
 from ddp_operator.pod import render_trainer_pod
 from ddp_operator.rdzv import render_rdzv_pod
@@ -51,7 +54,7 @@ DELETE_JOB = "delete-job"
 @dataclass(frozen=True)
 class Action:
     verb: str            # create | delete | force-delete | delete-job
-    kind: str            # Pod | Service | DDPJob
+    kind: str            # Pod | Service | NetworkPolicy | DDPJob
     name: str
     body: Mapping[str, Any] | None = None
     uid: str | None = None  # precondition for deletes: never delete a newer pod of the same name
@@ -63,6 +66,9 @@ class Observed:
     service_exists: bool = True
     # For nodes of pods stuck Terminating: True/False, or None when unknown (no permission to read Nodes).
     node_ready: Mapping[str, bool | None] = field(default_factory=dict)
+    # The job's own NetworkPolicy <job>; its UID is the precondition of a delete (never a foreign policy).
+    network_policy_exists: bool = True
+    network_policy_uid: str | None = None
 
 
 @dataclass(frozen=True)
@@ -85,8 +91,10 @@ def stuck_pods(job: Job, pods: tuple[PodState, ...], now: datetime) -> list[PodS
 class _Pass:
     """The working state of one planning pass."""
 
-    def __init__(self, job: Job, prev: Mapping[str, Any], observed: Observed, now: datetime):
+    def __init__(self, job: Job, prev: Mapping[str, Any], observed: Observed, now: datetime,
+                 network_policy: NetworkPolicyConfig = NetworkPolicyConfig()):
         self.job, self.observed, self.now = job, observed, now
+        self.network_policy_config = network_policy
         self.now_s = format_time(now)
         self.prev = dict(prev or {})
         self.conditions: list[dict] = [dict(c) for c in self.prev.get("conditions") or []]
@@ -302,9 +310,19 @@ class _Pass:
             self.extra_events.append(Event("Normal", names.REASON_SCALED,
                                            f"spec.nodes changed from {before} to {after}; "
                                            f"{'adding' if after > before else 'removing'} training pods"))
+    def network_policy(self) -> None:
+        """Create the NetworkPolicy before any pod when wanted; delete our own when it no longer is."""
+        obs = self.observed
+        if wanted(self.job, self.network_policy_config):
+            if not obs.network_policy_exists:
+                self.actions.append(Action(CREATE, "NetworkPolicy", self.job.name,
+                                           render_network_policy(self.job, self.network_policy_config)))
+        elif obs.network_policy_exists and obs.network_policy_uid:
+            self.actions.append(Action(DELETE, "NetworkPolicy", self.job.name, uid=obs.network_policy_uid))
 
     def create_missing(self) -> None:
         job = self.job
+        self.network_policy()
         if not self.observed.service_exists:
             self.actions.append(Action(CREATE, "Service", job.name, render_service(job)))
         occupied = {p.name for p in self.live}
@@ -482,9 +500,11 @@ def phase_event(old_phase: str | None, new_status: Mapping[str, Any], condition_
                   f"phase {old_phase or 'none'} -> {new_phase}: {new_status.get('message', '')}".rstrip(": "))]
 
 
-def plan(job: Job, status: Mapping[str, Any] | None, observed: Observed, now: datetime) -> Plan:
-    """The next status, actions and Events for `job`. `status` is the one the operator last wrote."""
-    p = _Pass(job, status or {}, observed, now)
+def plan(job: Job, status: Mapping[str, Any] | None, observed: Observed, now: datetime,
+         network_policy: NetworkPolicyConfig = NetworkPolicyConfig()) -> Plan:
+    """The next status, actions and Events for `job`. `status` is the one the operator last wrote;
+    `network_policy` what the operator knows about itself for the job's NetworkPolicy."""
+    p = _Pass(job, status or {}, observed, now, network_policy)
     p.run()
     new_status = p.status()
     events = condition_events((status or {}).get("conditions") or [], new_status["conditions"])

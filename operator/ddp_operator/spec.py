@@ -90,6 +90,8 @@ class JobSpec:
     run_policy: RunPolicy
     shm: Shm
     checkpoint: Checkpoint | None
+    # spec.networkPolicy.enabled; None: the operator's default decides (netpol.wanted).
+    network_policy_enabled: bool | None = None
 
     @property
     def trainer_container(self) -> Mapping[str, Any]:
@@ -346,6 +348,10 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
             raise SpecError("spec.checkpoint.mountPath", f"must be an absolute path, got {mount_path!r}")
         checkpoint = Checkpoint(volume=copy.deepcopy(dict(volume)), mount_path=mount_path)
 
+    network_policy_enabled = _section(spec, "networkPolicy").get("enabled")
+    if network_policy_enabled is not None and not isinstance(network_policy_enabled, bool):
+        raise SpecError("spec.networkPolicy.enabled", "must be true or false")
+
     return JobSpec(
         nodes=nodes,
         min_nodes=min_nodes,
@@ -360,6 +366,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         run_policy=run_policy,
         shm=shm,
         checkpoint=checkpoint,
+        network_policy_enabled=network_policy_enabled,
     )
 
 

@@ -14,7 +14,7 @@ Steady state: once the job is Running with every node ready, --window seconds of
 step delay keeps it training past the window). Progress polling is off by default (--progress-period 0):
 progress copies into the status are a feature with its own rate (at most one write per period).
 
-Goals (issue 4): creates <= N + 2 (Service, rendezvous-store pod, N training pods), status writes <= 6,
+Goals: creates <= N + 3 (NetworkPolicy, Service, rendezvous-store pod, N training pods), status writes <= 6,
 0 writes per minute while healthy. The last line is one JSON object: nodes, creates, status_writes,
 steady_state_writes_per_min, and a breakdown.
 """
@@ -76,7 +76,7 @@ def classify(ev: dict) -> str:
         return "status_writes" if sub == "status" else "job_object_writes"
     if resource == "events":
         return "events"
-    if verb == "create" and resource in ("pods", "services"):
+    if verb == "create" and resource in ("pods", "services", "networkpolicies"):
         return "creates"
     if verb in ("delete", "deletecollection"):
         return "deletes"
@@ -143,7 +143,7 @@ def main() -> int:
             "creates": kinds.get("creates", 0),
             "status_writes": kinds.get("status_writes", 0),
             "steady_state_writes_per_min": round(len(in_window) / ((w1 - w0) / 60), 2),
-            "goal": {"creates": a.nodes + 2, "status_writes": 6, "steady_state_writes_per_min": 0},
+            "goal": {"creates": a.nodes + 3, "status_writes": 6, "steady_state_writes_per_min": 0},
             "breakdown": dict(sorted(kinds.items())),
             "total_writes": len(ops),
             "window_s": round(w1 - w0, 1),

@@ -109,6 +109,15 @@ def test_every_scope_grants_exactly_what_the_code_needs(render):
     cluster = render("--set", "replicaCount=2")
     assert rbac_needs.granted(one(cluster, "ClusterRole")["rules"]) == needs.namespaced | needs.cluster
     assert rbac_needs.granted(one(cluster, "Role")["rules"]) == needs.leader
+def test_network_policy_settings_reach_the_operator(render):
+    def env(*args):
+        c = one(render(*args), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+        return {e["name"]: e.get("value") for e in c["env"]}
+    default = env()
+    # The jobs' policies admit the operator's own pods: exactly the Deployment's selector labels.
+    assert default["DDP_OPERATOR_POD_LABELS"] == "app.kubernetes.io/name=ddp-operator,app.kubernetes.io/instance=ddp-operator"
+    assert default["DDP_OPERATOR_NETWORK_POLICY"] == "true"
+    assert env("--set", "networkPolicy.enabled=false")["DDP_OPERATOR_NETWORK_POLICY"] == "false"
 
 
 def test_namespace_scope_creates_only_namespaced_rbac(render):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import textwrap
 import time
 from pathlib import Path
@@ -226,3 +227,43 @@ def test_local_image_pod_reaches_running_quickly(kubectl, namespace, testimage):
     elapsed = time.monotonic() - start
     print(f"pod from a local image Running after {elapsed:.1f}s")
     assert elapsed < 30
+
+
+# 7 ------------------------------------------------------------------------------------------
+
+CONNECT = ("import socket, sys\n"
+           "try:\n"
+           "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close(); print('open')\n"
+           "except OSError as e:\n"
+           "    print('blocked', e)\n")
+
+
+def test_network_policies_are_enforced(cluster, kubectl, namespace, testimage):
+    """A NetworkPolicy admits only the peers it names, a namespace without one stays open, and the node
+    still reaches the pods: what every DDPJob's policy relies on (the embedded cluster runs kube-router)."""
+    kubectl.apply(pod_manifest("server", ["serve", "29400"], labels={"app": "server"}), namespace)
+    kubectl.apply(pod_manifest("friend", ["sleep"], labels={"role": "friend"}), namespace)
+    kubectl.apply(pod_manifest("stranger", ["sleep"]), namespace)
+    ip = kubectl.wait_pod_phase(namespace, "server", "Running", timeout=120)["status"]["podIP"]
+    for name in ("friend", "stranger"):
+        kubectl.wait_pod_phase(namespace, name, "Running", timeout=120)
+
+    def reach(pod: str) -> str:
+        return kubectl("exec", "-n", namespace, pod, "--", "python3", "-c", CONNECT, ip, "29400").stdout.strip()
+
+    assert reach("stranger") == "open", "without a policy every pod is reachable"
+    kubectl.apply({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "server"},
+                   "spec": {"podSelector": {"matchLabels": {"app": "server"}}, "policyTypes": ["Ingress"],
+                            "ingress": [{"from": [{"podSelector": {"matchLabels": {"role": "friend"}}}]}]}},
+                  namespace)
+    try:
+        blocked = wait_for(lambda: (lambda r: r.startswith("blocked") and r)(reach("stranger")), 60,
+                           "the policy to refuse the stranger")
+    except AssertionError as e:
+        raise AssertionError(f"NetworkPolicies are not enforced (no enforcer? hack/cluster.py runs kube-router): "
+                             f"{e}") from None
+    assert reach("friend") == "open"
+    print(f"stranger: {blocked}")
+    if cluster.embedded:  # the node is this host: it (kubelet probes, the API server's pod proxy) gets through
+        with socket.create_connection((ip, 29400), timeout=5) as s:
+            assert s.recv(16).strip() == b"pong"

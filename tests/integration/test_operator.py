@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from ddp_cluster import NS_PREFIX, owner_uids, wait_for
@@ -192,7 +193,7 @@ def test_rendezvous_store_loss_restarts_the_group(k):
 
 
 class Recorder:
-    """Watches one namespace's DDPJobs, pods and Services in threads and records every event."""
+    """Watches one namespace's DDPJobs, pods, Services and NetworkPolicies in threads and records every event."""
 
     def __init__(self, k):
         import threading
@@ -204,8 +205,9 @@ class Recorder:
             lambda **kw: k.custom.list_namespaced_custom_object("ddp.dev", "v1alpha1", k.ns, "ddpjobs", **kw),
             lambda **kw: k.core.list_namespaced_pod(k.ns, **kw),
             lambda **kw: k.core.list_namespaced_service(k.ns, **kw),
+            lambda **kw: client.NetworkingV1Api(k.core.api_client).list_namespaced_network_policy(k.ns, **kw),
         ]
-        for kind, lister in zip(("DDPJob", "Pod", "Service"), listers):
+        for kind, lister in zip(("DDPJob", "Pod", "Service", "NetworkPolicy"), listers):
             w = watch.Watch()
             self._watches.append(w)
             t = threading.Thread(target=self._run, args=(w, kind, lister), daemon=True)
@@ -239,11 +241,11 @@ class Recorder:
 
     def creates(self):
         return len({(kind, (obj.get("metadata") or {}).get("uid")) for kind, type_, obj in self.events
-                    if kind in ("Pod", "Service") and type_ == "ADDED"})
+                    if kind in ("Pod", "Service", "NetworkPolicy") and type_ == "ADDED"})
 
 
 def test_api_writes_for_a_clean_job(k):
-    """bench-api's budget, observed on the API server: N+2 creates, <= 6 status writes, none while healthy."""
+    """bench-api's budget, observed on the API server: N+3 creates, <= 6 status writes, none while healthy."""
     nodes = 3
     rec = Recorder(k)
     time.sleep(0.5)  # let the watches open before the job exists
@@ -262,7 +264,7 @@ def test_api_writes_for_a_clean_job(k):
     time.sleep(1)
     rec.stop()
     print(f"\ncreates={rec.creates()} status_writes={rec.status_writes()}")
-    assert rec.creates() == nodes + 2
+    assert rec.creates() == nodes + 3  # NetworkPolicy, Service, store pod, N trainer pods
     assert rec.status_writes() <= 6
 
 
@@ -304,3 +306,22 @@ def test_gracefully_deleted_pod_is_replaced_when_it_is_gone(k):
     status = k.wait_phase("Running")
     assert status["restarts"] == 1 and len(status["attempts"]) == 1
     assert not any(e.reason == "StuckPodForceDeleted" for e in k.events())
+
+
+def test_network_policy_follows_the_spec_and_comes_back_when_deleted(k):
+    job = k.create_job()
+    net = client.NetworkingV1Api(k.core.api_client)
+    policy = wait_for(lambda: net.read_namespaced_network_policy("job", k.ns), what="NetworkPolicy job")
+    assert owner_uids(policy) == [job["metadata"]["uid"]]
+    assert policy.spec.pod_selector.match_labels == {"ddp.dev/job-name": "job"}
+    assert policy.spec.policy_types == ["Ingress"]
+    # Deleted by someone: put back (a new object).
+    net.delete_namespaced_network_policy("job", k.ns)
+    wait_for(lambda: net.read_namespaced_network_policy("job", k.ns).metadata.uid != policy.metadata.uid,
+             what="the NetworkPolicy recreated")
+    # Disabled in the spec: deleted, and not recreated.
+    k.custom.patch_namespaced_custom_object("ddp.dev", "v1alpha1", k.ns, "ddpjobs", "job",
+                                            {"spec": {"networkPolicy": {"enabled": False}}})
+    wait_for(lambda: not net.list_namespaced_network_policy(k.ns).items, what="the NetworkPolicy deleted")
+    time.sleep(1)  # asserting that nothing happens
+    assert not net.list_namespaced_network_policy(k.ns).items

@@ -12,6 +12,7 @@ import yaml
 from ddp_operator import names
 from ddp_operator.pod import render_trainer_pod
 from ddp_operator.rdzv import render_rdzv_pod
+from ddp_operator.netpol import NetworkPolicyConfig, render_network_policy
 from ddp_operator.service import render_service
 from ddp_operator.spec import parse_job
 
@@ -53,6 +54,9 @@ CASES = {
     "rdzv-pod-default": lambda: render_rdzv_pod(make_job(), 0),
     "rdzv-pod-full": lambda: render_rdzv_pod(_full_job(), 1),
     "service-default": lambda: render_service(make_job()),
+    "networkpolicy-default": lambda: render_network_policy(make_job(), NetworkPolicyConfig(
+        operator_namespace="ddp-system",
+        operator_labels=(("app.kubernetes.io/instance", "ddp-operator"), ("app.kubernetes.io/name", "ddp-operator")))),
 }
 
 

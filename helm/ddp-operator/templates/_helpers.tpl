@@ -100,6 +100,10 @@ watch and annotate the objects it handles: no secrets, no configmaps, no pods/ex
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# Each job's NetworkPolicy (owned by the job); deleted when spec.networkPolicy.enabled turns false.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [list, watch, create, delete]
 {{- end }}
 
 {{/* The Lease of leader election, in the release namespace. */}}

@@ -1,0 +1,115 @@
+"""A job's NetworkPolicy, enforced for real: outsiders cannot reach the rendezvous store or the trainers.
+
+One digits job starts with `spec.networkPolicy.enabled: false`, so the probes first show that the ports are
+open and the probe works; then the policy is switched on and the very same probes must fail, while the job
+keeps training, survives a killed pod and Succeeds. Probes are plain TCP connects from small pods in the
+trainer image: one in another namespace, one (not part of the job) in the job's own namespace.
+
+This needs a CNI that enforces NetworkPolicies (the embedded cluster runs kube-router's firewall for it);
+on a cluster without one the test fails, it does not skip.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tests.e2e import harness as h
+
+JOB = "np"
+STEP_DELAY = 0.3  # s per step: training lasts through the probes, the switch and a kill
+EPOCHS = 8
+ENFORCE_TIMEOUT = 60  # the enforcer applies a new policy within a sync (seconds here)
+PROBE = """
+import json, socket, sys
+out = {}
+for target in sys.argv[1:]:
+    ip, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((ip, int(port)), timeout=2).close()
+        out[target] = "open"
+    except OSError as e:
+        out[target] = f"blocked ({type(e).__name__}: {e})"
+print(json.dumps(out))
+"""
+
+
+def _probe_pod(kubectl, namespace: str, name: str) -> None:
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": "netpol-probe"}},
+           "spec": {"terminationGracePeriodSeconds": 0, "restartPolicy": "Never",
+                    "containers": [{"name": "probe", "image": h.TRAINER_IMAGE, "imagePullPolicy": "IfNotPresent",
+                                    "command": ["python3", "-c", "import time; time.sleep(3600)"],
+                                    "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}}}]}}
+    h.apply(kubectl, namespace, pod)
+
+
+def _reach(kubectl, namespace: str, pod: str, targets: list[str]) -> dict[str, str]:
+    p = kubectl("exec", "-n", namespace, pod, "--", "python3", "-c", PROBE, *targets, timeout=60)
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _ip(kubectl, namespace: str, pod: str) -> str:
+    ip = kubectl.pod(namespace, pod)["status"].get("podIP")
+    assert ip, f"{pod} has no IP yet"
+    return ip
+
+
+def test_policy_keeps_outsiders_out_while_the_job_trains_and_recovers(kubectl, ns, operator):
+    outside = h.new_namespace(kubectl, "netpol-outsider")
+    try:
+        job = h.digits_job(JOB, nodes=2, step_delay=STEP_DELAY, epochs=EPOCHS, env={"DIGITS_PATIENCE": "0"},
+                           spec={"networkPolicy": {"enabled": False}})
+        h.apply(kubectl, ns, job)
+        _probe_pod(kubectl, ns, "insider")
+        _probe_pod(kubectl, outside, "outsider")
+        rank0, prog = h.wait_rank0_step(kubectl, ns, JOB, 3, 240)
+        for namespace, pod in ((ns, "insider"), (outside, "outsider")):
+            kubectl.wait_pod_phase(namespace, pod, "Running", 120)
+        targets = [f"{_ip(kubectl, ns, JOB + '-rdzv')}:29400", f"{_ip(kubectl, ns, rank0)}:{h.PROGRESS_PORT}"]
+        probes = {"same namespace": (ns, "insider"), "other namespace": (outside, "outsider")}
+
+        # Without a policy the ports are open to anyone: the probe works and the enforcer has something to do.
+        assert kubectl("get", "networkpolicy", JOB, "-n", ns, check=False).returncode != 0, "policy while disabled"
+        for where, (namespace, pod) in probes.items():
+            reach = _reach(kubectl, namespace, pod, targets)
+            assert all(v == "open" for v in reach.values()), f"without a policy, from the {where}: {reach}"
+
+        # The operator creates the policy, owned by the job, once it is enabled.
+        kubectl("patch", "ddpj", JOB, "-n", ns, "--type=merge", "-p", '{"spec":{"networkPolicy":{"enabled":true}}}')
+        policy = h.wait_for(lambda: kubectl.json("get", "networkpolicy", JOB, "-n", ns), 60,
+                            f"NetworkPolicy {JOB} created by the operator")
+        owner = policy["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"], owner["uid"]) == ("DDPJob", JOB, h.job(kubectl, ns, JOB)["metadata"]["uid"])
+
+        # Both outsiders are now refused on the rendezvous store and on rank 0's progress port.
+        def all_blocked():
+            results = {where: _reach(kubectl, namespace, pod, targets) for where, (namespace, pod) in probes.items()}
+            return results if all(v != "open" for r in results.values() for v in r.values()) else None
+        try:
+            blocked = h.wait_for(all_blocked, ENFORCE_TIMEOUT, "both probes refused")
+        except AssertionError as e:
+            raise AssertionError(f"a job's NetworkPolicy is not enforced: is a NetworkPolicy enforcer running "
+                                 f"(the embedded cluster's kube-router)? {e}") from None
+        print(f"with the policy: {blocked}")
+
+        # The job's own pods still train: rank 0 keeps stepping, and progress still reaches the status.
+        _, prog = h.wait_rank0_step(kubectl, ns, JOB, prog["step"] + 5, 120)
+        h.wait_for(lambda: (h.status(kubectl, ns, JOB).get("progress") or {}).get("step", 0) >= prog["step"], 60,
+                   "status.progress to follow training through the policy")
+
+        # A killed trainer is replaced and the job recovers and Succeeds with the policy in place.
+        rank0, prog = h.wait_rank0_step(kubectl, ns, JOB, prog["step"] + 1, 60)
+        victim = next(p["metadata"]["name"] for p in h.trainer_pods(kubectl, ns, JOB)
+                      if p["metadata"]["name"] != rank0)
+        killed_at = h.kill_pod(kubectl, ns, victim)
+        rec = h.recovery_after(kubectl, ns, JOB, killed_at, prog["step"], 180)
+        assert rec.resumed_from > 0, f"training started over instead of resuming: {rec}"
+        # Still closed to outsiders after the recovery.
+        reach = _reach(kubectl, outside, "outsider", targets[:1])
+        assert all(v != "open" for v in reach.values()), reach
+        st = h.wait_phase(kubectl, ns, JOB, "Succeeded", 400)
+        assert st.get("restarts") == 1, st
+        acc = h.final_accuracy(kubectl, ns, JOB)
+        assert acc is not None and acc >= 0.9, f"test accuracy {acc}"
+        print(f"kill at step {prog['step']}: {rec}")
+    finally:
+        h.delete_namespace(kubectl, outside)
