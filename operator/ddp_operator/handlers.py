@@ -155,9 +155,11 @@ class Reconciler:
         with self._locks_guard:
             stale_keys |= {k for k in self._locks if k not in keys}
         for k in stale_keys:
-            self.forget(k)
+            if not self._job_exists(k):  # looked up again: a job created since the listing keeps its state
+                self.forget(k)
         if stale_uids:
-            self.forget(("", ""), uids=tuple(stale_uids))
+            uids = {b["metadata"]["uid"] for k in self._job_keys() for b in self._values("ddpjobs_by_key", k)}
+            self.forget(("", ""), uids=tuple(stale_uids - uids))
         metrics.set_state_entries(self.tracked())
 
     def tracked(self) -> dict[str, int]:
