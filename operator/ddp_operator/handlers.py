@@ -385,8 +385,26 @@ class Reconciler:
             self.api.post_event(body, event.type, event.reason, event.message, COMPONENT)
 
     # --- progress ---------------------------------------------------------------------------------
+    def _probe_due(self, key: tuple[str, str]) -> tuple[Mapping[str, Any], dict] | None:
+        """The job's body and last status if its progress is due for a poll (Running/Restarting, period up)."""
+        values = self._values("ddpjobs_by_key", key)
+        if not values:
+            return None
+        body = values[0]
+        uid = body["metadata"]["uid"]
+        period = (body.get("spec") or {}).get("progressPeriodSeconds", 30)
+        if not period or time.monotonic() - self._progress_at.get(uid, 0.0) < period:
+            return None
+        with self._guard:
+            status = self._written.get(uid) or dict(body.get("status") or {})
+        if status.get("phase") not in (names.PHASE_RUNNING, names.PHASE_RESTARTING):
+            return None
+        return body, status
+
     def _schedule_probe(self, key: tuple[str, str]) -> None:
-        """Hand a job's progress poll to the pool unless one is still running for it."""
+        """Hand a job's due progress poll to the pool unless one is still running for it."""
+        if self._probe_due(key) is None:
+            return
         with self._guard:
             if key in self._probing:
                 return
@@ -408,18 +426,11 @@ class Reconciler:
                 self._probing.discard(key)
 
     def poll_progress(self, key: tuple[str, str]) -> None:
-        values = self._values("ddpjobs_by_key", key)
-        if not values:
+        due = self._probe_due(key)
+        if due is None:
             return
-        body = values[0]
+        body, status = due
         uid = body["metadata"]["uid"]
-        period = (body.get("spec") or {}).get("progressPeriodSeconds", 30)
-        if not period or time.monotonic() - self._progress_at.get(uid, 0.0) < period:
-            return
-        with self._guard:
-            status = self._written.get(uid) or dict(body.get("status") or {})
-        if status.get("phase") not in (names.PHASE_RUNNING, names.PHASE_RESTARTING):
-            return
         self._progress_at[uid] = time.monotonic()
         # Only pods this job owns (by UID; labels alone can be put on any pod by anyone in the namespace).
         ips = [p["status"].get("podIP") for p in self._values("pods_by_job", key)

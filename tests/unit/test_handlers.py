@@ -82,23 +82,32 @@ def _sizes(r):
 
 
 # --- one job cannot stall the others ------------------------------------------------------------------------------
-def test_one_jobs_failing_probe_never_drops_another_jobs_wake_up(monkeypatch):
+def test_one_jobs_failing_probe_never_drops_another_jobs_wake_up(monkeypatch, caplog):
     r = _reconciler()
-    a, _ = _add_job(r, "a")
+    a, _ = _add_job(r, "a", progressPeriodSeconds=1)
     b, _ = _add_job(r, "b")
-    r.reconcile(*a)
-    r.reconcile(*b)
-    passes = []
+    for key in (a, a, b):
+        r.reconcile(*key)
+        _run_pods(r, key)
+    passes, probed = [], threading.Event()
     real = r.reconcile
     monkeypatch.setattr(r, "reconcile", lambda ns, name, body=None: (passes.append((ns, name)), real(ns, name))[1])
 
     def boom(key):
         if key == a:
+            probed.set()
             raise RecursionError("maximum recursion depth exceeded while decoding a JSON array")
     monkeypatch.setattr(r, "poll_progress", boom)
     r.wake(b, 0)
     r.tick()  # must not raise
     assert b in passes
+    assert probed.wait(5)
+    deadline = time.monotonic() + 5
+    while r._probing and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not r._probing  # the failed poll is done with; the next period polls again
+    assert "progress poll failed" in caplog.text
+    r.stop()
 
 
 def test_one_jobs_failing_pass_re_arms_it_and_still_runs_the_others(monkeypatch):
