@@ -82,7 +82,8 @@ class Reconciler:
         self._progress_at: dict[str, float] = {}
         self._progress_ip: dict[str, str] = {}
         self._phases: dict[str, str] = {}
-        self._conflicts: dict[tuple[str, str], dict[str, str]] = {}  # child name -> why it cannot be created
+        # child name -> (why it cannot be created, when that was last checked)
+        self._conflicts: dict[tuple[str, str], dict[str, tuple[str, float]]] = {}
         self._probing: set[tuple[str, str]] = set()
         self._swept_at = 0.0
         self._guard = threading.Lock()
@@ -295,7 +296,7 @@ class Reconciler:
         pods, seen_tombstones = self._observe(key, uid)
         node_ready = {p.node: self.api.node_ready(p.node) for p in stuck_pods(job, pods, now)}
         with self._guard:
-            conflicts = dict(self._conflicts.get(key) or {})
+            conflicts = {name: why for name, (why, _) in (self._conflicts.get(key) or {}).items()}
         observed = Observed(pods=pods, service_exists=bool(self._values("services_by_job", key)),
                             node_ready=node_ready, conflicts=conflicts)
         result = plan(job, prev, observed, now)
@@ -339,6 +340,8 @@ class Reconciler:
     def _execute(self, namespace: str, key: tuple[str, str], body: Mapping, result: Plan) -> None:
         for action in result.actions:
             if action.verb == CREATE:
+                if self._conflict_checked_recently(key, action.name):
+                    continue  # looked at again when its retry is due, not on every pass (two requests each)
                 try:
                     created = self.api.create(action.body)
                 except ChildConflict as e:
@@ -365,11 +368,23 @@ class Reconciler:
         tried again every CONFLICT_RETRY_SECONDS, so removing the object is all a user has to do."""
         with self._guard:
             known = self._conflicts.setdefault(key, {})
-            new = known.get(name) != message
-            known[name] = message
+            new = (known.get(name) or ("", 0.0))[0] != message
+            known[name] = (message, time.monotonic())
         if new:
             log.warning("[%s/%s] %s", *key, message)
         self.wake(key, 0.0 if new else CONFLICT_RETRY_SECONDS)
+
+    def _conflict_checked_recently(self, key: tuple[str, str], name: str) -> bool:
+        """True if the conflict on `name` was seen less than CONFLICT_RETRY_SECONDS ago (the retry stays armed)."""
+        with self._guard:
+            known = (self._conflicts.get(key) or {}).get(name)
+        if known is None:
+            return False
+        left = CONFLICT_RETRY_SECONDS - (time.monotonic() - known[1])
+        if left <= 0:
+            return False
+        self.wake(key, left)
+        return True
 
     def _resolved(self, key: tuple[str, str], name: str) -> None:
         with self._guard:

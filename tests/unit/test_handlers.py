@@ -294,7 +294,7 @@ def test_a_hundred_jobs_created_and_deleted_leave_nothing_behind(how):
 
 
 # --- foreign children ---------------------------------------------------------------------------------------------
-def test_a_foreign_pod_holding_a_childs_name_is_a_condition_and_an_event():
+def test_a_foreign_pod_holding_a_childs_name_is_a_condition_and_an_event(monkeypatch):
     r = _reconciler()
     key, body = _add_job(r, "mnist")
     r.api.conflicts.add("mnist-0")
@@ -308,8 +308,11 @@ def test_a_foreign_pod_holding_a_childs_name_is_a_condition_and_an_event():
     assert "pod ml/mnist-0 already exists and is not owned by this DDPJob" in cond["message"]
     assert "delete or rename it" in status["message"]
     assert [e for e in r.api.events if e[2] == names.REASON_CHILD_CONFLICT and e[1] == "Warning"]
-    # The object is removed: the next retry creates the job's own pod and clears the condition.
+    # The object is removed: the next retry (its wake-up is armed) creates the job's own pod and clears the
+    # condition.
+    assert r._wakeups.get(key) is not None
     r.api.conflicts.clear()
+    monkeypatch.setattr(handlers, "CONFLICT_RETRY_SECONDS", 0.0)
     r._wakeups[key] = 0
     r.tick()
     r.tick()
