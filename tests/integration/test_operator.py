@@ -386,6 +386,9 @@ def test_a_hundred_jobs_created_and_deleted_leave_the_operators_memory_where_it_
         wait_for(lambda: _state_entries(operator) == 0, 60, interval=1, what="per-job state back to none")
         rss.append(_rss_kib(operator))
     print(f"operator RSS (KiB): {rss[0]} before, {rss[1]} after 100 jobs, {rss[2]} after 100 more")
+    # Measured: +19 MiB in the warm-up round, +0.6 MiB in the second. A per-job leak (tombstones are whole pod
+    # objects) would repeat the first round's growth.
+    assert rss[2] - rss[1] < 10 * 1024, rss
 
 
 def _rss_kib(operator):
