@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import sys
+import uuid
 
 import kopf
 
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.leader_elect:
         from ddp_operator.k8s import Api
         from ddp_operator.leader import LeaderElector
-        identity = os.environ.get("POD_NAME") or socket.gethostname()
+        # Unique even for two replicas on one host (as client-go does): a shared identity would let both lead.
+        identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
         standby = _standby_liveness(args.liveness_port)
         LeaderElector(Api(), args.lease_namespace, args.lease_name, identity).acquire()
         if standby is not None:

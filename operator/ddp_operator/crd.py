@@ -47,6 +47,19 @@ DEFAULTS: dict[str, Any] = {
     "checkpoint": {"mountPath": "/checkpoints"},
 }
 CLEAN_POD_POLICIES = ("None", "Running", "All")
+# Upper bounds of the *Seconds fields, shared with spec.py. Each one feeds datetime arithmetic in the operator
+# (a deadline, a TTL, a timeout): ten years keeps every sum far inside datetime's range (year 9999).
+MAX_DURATION_SECONDS = 10 * 366 * 86400
+MAXIMA: dict[str, int] = {
+    "progressPeriodSeconds": 86400,
+    "joinTimeoutSeconds": 86400,
+    "lastCallTimeoutSeconds": 3600,
+    "keepAliveIntervalSeconds": 600,
+    "incidentWindowSeconds": 3600,
+    "stuckTerminatingTimeoutSeconds": 86400,
+    "activeDeadlineSeconds": MAX_DURATION_SECONDS,
+    "ttlSecondsAfterFinished": MAX_DURATION_SECONDS,
+}
 NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 EXTRA_ARG_PATTERN = "^--[a-z][a-z0-9_-]*(=.*)?$"
 
@@ -263,7 +276,7 @@ def _spec_schema() -> dict:
         "progressPeriodSeconds": _int(
             "How often the operator copies the trainer's progress (GET :29401/progress on rank 0) into "
             "status.progress; 0 turns progress polling off. Progress writes are rate-limited to this period.",
-            minimum=0, maximum=86400, default=d["progressPeriodSeconds"]),
+            minimum=0, maximum=MAXIMA["progressPeriodSeconds"], default=d["progressPeriodSeconds"]),
         "template": _template_schema(),
         "torchrun": _obj(
             "torchrun settings, passed as PET_* environment variables (the container command is just "
@@ -272,14 +285,14 @@ def _spec_schema() -> dict:
                 "rdzvPort": _int("Port of the dedicated rendezvous store pod (<job>-rdzv).",
                                  minimum=1, maximum=65535, default=t["rdzvPort"]),
                 "joinTimeoutSeconds": _int("c10d join_timeout: how long a rendezvous waits for minNodes.",
-                                           minimum=1, maximum=86400, default=t["joinTimeoutSeconds"]),
+                                           minimum=1, maximum=MAXIMA["joinTimeoutSeconds"], default=t["joinTimeoutSeconds"]),
                 "lastCallTimeoutSeconds": _int(
                     "c10d last_call_timeout: extra wait for more nodes once minNodes joined.",
-                    minimum=0, maximum=3600, default=t["lastCallTimeoutSeconds"]),
+                    minimum=0, maximum=MAXIMA["lastCallTimeoutSeconds"], default=t["lastCallTimeoutSeconds"]),
                 "keepAliveIntervalSeconds": _int(
                     "c10d keep_alive_interval: heartbeat period. A dead node is dropped after "
                     "interval x maxAttempts, which bounds recovery time.",
-                    minimum=1, maximum=600, default=t["keepAliveIntervalSeconds"]),
+                    minimum=1, maximum=MAXIMA["keepAliveIntervalSeconds"], default=t["keepAliveIntervalSeconds"]),
                 "keepAliveMaxAttempts": _int("c10d keep_alive_max_attempt: missed heartbeats before a node "
                                              "is considered dead.", minimum=1, maximum=100,
                                              default=t["keepAliveMaxAttempts"]),
@@ -324,11 +337,11 @@ def _spec_schema() -> dict:
                 "incidentWindowSeconds": _int(
                     "Pods failing within this many seconds of a counted failure are the same incident "
                     "(survivors crash when a peer dies) and do not count again.",
-                    minimum=0, maximum=3600, default=f["incidentWindowSeconds"]),
+                    minimum=0, maximum=MAXIMA["incidentWindowSeconds"], default=f["incidentWindowSeconds"]),
                 "stuckTerminatingTimeoutSeconds": _int(
                     "A pod still Terminating this long after its grace period, on a node that is NotReady or "
                     "gone, is force-deleted so its replacement can start.",
-                    minimum=1, maximum=86400, default=f["stuckTerminatingTimeoutSeconds"]),
+                    minimum=1, maximum=MAXIMA["stuckTerminatingTimeoutSeconds"], default=f["stuckTerminatingTimeoutSeconds"]),
             },
             default={},
             rules=[_rule("!(has(self.permanentExitCodes) && has(self.retryableExitCodes))",
@@ -341,11 +354,12 @@ def _spec_schema() -> dict:
                                  "it back to false recreates them (training resumes from its checkpoint).",
                                  r["suspend"]),
                 "activeDeadlineSeconds": _int("Seconds from the job's start after which it is failed "
-                                              "(reason DeadlineExceeded) and its pods are stopped.",
-                                              minimum=1),
+                                              "(reason DeadlineExceeded) and its pods are stopped. At most "
+                                              "ten years.", minimum=1, maximum=MAXIMA["activeDeadlineSeconds"]),
                 "ttlSecondsAfterFinished": _int("Delete the DDPJob (and, through owner references, its pods and "
-                                                "Service) this many seconds after it Succeeded or Failed.",
-                                                minimum=0),
+                                                "Service) this many seconds after it Succeeded or Failed. At "
+                                                "most ten years.", minimum=0,
+                                                maximum=MAXIMA["ttlSecondsAfterFinished"]),
                 "cleanPodPolicy": _str("Which pods to delete when the job finishes: None, Running (still "
                                        "running pods, incl. the rendezvous store) or All.",
                                        enum=list(CLEAN_POD_POLICIES), default=r["cleanPodPolicy"]),
@@ -510,6 +524,13 @@ def _status_schema() -> dict:
                 "description": f"The last {names.ATTEMPTS_HISTORY} ended training pods, newest last.",
                 "maxItems": names.ATTEMPTS_HISTORY,
                 "items": attempt,
+            },
+            "recordedPods": {
+                "type": "array",
+                "description": "UIDs of ended pods already recorded (in attempts, and counted or not), kept while "
+                               "the pod exists so that no pod is counted twice however many end at once.",
+                "maxItems": names.MAX_RECORDED_PODS,
+                "items": {"type": "string", "maxLength": 64, "description": "A pod UID."},
             },
             "progress": progress,
         },

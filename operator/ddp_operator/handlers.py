@@ -9,7 +9,13 @@ it decides anything.
 API writes are kept minimal (the bench-api goal): no finalizers (no kopf timers/daemons; wake-ups come from
 an in-process ticker), kopf's handler state lives in two annotations under ddp.dev, pod-count-only status
 changes are coalesced for STATUS_COALESCE_SECONDS, and progress polling writes at most once per
-spec.progressPeriodSeconds, only when the step changed.
+spec.progressPeriodSeconds, only when the step moved forward.
+
+One job's pods cannot stall the others: progress probes run on a small thread pool, each with one overall
+deadline (progress.py), so the ticker that serves every job's wake-ups (deadlines, TTL, force-deletes) never
+waits on a pod; an error in one job's probe or pass is logged and re-armed for that job alone. Every per-job
+structure in memory is dropped when the job no longer exists (its DELETED event, or the periodic sweep that
+also catches jobs gone with their namespace while the watch was down).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Mapping
@@ -27,12 +34,12 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from ddp_operator import metrics, names, progress
-from ddp_operator.k8s import describe_error
+from ddp_operator.k8s import ChildConflict, describe_error
 from ddp_operator.netpol import NetworkPolicyConfig
 from ddp_operator.observed import PodState, observe_pod
 from ddp_operator.plan import CREATE, DELETE, DELETE_JOB, FORCE_DELETE, Observed, Plan, invalid, plan, stuck_pods
 from ddp_operator.spec import SpecError, parse_job
-from ddp_operator.status import progress_status
+from ddp_operator.status import newer_progress, progress_status
 
 log = logging.getLogger("ddp_operator")
 
@@ -42,6 +49,10 @@ CREATED_MEMORY_SECONDS = 30.0
 TICK_SECONDS = 1.0
 RESYNC_SECONDS = 300.0
 RETRY_SECONDS = 5.0
+SWEEP_SECONDS = 10.0
+PROBE_WORKERS = 8
+# A foreign object holding a child's name is looked at again this often (one create, one read).
+CONFLICT_RETRY_SECONDS = 30.0
 # Status fields that only count pods: a change in them alone may wait a moment to be batched.
 _COUNT_FIELDS = frozenset({"nodes", "nodesReady", "message"})
 
@@ -76,9 +87,14 @@ class Reconciler:
         self._progress_ip: dict[str, str] = {}
         self._phases: dict[str, str] = {}
         self._create_failed: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)  # last refusal per child
+        # child name -> (why it cannot be created, when that was last checked)
+        self._conflicts: dict[tuple[str, str], dict[str, tuple[str, float]]] = {}
+        self._probing: set[tuple[str, str]] = set()
+        self._swept_at = 0.0
         self._guard = threading.Lock()
         self.indexes: dict[str, Any] | None = None
         self._stop = threading.Event()
+        self._probes = ThreadPoolExecutor(max_workers=PROBE_WORKERS, thread_name_prefix="ddp-progress")
 
     # --- indexes ----------------------------------------------------------------------------------
     def bind(self, kwargs: Mapping[str, Any]) -> None:
@@ -99,19 +115,75 @@ class Reconciler:
         with self._locks_guard:
             return self._locks[key]
 
+    def _job_keys(self) -> list[tuple[str, str]]:
+        if self.indexes is None:
+            return []
+        return list(self.indexes["ddpjobs_by_key"].keys())
+
+    def _job_exists(self, key: tuple[str, str]) -> bool:
+        """True unless the index is bound and holds no such job (unbound: the caller knows best)."""
+        return self.indexes is None or bool(self._values("ddpjobs_by_key", key))
+
     # --- triggers ---------------------------------------------------------------------------------
     def pod_deleted(self, key: tuple[str, str], pod: Mapping[str, Any]) -> None:
+        if not self._job_exists(key):
+            return  # the garbage collector removing a deleted job's pods: nothing will read the tombstone
         with self._guard:
             self._tombstones[key][pod["metadata"]["uid"]] = copy.deepcopy(dict(pod))
 
     def job_deleted(self, key: tuple[str, str], uid: str) -> None:
+        self.forget(key, uids=(uid,))
+
+    def forget(self, key: tuple[str, str], uids: tuple[str, ...] = ()) -> None:
+        """Drop every per-job structure of a job that no longer exists."""
         with self._guard:
-            for store in (self._tombstones, self._created, self._wakeups, self._last_pass, self._create_failed):
+            for store in (self._tombstones, self._created, self._wakeups, self._last_pass, self._conflicts,
+                          self._create_failed, self._policies_created):
                 store.pop(key, None)
-            for store in (self._written, self._written_at, self._progress_at, self._progress_ip, self._phases):
-                store.pop(uid, None)
-            self._policies_created.pop(key, None)
+            for uid in uids:
+                for by_uid in (self._written, self._written_at, self._progress_at, self._progress_ip, self._phases):
+                    by_uid.pop(uid, None)
+        with self._locks_guard:
+            lock = self._locks.get(key)
+            if lock is not None and not lock.locked():  # a pass still running keeps it until the next sweep
+                del self._locks[key]
         metrics.set_phases(self._phases)
+
+    def sweep(self) -> None:
+        """Forget every job the index no longer holds (missed DELETED events, a deleted namespace)."""
+        if self.indexes is None:
+            return
+        keys = set(self._job_keys())
+        uids = {b["metadata"]["uid"] for k in keys for b in self._values("ddpjobs_by_key", k)}
+        with self._guard:
+            stale_keys = {k for store in (self._tombstones, self._created, self._wakeups, self._last_pass,
+                                          self._conflicts, self._create_failed, self._policies_created)
+                          for k in store if k not in keys}
+            stale_uids = {u for store in (self._written, self._written_at, self._progress_at, self._progress_ip,
+                                          self._phases) for u in store if u not in uids}
+        with self._locks_guard:
+            stale_keys |= {k for k in self._locks if k not in keys}
+        for k in stale_keys:
+            if not self._job_exists(k):  # looked up again: a job created since the listing keeps its state
+                self.forget(k)
+        if stale_uids:
+            uids = {b["metadata"]["uid"] for k in self._job_keys() for b in self._values("ddpjobs_by_key", k)}
+            self.forget(("", ""), uids=tuple(stale_uids - uids))
+        metrics.set_state_entries(self.tracked())
+
+    def tracked(self) -> dict[str, int]:
+        """Sizes of the per-job structures (what a deleted job must not leave behind)."""
+        with self._guard:
+            sizes = {"tombstones": len(self._tombstones), "created": len(self._created),
+                     "wakeups": len(self._wakeups), "last_pass": len(self._last_pass),
+                     "conflicts": len(self._conflicts), "create_failed": len(self._create_failed),
+                     "policies_created": len(self._policies_created), "written": len(self._written),
+                     "written_at": len(self._written_at), "progress_at": len(self._progress_at),
+                     "progress_ip": len(self._progress_ip), "phases": len(self._phases),
+                     "probing": len(self._probing)}
+        with self._locks_guard:
+            sizes["locks"] = len(self._locks)
+        return sizes
 
     def wake(self, key: tuple[str, str], after: float) -> None:
         due = time.monotonic() + max(0.0, after)
@@ -120,23 +192,36 @@ class Reconciler:
                 self._wakeups[key] = due
 
     def tick(self) -> None:
-        """Run due wake-ups, a slow resync of every job, and progress polling."""
+        """Run due wake-ups, a slow resync of every job, progress probes (in the pool) and the sweep.
+
+        Each job's work is isolated: whatever one job raises, every other due wake-up still runs, and the
+        failing job's own wake-up is re-armed."""
         now = time.monotonic()
         with self._guard:
             due = [k for k, t in self._wakeups.items() if t <= now]
             for k in due:
                 del self._wakeups[k]
         keys = set(due)
-        if self.indexes is not None:
-            for key in list(self.indexes["ddpjobs_by_key"].keys()):
-                if now - self._last_pass.get(key, 0.0) >= RESYNC_SECONDS:
-                    keys.add(key)
-                self.poll_progress(key)
+        try:
+            jobs = self._job_keys()
+        except Exception:  # noqa: BLE001 - the wake-ups already taken must run regardless
+            log.exception("could not list jobs for the resync")
+            jobs = []
+        for key in jobs:
+            if now - self._last_pass.get(key, 0.0) >= RESYNC_SECONDS:
+                keys.add(key)
+            self._schedule_probe(key)
+        if now - self._swept_at >= SWEEP_SECONDS:
+            self._swept_at = now
+            try:
+                self.sweep()
+            except Exception:  # noqa: BLE001
+                log.exception("sweep of deleted jobs failed")
         for key in sorted(keys):
             try:
                 self.reconcile(*key)
-            except Exception:  # already logged; the next wake-up retries
-                pass
+            except Exception:  # noqa: BLE001 - logged by reconcile; this job alone is retried
+                self.wake(key, RETRY_SECONDS)
 
     def run_ticker(self) -> None:
         while not self._stop.wait(TICK_SECONDS):
@@ -147,6 +232,7 @@ class Reconciler:
 
     def stop(self) -> None:
         self._stop.set()
+        self._probes.shutdown(wait=False, cancel_futures=True)
 
     # --- observation ------------------------------------------------------------------------------
     def _observe(self, key: tuple[str, str], uid: str) -> tuple[tuple[PodState, ...], set[str]]:
@@ -181,7 +267,8 @@ class Reconciler:
                 self.wake(key, RETRY_SECONDS)
                 raise
             finally:
-                self._last_pass[key] = time.monotonic()
+                if self._job_exists(key):
+                    self._last_pass[key] = time.monotonic()
                 metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
             metrics.RECONCILES.labels("ok").inc()
             return result
@@ -202,6 +289,12 @@ class Reconciler:
             prev = self._written.get(uid)
         if prev is None:
             prev = dict(body.get("status") or {})
+        else:
+            # The watched object may hold a newer progress than our copy (another writer, a restart): the status
+            # written now never carries an older one.
+            stored = newer_progress(prev.get("progress"), (body.get("status") or {}).get("progress"))
+            if stored is not None and stored != prev.get("progress"):
+                prev = {**prev, "progress": stored}
         try:
             job = parse_job(body)
         except SpecError as e:
@@ -218,9 +311,10 @@ class Reconciler:
                 del self._policies_created[key]
             elif created:
                 policies = [created[0]]
+            conflicts = {name: why for name, (why, _) in (self._conflicts.get(key) or {}).items()}
         observed = Observed(pods=pods, service_exists=bool(self._values("services_by_job", key)),
                             node_ready=node_ready, network_policy_exists=bool(policies),
-                            network_policy_uid=policies[0] if policies else None)
+                            network_policy_uid=policies[0] if policies else None, conflicts=conflicts)
         result = plan(job, prev, observed, now, self.network_policy)
         # Status first: a failure is on record (by pod UID) before the pod is deleted, so a crash between
         # the two never counts it twice.
@@ -264,7 +358,14 @@ class Reconciler:
     def _execute(self, namespace: str, key: tuple[str, str], body: Mapping, result: Plan) -> None:
         for action in result.actions:
             if action.verb == CREATE:
-                created = self._create(key, body, action)
+                if self._conflict_checked_recently(key, action.name):
+                    continue  # looked at again when its retry is due, not on every pass (two requests each)
+                try:
+                    created = self._create(key, body, action)
+                except ChildConflict as e:
+                    self._conflict(key, action.name, str(e))
+                    continue
+                self._resolved(key, action.name)
                 if created is not None:
                     log.info("[%s/%s] created %s %s", *key, action.kind, action.name)
                     if action.kind == "Pod":
@@ -272,7 +373,7 @@ class Reconciler:
                             self._created[key][action.name] = _Created(created, time.monotonic())
                     elif action.kind == "NetworkPolicy":
                         with self._guard:
-                            self._policies_created[key] = (created["metadata"]["uid"], time.monotonic())
+                            self._policies_created[key] = (created["metadata"].get("uid"), time.monotonic())
             elif action.verb == DELETE and action.kind == "NetworkPolicy":
                 log.info("[%s/%s] deleting NetworkPolicy %s", *key, action.name)
                 self.api.delete_network_policy(namespace, action.name, action.uid)
@@ -304,37 +405,110 @@ class Reconciler:
             self._create_failed.get(key, {}).pop(action.name, None)
         return created
 
+    def _conflict(self, key: tuple[str, str], name: str, message: str) -> None:
+        """A foreign object holds a child's name: the next pass reports it (condition + Event); the create is
+        tried again every CONFLICT_RETRY_SECONDS, so removing the object is all a user has to do."""
+        with self._guard:
+            known = self._conflicts.setdefault(key, {})
+            new = (known.get(name) or ("", 0.0))[0] != message
+            known[name] = (message, time.monotonic())
+        if new:
+            log.warning("[%s/%s] %s", *key, message)
+        self.wake(key, 0.0 if new else CONFLICT_RETRY_SECONDS)
+
+    def _conflict_checked_recently(self, key: tuple[str, str], name: str) -> bool:
+        """True if the conflict on `name` was seen less than CONFLICT_RETRY_SECONDS ago (the retry stays armed)."""
+        with self._guard:
+            known = (self._conflicts.get(key) or {}).get(name)
+        if known is None:
+            return False
+        left = CONFLICT_RETRY_SECONDS - (time.monotonic() - known[1])
+        if left <= 0:
+            return False
+        self.wake(key, left)
+        return True
+
+    def _resolved(self, key: tuple[str, str], name: str) -> None:
+        with self._guard:
+            known = self._conflicts.get(key)
+            if not known or known.pop(name, None) is None:
+                return
+            if not known:
+                del self._conflicts[key]
+        self.wake(key, 0.0)
+
     def _post_events(self, body: Mapping, result: Plan) -> None:
         for event in result.events:
             self.api.post_event(body, event.type, event.reason, event.message, COMPONENT)
 
     # --- progress ---------------------------------------------------------------------------------
-    def poll_progress(self, key: tuple[str, str]) -> None:
+    def _probe_due(self, key: tuple[str, str]) -> tuple[Mapping[str, Any], dict] | None:
+        """The job's body and last status if its progress is due for a poll (Running/Restarting, period up)."""
         values = self._values("ddpjobs_by_key", key)
         if not values:
-            return
+            return None
         body = values[0]
         uid = body["metadata"]["uid"]
         period = (body.get("spec") or {}).get("progressPeriodSeconds", 30)
         if not period or time.monotonic() - self._progress_at.get(uid, 0.0) < period:
-            return
+            return None
         with self._guard:
             status = self._written.get(uid) or dict(body.get("status") or {})
         if status.get("phase") not in (names.PHASE_RUNNING, names.PHASE_RESTARTING):
+            return None
+        return body, status
+
+    def _schedule_probe(self, key: tuple[str, str]) -> None:
+        """Hand a job's due progress poll to the pool unless one is still running for it."""
+        if self._probe_due(key) is None:
             return
+        with self._guard:
+            if key in self._probing:
+                return
+            self._probing.add(key)
+        try:
+            self._probes.submit(self._poll_isolated, key)
+        except RuntimeError:  # the pool is shut down: the operator is stopping
+            with self._guard:
+                self._probing.discard(key)
+
+    def _poll_isolated(self, key: tuple[str, str]) -> None:
+        try:
+            self.poll_progress(key)
+        except BaseException as e:  # noqa: BLE001 - RecursionError, OverflowError...: this job only
+            log.warning("[%s/%s] progress poll failed: %s", *key, describe_error(e) if isinstance(e, Exception)
+                        else type(e).__name__)
+        finally:
+            with self._guard:
+                self._probing.discard(key)
+
+    def poll_progress(self, key: tuple[str, str]) -> None:
+        due = self._probe_due(key)
+        if due is None:
+            return
+        body, status = due
+        uid = body["metadata"]["uid"]
         self._progress_at[uid] = time.monotonic()
+        # Only pods this job owns (by UID; labels alone can be put on any pod by anyone in the namespace).
         ips = [p["status"].get("podIP") for p in self._values("pods_by_job", key)
                if (p.get("status") or {}).get("phase") == "Running" and (p.get("status") or {}).get("podIP")
-               and p["metadata"].get("labels", {}).get(names.LABEL_ROLE) == names.ROLE_TRAINER]
+               and p["metadata"].get("labels", {}).get(names.LABEL_ROLE) == names.ROLE_TRAINER
+               and any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])]
         found = progress.probe(ips, self._progress_ip.get(uid))
         if found is None:
             return
         self._progress_ip[uid], report = found
         new = progress_status(report)
-        old = status.get("progress") or {}
-        if new.get("step") == old.get("step") and new.get("final") == old.get("final"):
-            return
         with self._lock(key):
+            with self._guard:
+                written = self._written.get(uid)
+                current = (written or status).get("progress") or {}
+            if newer_progress(current, new) is not new:
+                return  # a resumed run replaying steps already shown: the column does not jump back
+            if new.get("step") == current.get("step") and new.get("final") == current.get("final"):
+                return
+            if not self._job_exists(key):
+                return
             self.api.patch_status(key[0], key[1], {"progress": new})
             metrics.PROGRESS_WRITES.inc()
             with self._guard:

@@ -1,7 +1,11 @@
 """The operator's only Kubernetes I/O (besides kopf's watches): create, delete, patch status, Events, Leases.
 
-Every call is idempotent at this level: a create that meets an existing object (409) and a delete that meets
-a missing or replaced object (404/409 with a UID precondition) are successes.
+Every call is idempotent at this level: a create that meets an existing object (409) that this job owns, and a
+delete that meets a missing or replaced object (404/409 with a UID precondition) are successes. An existing
+object owned by anything else is a ChildConflict: it is not ours to use or delete.
+
+Every call carries a request timeout (REQUEST_TIMEOUT_SECONDS, or a shorter one given by the caller), so a
+hung connection to the API server can never hold a reconcile pass, the ticker or a Lease renewal.
 """
 
 from __future__ import annotations
@@ -20,6 +24,17 @@ from ddp_operator import metrics, names
 
 log = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"
+REQUEST_TIMEOUT_SECONDS = 30.0
+
+
+class ChildConflict(Exception):
+    """A child's name is taken by an object the job does not own; the message says what to do."""
+
+    def __init__(self, kind: str, namespace: str, name: str, owners: list[str]):
+        held = f"owned by {', '.join(owners)}" if owners else "owned by nothing"
+        super().__init__(f"{kind.lower()} {namespace}/{name} already exists and is not owned by this DDPJob "
+                         f"({held}); delete or rename it and the operator creates its own")
+        self.kind, self.namespace, self.name = kind, namespace, name
 
 
 def describe_error(e: Exception) -> str:
@@ -52,23 +67,56 @@ class Api:
 
     # --- children ---------------------------------------------------------------------------------
     def create(self, body: Mapping[str, Any]) -> dict | None:
-        """Create a Pod, Service or NetworkPolicy; None if it already exists."""
+        """Create a Pod, Service or NetworkPolicy; None if this job's own object already exists.
+
+        Raises ChildConflict if an object of the same name exists that the job (by the UID in the body's owner
+        reference) does not own."""
         ns, kind = body["metadata"]["namespace"], body["kind"]
         metrics.API_WRITES.labels("create", kind).inc()
+        t = REQUEST_TIMEOUT_SECONDS
         try:
             if kind == "Pod":
-                return self._dict(self.core.create_namespaced_pod(ns, body))
+                return self._dict(self.core.create_namespaced_pod(ns, body, _request_timeout=t))
             if kind == "Service":
-                return self._dict(self.core.create_namespaced_service(ns, body))
+                return self._dict(self.core.create_namespaced_service(ns, body, _request_timeout=t))
             if kind == "NetworkPolicy":
-                return self._dict(self.networking.create_namespaced_network_policy(ns, body))
+                return self._dict(self.networking.create_namespaced_network_policy(ns, body, _request_timeout=t))
             raise ValueError(f"unsupported kind {kind}")
         except ApiException as e:
             if e.status == 409:
+                self._check_owner(body)
                 return None
             if e.status == 403 and "NamespaceTerminating" in (e.body or ""):
                 return None  # the job goes away with its namespace
             raise
+
+    def _check_owner(self, body: Mapping[str, Any]) -> None:
+        """After a 409: fine if the existing object is ours, ChildConflict if it belongs to anything else."""
+        meta, kind = body["metadata"], body["kind"]
+        try:
+            existing = self._read_child(kind, meta["namespace"], meta["name"])
+        except ApiException as e:
+            if e.status == 404:
+                return  # gone meanwhile: the next pass creates it
+            raise
+        if existing is None:
+            return
+        ours = {o["uid"] for o in meta.get("ownerReferences") or []}
+        refs = existing.metadata.owner_references or []
+        if not ours or any(o.uid in ours for o in refs):
+            return
+        raise ChildConflict(kind, meta["namespace"], meta["name"], [f"{o.kind} {o.name}" for o in refs])
+
+    def _read_child(self, kind: str, namespace: str, name: str) -> Any:
+        t = REQUEST_TIMEOUT_SECONDS
+        if kind == "Pod":
+            return self.core.read_namespaced_pod(name, namespace, _request_timeout=t)
+        if kind == "Service":
+            return self.core.read_namespaced_service(name, namespace, _request_timeout=t)
+        # NetworkPolicies: list (which the operator may do for its watch) instead of a get it is not granted.
+        items = self.networking.list_namespaced_network_policy(
+            namespace, field_selector=f"metadata.name={name}", _request_timeout=t).items
+        return items[0] if items else None
 
     def delete_pod(self, namespace: str, name: str, uid: str | None, *, force: bool = False) -> None:
         metrics.API_WRITES.labels("force-delete" if force else "delete", "Pod").inc()
@@ -78,7 +126,7 @@ class Api:
         if force:
             body["gracePeriodSeconds"] = 0
         try:
-            self.core.delete_namespaced_pod(name, namespace, body=body)
+            self.core.delete_namespaced_pod(name, namespace, body=body, _request_timeout=REQUEST_TIMEOUT_SECONDS)
         except ApiException as e:
             if e.status not in (404, 409):
                 raise
@@ -97,7 +145,8 @@ class Api:
         try:
             self.custom.delete_namespaced_custom_object(
                 names.GROUP, names.VERSION, namespace, names.PLURAL, name,
-                body={"preconditions": {"uid": uid}, "propagationPolicy": "Background"})
+                body={"preconditions": {"uid": uid}, "propagationPolicy": "Background"},
+                _request_timeout=REQUEST_TIMEOUT_SECONDS)
         except ApiException as e:
             if e.status not in (404, 409):
                 raise
@@ -109,7 +158,7 @@ class Api:
         try:
             self.custom.patch_namespaced_custom_object_status(
                 names.GROUP, names.VERSION, namespace, names.PLURAL, name, {"status": dict(status)},
-                _content_type=MERGE_PATCH)
+                _content_type=MERGE_PATCH, _request_timeout=REQUEST_TIMEOUT_SECONDS)
         except ApiException as e:
             if e.status != 404:  # deleted meanwhile: nothing to report on
                 raise
@@ -138,7 +187,7 @@ class Api:
             "count": 1,
         }
         try:
-            self.core.create_namespaced_event(meta["namespace"], event)
+            self.core.create_namespaced_event(meta["namespace"], event, _request_timeout=REQUEST_TIMEOUT_SECONDS)
         except ApiException as e:  # Events are best effort
             log.warning("could not post event %s for %s/%s: %s", reason, meta["namespace"], meta["name"], e.reason)
 
@@ -153,7 +202,7 @@ class Api:
         if self._nodes_forbidden:
             return None
         try:
-            node = self.core.read_node(name)
+            node = self.core.read_node(name, _request_timeout=REQUEST_TIMEOUT_SECONDS)
         except ApiException as e:
             if e.status == 404:
                 return False
@@ -166,21 +215,23 @@ class Api:
         return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
 
     # --- leader election --------------------------------------------------------------------------
-    def read_lease(self, namespace: str, name: str) -> dict | None:
+    def read_lease(self, namespace: str, name: str, *, timeout: float = REQUEST_TIMEOUT_SECONDS) -> dict | None:
         try:
-            return self._dict(self.coordination.read_namespaced_lease(name, namespace))
+            return self._dict(self.coordination.read_namespaced_lease(name, namespace, _request_timeout=timeout))
         except ApiException as e:
             if e.status == 404:
                 return None
             raise
 
-    def write_lease(self, namespace: str, body: Mapping[str, Any], *, create: bool) -> bool:
+    def write_lease(self, namespace: str, body: Mapping[str, Any], *, create: bool,
+                    timeout: float = REQUEST_TIMEOUT_SECONDS) -> bool:
         """Create or replace (optimistically, by resourceVersion) a Lease; False on a lost race."""
         try:
             if create:
-                self.coordination.create_namespaced_lease(namespace, body)
+                self.coordination.create_namespaced_lease(namespace, body, _request_timeout=timeout)
             else:
-                self.coordination.replace_namespaced_lease(body["metadata"]["name"], namespace, body)
+                self.coordination.replace_namespaced_lease(body["metadata"]["name"], namespace, body,
+                                                           _request_timeout=timeout)
             return True
         except ApiException as e:
             if e.status == 409:

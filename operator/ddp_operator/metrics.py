@@ -17,6 +17,9 @@ RECONCILE_SECONDS = Histogram("ddpjob_reconcile_seconds", "Duration of a reconci
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
 API_WRITES = Counter("ddpjob_api_writes_total", "Kubernetes API writes by the operator.", ["verb", "kind"])
 PROGRESS_WRITES = Counter("ddpjob_progress_writes_total", "Status writes that only carry trainer progress.")
+MEMORY_ENTRIES = Gauge("ddpjob_operator_state_entries",
+                       "Per-job entries the operator holds in memory (locks, wake-ups, tombstones, ...), by "
+                       "structure; back to its level once deleted jobs are swept.", ["structure"])
 
 
 def set_phases(phases: dict[str, str]) -> None:
@@ -30,3 +33,8 @@ def set_phases(phases: dict[str, str]) -> None:
 def serve(port: int) -> None:
     if port:
         start_http_server(port)
+
+
+def set_state_entries(sizes: dict[str, int]) -> None:
+    for structure, size in sizes.items():
+        MEMORY_ENTRIES.labels(structure).set(size)

@@ -104,7 +104,10 @@ COND_RESTARTING = "Restarting"
 COND_SUSPENDED = "Suspended"
 COND_SUCCEEDED = "Succeeded"
 COND_FAILED = "Failed"
-CONDITION_TYPES = (COND_CREATED, COND_RUNNING, COND_RESTARTING, COND_SUSPENDED, COND_SUCCEEDED, COND_FAILED)
+# True while a child (Pod, Service) cannot be created: an object the job does not own holds its name.
+COND_REPLICA_FAILURE = "ReplicaFailure"
+CONDITION_TYPES = (COND_CREATED, COND_RUNNING, COND_RESTARTING, COND_SUSPENDED, COND_SUCCEEDED, COND_FAILED,
+                   COND_REPLICA_FAILURE)
 
 # Condition reasons double as Event reasons.
 REASON_CREATED = "JobCreated"
@@ -126,6 +129,8 @@ REASON_SCALED = "Scaled"
 REASON_PHASE_CHANGED = "PhaseChanged"
 REASON_TTL_EXPIRED = "TTLExpired"
 REASON_CREATE_FAILED = "FailedCreate"
+REASON_CHILD_CONFLICT = "ChildConflict"
+REASON_CHILDREN_CREATED = "ChildrenCreated"
 
 # Pod condition / status reasons that mark a disruption (not the training's fault).
 DISRUPTION_CONDITION = "DisruptionTarget"
@@ -136,3 +141,6 @@ DISRUPTION_REASONS = (
 )
 
 ATTEMPTS_HISTORY = 20
+# status.recordedPods holds the UIDs of ended pods that still exist: at most two groups' pods at once
+# (the old group being deleted while the new one starts), each up to MAX_NODES trainers and a store.
+MAX_RECORDED_PODS = 2 * (MAX_NODES + 1)

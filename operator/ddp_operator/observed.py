@@ -13,6 +13,7 @@ from ddp_operator import names
 # torchrun's failure summary: "  exitcode  : 3 (pid: 812)"
 _WORKER_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
 MESSAGE_TAIL = 512
+STALE_GROUP = -1
 
 
 def parse_time(value: str | None) -> datetime | None:
@@ -98,6 +99,15 @@ def _disruption(pod: Mapping) -> str | None:
     return None
 
 
+def _group(label: Any) -> int:
+    """The pod's group label; one that is not a number (edited by hand, or a foreign pod) reads as STALE_GROUP,
+    which matches no group the operator runs, so the pod is deleted as stale and never counted."""
+    if label is None or label == "":
+        return 0
+    text = str(label)
+    return int(text) if text.isdigit() and len(text) < 10 else STALE_GROUP
+
+
 def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
     """`gone`: the pod's last state from a DELETED watch event (a tombstone). Its phase becomes "Gone" unless it
     had ended (Succeeded/Failed) before, which keeps its exit for the record; `PodState.gone` is what says the
@@ -129,7 +139,7 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
         uid=meta.get("uid", ""),
         role=role,
         index=int(index) if index is not None and str(index).isdigit() else None,
-        group=int(labels.get(names.LABEL_GROUP, "0") or 0),
+        group=_group(labels.get(names.LABEL_GROUP)),
         phase=phase,
         deleting=bool(meta.get("deletionTimestamp")),
         deletion_time=parse_time(meta.get("deletionTimestamp")),

@@ -5,8 +5,8 @@ now (plus tombstones of pods it saw deleted) and the clock value it is given. Ru
 input yields the same output, so an operator restart changes nothing.
 
 Rules (docs/contract.md and the CRD field descriptions say the same to users):
-- A failed, deleted or evicted training pod is recorded once (by UID, in status.attempts), deleted, and
-  recreated under the same name once the old one is gone.
+- A failed, deleted or evicted training pod is recorded once (by UID, in status.recordedPods, with its details in
+  the bounded status.attempts history), deleted, and recreated under the same name once the old one is gone.
 - A failure counts against failurePolicy.backoffLimit unless it is a disruption (eviction, preemption, node
   loss) and countDisruptions is false, or it falls within incidentWindowSeconds of the incident that came
   before (survivors crashing because a peer died). Exceeding the budget fails the job.
@@ -15,7 +15,6 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
   is deleted and recreated. That is one incident.
 - Succeeded: some trainer exited 0 and no trainer is still running. Failures after a success are not replaced;
   trainers still running SUCCESS_GRACE_SECONDS after the first success are stopped.
-- Pods of an older group, or with an index >= spec.nodes (scale down), are deleted and never counted.
 - A trainer pod's outcome is its `trainer` container's: exit 0 is a success and any other exit a failure even
   while a sidecar container keeps the pod Running; such a pod is then stopped like a running one
   (cleanPodPolicy once the job finished, replacement after a failure).
@@ -24,6 +23,13 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
   FailedCreate when the API server refuses a child.
 - The job's NetworkPolicy (netpol.py) exists while the job is active exactly when it is wanted
   (spec.networkPolicy.enabled, else the operator's default): created before any pod, deleted when disabled.
+- Pods of an older group (or with a group label that is not a number), or with an index >= spec.nodes (scale
+  down), are deleted and never counted.
+- A child name held by an object the job does not own (a foreign `<job>-0` pod or `<job>` Service) sets
+  condition ReplicaFailure=True, reason ChildConflict, naming the object; the job waits (its create is retried)
+  until the object is removed, then the condition turns False.
+- status.progress never goes back: a report (polled, or the final one) from a step before the one shown is not
+  taken (status.newer_progress).
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ from ddp_operator.rdzv import render_rdzv_pod
 from ddp_operator.service import render_service
 from ddp_operator.spec import Job
 from ddp_operator.status import (
-    Event, append_attempt, attempt, condition_events, get_condition, pod_counts, progress_status, set_condition,
+    Event, append_attempt, attempt, condition_events, get_condition, newer_progress, pod_counts, progress_status,
+    record_pod, set_condition,
 )
 
 CREATE = "create"
@@ -69,6 +76,8 @@ class Observed:
     # The job's own NetworkPolicy <job>; its UID is the precondition of a delete (never a foreign policy).
     network_policy_exists: bool = True
     network_policy_uid: str | None = None
+    # Children whose create met an object this job does not own: name -> what is in the way (k8s.ChildConflict).
+    conflicts: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,7 @@ class _Pass:
         self.disruptions = int(self.prev.get("disruptions") or 0)
         self.group = int(self.prev.get("group") or 0)
         self.attempts: list[dict] = list(self.prev.get("attempts") or [])
+        self.recorded_pods: list[str] = list(self.prev.get("recordedPods") or [])
         self.start_time = parse_time(self.prev.get("startTime"))
         self.completion_time = parse_time(self.prev.get("completionTime"))
         self.last_incident = parse_time(self.prev.get("lastFailureTime"))
@@ -146,7 +156,12 @@ class _Pass:
                 and p.index < self.job.spec.nodes)
 
     def recorded(self, p: PodState) -> bool:
-        return any(a.get("uid") == p.uid for a in self.attempts)
+        return p.uid in self.recorded_pods or any(a.get("uid") == p.uid for a in self.attempts)
+
+    def record(self, p: PodState, *, counted: bool, reason: str | None = None) -> None:
+        """Put an ended pod on record: its UID for as long as it exists, its details in the bounded history."""
+        self.attempts = append_attempt(self.attempts, attempt(p, counted=counted, now=self.now_s, reason=reason))
+        self.recorded_pods = record_pod(self.recorded_pods, p.uid, (q.uid for q in self.observed.pods))
 
     def finish(self, phase: str, reason: str, message: str) -> None:
         self.phase, self.reason, self.message = phase, reason, message
@@ -239,7 +254,7 @@ class _Pass:
             codes = p.exit_codes
             what = f"pod {p.name} {describe(p)}"
             if p.disruption is None and fp.is_permanent(codes):
-                self.attempts = append_attempt(self.attempts, attempt(p, counted=True, now=self.now_s))
+                self.record(p, counted=True)
                 field_name = ("spec.failurePolicy.permanentExitCodes" if fp.retryable_exit_codes is None
                               else "spec.failurePolicy.retryableExitCodes")
                 self.finish(names.PHASE_FAILED, names.REASON_PERMANENT_EXIT,
@@ -247,9 +262,9 @@ class _Pass:
                 return False
             counts = self.incident(p)
             if counts and self.over_budget(p, what):
-                self.attempts = append_attempt(self.attempts, attempt(p, counted=True, now=self.now_s))
+                self.record(p, counted=True)
                 return False
-            self.attempts = append_attempt(self.attempts, attempt(p, counted=counts, now=self.now_s))
+            self.record(p, counted=counts)
             self.incident_reason = names.REASON_NODE_DISRUPTED if p.disruption else names.REASON_NODE_FAILED
             self.incident_message = f"{what}; replacing it" + ("" if counts else " (not counted)")
             self.delete(p)
@@ -265,11 +280,9 @@ class _Pass:
         what = f"rendezvous store pod {p.name} {describe(p)}"
         counts = self.incident(p)
         if counts and self.over_budget(p, what):
-            self.attempts = append_attempt(self.attempts, attempt(p, counted=True, now=self.now_s,
-                                                                  reason=names.REASON_RDZV_LOST))
+            self.record(p, counted=True, reason=names.REASON_RDZV_LOST)
             return False
-        self.attempts = append_attempt(self.attempts, attempt(p, counted=counts, now=self.now_s,
-                                                              reason=names.REASON_RDZV_LOST))
+        self.record(p, counted=counts, reason=names.REASON_RDZV_LOST)
         self.group += 1
         self.incident_reason = names.REASON_RDZV_LOST
         self.incident_message = f"{what}; restarting the whole group as rendezvous {rdzv_id(self.job, self.group)}"
@@ -380,6 +393,17 @@ class _Pass:
             self.phase, self.reason = names.PHASE_PENDING, names.REASON_WAITING
             self.message = f"{running}/{job.spec.nodes} training pods running"
 
+    def child_conflicts(self) -> None:
+        """Report children that cannot be created because a foreign object holds their name."""
+        conflicts = self.observed.conflicts
+        if conflicts:
+            message = "; ".join(conflicts[name] for name in sorted(conflicts))
+            self.cond(names.COND_REPLICA_FAILURE, True, names.REASON_CHILD_CONFLICT, message)
+            self.reason, self.message = names.REASON_CHILD_CONFLICT, f"{self.message}; {message}"
+        elif (get_condition(self.conditions, names.COND_REPLICA_FAILURE) or {}).get("status") == "True":
+            self.cond(names.COND_REPLICA_FAILURE, False, names.REASON_CHILDREN_CREATED,
+                      "every child was created")
+
     def success(self) -> bool:
         """Apply the success rule; True if the job succeeded or is finishing successfully."""
         current = [p for p in self.trainers if p.role == names.ROLE_TRAINER and p.group == self.group]
@@ -387,7 +411,7 @@ class _Pass:
             return False
         for p in self.observed.pods:
             if p.final_report:
-                self.progress = progress_status(p.final_report)
+                self.progress = newer_progress(self.progress, progress_status(p.final_report))
         still_running = [p for p in current if p.phase == "Running" and not p.deleting]
         for p in current:
             if p.phase == "Pending" and not p.deleting:
@@ -440,6 +464,7 @@ class _Pass:
         self.stale()
         self.create_missing()
         self.active_phase()
+        self.child_conflicts()
         # The deadline clock starts with the first pods.
         if job.spec.run_policy.active_deadline_seconds and self.start_time:
             self.due_in(self.start_time + timedelta(seconds=job.spec.run_policy.active_deadline_seconds))
@@ -468,6 +493,7 @@ class _Pass:
             "lastFailureTime": format_time(self.last_incident) if self.last_incident else None,
             "recoveryStartTime": format_time(self.recovery_start) if self.recovery_start else None,
             "attempts": self.attempts or None,
+            "recordedPods": self.recorded_pods or None,
             "progress": self.progress,
         }
         return {k: v for k, v in status.items() if v is not None and v != ""}

@@ -1,32 +1,78 @@
-"""The trainer's progress channel (docs/contract.md): probe rank 0's GET :29401/progress on the job's pods."""
+"""The trainer's progress channel (docs/contract.md): probe rank 0's GET :29401/progress on the job's pods.
+
+What a pod answers is untrusted, and the operator serves every job from one process, so a probe is bounded in
+every way: one overall deadline per probe (not per socket operation: a pod that trickles a byte at a time
+cannot hold it), plain HTTP/1.0 with no redirects followed, status 200 only, a capped body, and any error at
+all (a malformed status line, JSON nested too deep, numbers out of range) means "no report".
+"""
 
 from __future__ import annotations
 
 import json
-import urllib.request
+import socket
+import time
 from typing import Any, Iterable, Mapping
 
 from ddp_operator import names
 
-TIMEOUT_SECONDS = 1.0
+DEADLINE_SECONDS = 2.0
+MAX_RESPONSE_BYTES = 65536
 
 
-def fetch(ip: str, timeout: float = TIMEOUT_SECONDS) -> Mapping[str, Any] | None:
-    """The JSON progress report served at ip, or None if nothing (valid) answers."""
-    url = f"http://{ip}:{names.PROGRESS_PORT}{names.PROGRESS_PATH}"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (pod IPs only)
-            report = json.loads(response.read(65536))
-    except (OSError, ValueError):
-        return None
+def _get(ip: str, port: int, deadline: float) -> bytes:
+    """The raw HTTP response (head and body) of GET /progress, read until EOF, the cap, or the deadline."""
+    def remaining() -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("progress probe deadline")
+        return left
+
+    with socket.create_connection((ip, port), timeout=remaining()) as sock:
+        host = f"[{ip}]" if ":" in ip else ip
+        sock.settimeout(remaining())
+        sock.sendall(f"GET {names.PROGRESS_PATH} HTTP/1.0\r\nHost: {host}:{port}\r\n"
+                     f"Accept: application/json\r\nConnection: close\r\n\r\n".encode())
+        data = bytearray()
+        while True:
+            sock.settimeout(remaining())
+            chunk = sock.recv(16384)
+            if not chunk:
+                return bytes(data)
+            data += chunk
+            if len(data) > MAX_RESPONSE_BYTES:
+                raise ValueError("progress response too large")
+
+
+def _report(raw: bytes) -> Mapping[str, Any] | None:
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    status = head.split(b"\r\n", 1)[0].split()
+    if not sep or len(status) < 2 or not status[0].startswith(b"HTTP/") or status[1] != b"200":
+        return None  # redirects, errors and anything that is not HTTP are all "no report"
+    # NaN/Infinity are not JSON: read as null (status.progress_status drops them, as it drops 1e999).
+    report = json.loads(body, parse_constant=lambda _: None)
     return report if isinstance(report, dict) else None
 
 
-def probe(ips: Iterable[str], preferred: str | None = None) -> tuple[str, Mapping[str, Any]] | None:
-    """Ask the pods, the one that answered last time first; only global rank 0 serves progress."""
+def fetch(ip: str, timeout: float = DEADLINE_SECONDS, *, deadline: float | None = None) -> Mapping[str, Any] | None:
+    """The JSON progress report served at ip, or None if nothing (valid) answers by the deadline."""
+    end = deadline if deadline is not None else time.monotonic() + timeout
+    try:
+        return _report(_get(ip, names.PROGRESS_PORT, end))
+    except Exception:  # noqa: BLE001 - whatever a pod sends back, it is only "no report"
+        return None
+
+
+def probe(ips: Iterable[str], preferred: str | None = None,
+          timeout: float = DEADLINE_SECONDS) -> tuple[str, Mapping[str, Any]] | None:
+    """Ask the pods, the one that answered last time first; only global rank 0 serves progress.
+
+    `timeout` bounds the whole probe, however many pods are asked."""
+    deadline = time.monotonic() + timeout
     ordered = sorted(set(ips), key=lambda ip: ip != preferred)
     for ip in ordered:
-        report = fetch(ip)
+        if time.monotonic() >= deadline:
+            break
+        report = fetch(ip, deadline=deadline)
         if report is not None:
             return ip, report
     return None

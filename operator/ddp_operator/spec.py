@@ -282,11 +282,14 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
     torchrun = Torchrun(
         rdzv_port=_int(t, "rdzvPort", "spec.torchrun.rdzvPort", default=td["rdzvPort"], minimum=1, maximum=65535),
         join_timeout_seconds=_int(t, "joinTimeoutSeconds", "spec.torchrun.joinTimeoutSeconds",
-                                  default=td["joinTimeoutSeconds"], minimum=1),
+                                  default=td["joinTimeoutSeconds"], minimum=1,
+                                  maximum=crd.MAXIMA["joinTimeoutSeconds"]),
         last_call_timeout_seconds=_int(t, "lastCallTimeoutSeconds", "spec.torchrun.lastCallTimeoutSeconds",
-                                       default=td["lastCallTimeoutSeconds"]),
+                                       default=td["lastCallTimeoutSeconds"],
+                                       maximum=crd.MAXIMA["lastCallTimeoutSeconds"]),
         keep_alive_interval_seconds=_int(t, "keepAliveIntervalSeconds", "spec.torchrun.keepAliveIntervalSeconds",
-                                         default=td["keepAliveIntervalSeconds"], minimum=1),
+                                         default=td["keepAliveIntervalSeconds"], minimum=1,
+                                         maximum=crd.MAXIMA["keepAliveIntervalSeconds"]),
         keep_alive_max_attempts=_int(t, "keepAliveMaxAttempts", "spec.torchrun.keepAliveMaxAttempts",
                                      default=td["keepAliveMaxAttempts"], minimum=1),
         max_restarts=_int(t, "maxRestarts", "spec.torchrun.maxRestarts", default=td["maxRestarts"]),
@@ -310,10 +313,12 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         retryable_exit_codes=retryable,
         count_disruptions=count_disruptions,
         incident_window_seconds=_int(f, "incidentWindowSeconds", "spec.failurePolicy.incidentWindowSeconds",
-                                     default=fd["incidentWindowSeconds"]),
+                                     default=fd["incidentWindowSeconds"],
+                                     maximum=crd.MAXIMA["incidentWindowSeconds"]),
         stuck_terminating_timeout_seconds=_int(
             f, "stuckTerminatingTimeoutSeconds", "spec.failurePolicy.stuckTerminatingTimeoutSeconds",
-            default=fd["stuckTerminatingTimeoutSeconds"], minimum=1),
+            default=fd["stuckTerminatingTimeoutSeconds"], minimum=1,
+            maximum=crd.MAXIMA["stuckTerminatingTimeoutSeconds"]),
     )
 
     r = _section(spec, "runPolicy")
@@ -325,8 +330,10 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         raise SpecError("spec.runPolicy.cleanPodPolicy", f"must be one of {', '.join(crd.CLEAN_POD_POLICIES)}, got {clean!r}")
     run_policy = RunPolicy(
         suspend=suspend,
-        active_deadline_seconds=_int(r, "activeDeadlineSeconds", "spec.runPolicy.activeDeadlineSeconds", minimum=1),
-        ttl_seconds_after_finished=_int(r, "ttlSecondsAfterFinished", "spec.runPolicy.ttlSecondsAfterFinished"),
+        active_deadline_seconds=_int(r, "activeDeadlineSeconds", "spec.runPolicy.activeDeadlineSeconds", minimum=1,
+                                     maximum=crd.MAXIMA["activeDeadlineSeconds"]),
+        ttl_seconds_after_finished=_int(r, "ttlSecondsAfterFinished", "spec.runPolicy.ttlSecondsAfterFinished",
+                                        maximum=crd.MAXIMA["ttlSecondsAfterFinished"]),
         clean_pod_policy=clean,
     )
 
@@ -359,7 +366,8 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         nproc_per_node=nproc,
         omp_num_threads=omp,
         progress_period_seconds=_int(spec, "progressPeriodSeconds", "spec.progressPeriodSeconds",
-                                     default=d["progressPeriodSeconds"]),
+                                     default=d["progressPeriodSeconds"],
+                                     maximum=crd.MAXIMA["progressPeriodSeconds"]),
         template=template,
         torchrun=torchrun,
         failure_policy=failure_policy,

@@ -1,15 +1,22 @@
 """Status bookkeeping: conditions (lastTransitionTime kept while unchanged), Events on condition changes,
-pod counts, the bounded attempts history and the progress summary. Pure functions of their arguments."""
+pod counts, the bounded attempts history, the set of recorded pod UIDs and the progress summary. Pure functions
+of their arguments.
+
+Progress reports come from the job's own pods, so nothing in them is trusted: numbers that are not finite
+(NaN, Infinity, which JSON cannot carry and the API server rejects) are dropped, and a report never replaces a
+newer one already shown (see `newer_progress`).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from ddp_operator import names
 from ddp_operator.observed import PodState
 
-WARNING_CONDITIONS = {names.COND_FAILED, names.COND_RESTARTING}
+WARNING_CONDITIONS = {names.COND_FAILED, names.COND_RESTARTING, names.COND_REPLICA_FAILURE}
 
 
 @dataclass(frozen=True)
@@ -89,17 +96,63 @@ def append_attempt(attempts: list[dict], record: dict) -> list[dict]:
     return (list(attempts) + [record])[-names.ATTEMPTS_HISTORY:]
 
 
+def record_pod(recorded: Iterable[str], uid: str, existing: Iterable[str]) -> list[str]:
+    """status.recordedPods after recording `uid`: every ended pod already counted (or not) stays known for as
+    long as it exists, however many ended at once (the attempts history keeps only the last few). UIDs of pods
+    that no longer exist are dropped then: a deleted pod never comes back, so it can never be counted again."""
+    existing = set(existing)
+    kept = [u for u in recorded if u in existing and u != uid]
+    return (kept + [uid])[-names.MAX_RECORDED_PODS:]
+
+
+def finite(value: Any) -> Any:
+    """`value` without numbers JSON cannot carry: NaN/Infinity are dropped from objects, None in lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            v = finite(v)
+            if v is not None or value[k] is None:
+                out[str(k)] = v
+        return out
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def newer_progress(stored: Mapping[str, Any] | None, report: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The progress to show: `report`, unless `stored` is from a later step.
+
+    progress.step shows the newest step trained. After a failure the job resumes from its last checkpoint, so
+    its rank 0 reports steps it already went through; showing those would make the column jump back during
+    every recovery. The report is taken again once it reaches the stored step.
+    """
+    if not report:
+        return stored
+    if not stored:
+        return report
+    old, new = stored.get("step"), report.get("step")
+    if _number(old) and (not _number(new) or new < old):
+        return stored
+    return report
+
+
 def progress_summary(report: Mapping[str, Any]) -> str:
     parts = []
-    if report.get("step") is not None:
+    if _number(report.get("step")):
         parts.append(f"step {report['step']}")
-    if report.get("epoch") is not None:
+    if _number(report.get("epoch")):
         parts.append(f"epoch {report['epoch']}")
-    if isinstance(report.get("loss"), (int, float)):
+    if _number(report.get("loss")):
         parts.append(f"loss {report['loss']:.4g}")
     metrics = report.get("metrics") or {}
     for key, value in list(metrics.items())[:2]:
-        if isinstance(value, (int, float)):
+        if _number(value):
             parts.append(f"{key} {value:.4g}")
     if report.get("final"):
         parts.append("final")
@@ -115,14 +168,12 @@ def progress_status(report: Mapping[str, Any]) -> dict:
     out: dict[str, Any] = {}
     for key in _PROGRESS_KEYS:
         value = report.get(key)
-        if key in ("step", "epoch", "worldSize", "lastCheckpointStep") and isinstance(value, (int, float)) \
-                and not isinstance(value, bool):
+        if key in ("step", "epoch", "worldSize", "lastCheckpointStep") and _number(value):
             out[key] = int(value)
-        elif key in ("loss", "samplesPerSecond", "time") and isinstance(value, (int, float)) \
-                and not isinstance(value, bool):
+        elif key in ("loss", "samplesPerSecond", "time") and _number(value):
             out[key] = float(value)
         elif key == "metrics" and isinstance(value, dict):
-            out[key] = value
+            out[key] = finite(value)
         elif key == "final" and isinstance(value, bool):
             out[key] = value
     out["summary"] = progress_summary(report)

@@ -66,6 +66,9 @@ INVALID = [
     ("clean-policy", {"runPolicy": {"cleanPodPolicy": "Some"}}, "spec.runPolicy.cleanPodPolicy"),
     ("deadline", {"runPolicy": {"activeDeadlineSeconds": 0}}, "spec.runPolicy.activeDeadlineSeconds"),
     ("ttl", {"runPolicy": {"ttlSecondsAfterFinished": -1}}, "spec.runPolicy.ttlSecondsAfterFinished"),
+    # Beyond ten years, datetime arithmetic in the operator would overflow (year > 9999) on every pass.
+    ("deadline-huge", {"runPolicy": {"activeDeadlineSeconds": 10 ** 12}}, "spec.runPolicy.activeDeadlineSeconds"),
+    ("ttl-huge", {"runPolicy": {"ttlSecondsAfterFinished": 10 ** 12}}, "spec.runPolicy.ttlSecondsAfterFinished"),
     ("shm-medium", {"shm": {"medium": "HugePages"}}, "spec.shm.medium"),
     ("shm-size", {"shm": {"sizeLimit": "lots"}}, "spec.shm.sizeLimit"),
     ("ckpt-no-volume", {"checkpoint": {"mountPath": "/c"}}, "spec.checkpoint.volume"),

@@ -162,6 +162,36 @@ def test_termination_log_is_bounded(tmp_path):
     assert len(path.read_text()) <= 4096
 
 
+def test_non_finite_numbers_are_served_as_valid_json(tmp_path):
+    """NaN/Infinity are not JSON: the progress endpoint and the termination log carry null instead, so the
+    operator never copies a value the API server rejects."""
+    import json
+    import urllib.request
+
+    from ddp_trainer.progress import ProgressServer
+
+    progress = Progress(world_size=1)
+    progress.update(step=4, loss=float("nan"), samplesPerSecond=float("inf"),
+                    metrics={"acc": float("-inf"), "nested": {"x": [1.0, float("nan")]}, "ok": 0.5})
+    server = ProgressServer(progress, 0, host="127.0.0.1")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/progress", timeout=5) as r:
+            text = r.read().decode()
+    finally:
+        server.close()
+
+    def strict(s):
+        return json.loads(s, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c} in {s}"))
+
+    served = strict(text)
+    assert served["step"] == 4 and served["loss"] is None and served["samplesPerSecond"] is None
+    assert served["metrics"] == {"acc": None, "nested": {"x": [1.0, None]}, "ok": 0.5}
+    path = tmp_path / "termination-log"
+    assert write_termination_log(str(path), {**progress.snapshot(), "final": True})
+    final = strict(path.read_text())
+    assert final["loss"] is None and final["final"] is True
+
+
 def test_flatten_roundtrip():
     tree = {"a": [torch.ones(2), (1, torch.zeros(1))], "b": {"c": "s"}}
     skel, tensors = flatten(tree)

@@ -13,7 +13,7 @@ class _Core:
     def __init__(self, result):
         self.result, self.calls = result, 0
 
-    def read_node(self, name):
+    def read_node(self, name, **_):
         self.calls += 1
         if isinstance(self.result, Exception):
             raise self.result
@@ -48,3 +48,81 @@ def test_forbidden_is_unknown_logged_once_and_not_asked_again(caplog):
 def test_other_errors_are_raised():
     with pytest.raises(ApiException):
         _api(ApiException(status=500, reason="boom")).node_ready("n")
+
+
+# --- timeouts and 409s --------------------------------------------------------------------------------------------
+from ddp_operator import k8s  # noqa: E402
+from ddp_operator.k8s import ChildConflict  # noqa: E402
+
+
+class _Recorder:
+    """Stands in for a kubernetes API class: records each call, answers with `answer(name, args, kwargs)`."""
+
+    def __init__(self, calls, answer):
+        self.calls, self.answer = calls, answer
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            self.calls.append((name, kwargs))
+            return self.answer(name, args, kwargs)
+        return call
+
+
+def _recording_api(answer=lambda *_: SimpleNamespace(status=SimpleNamespace(conditions=[]))):
+    calls = []
+    api = Api.__new__(Api)
+    api.core = api.custom = api.coordination = _Recorder(calls, answer)
+    api.client = SimpleNamespace(sanitize_for_serialization=lambda o: {} if o is not None else None)
+    api._nodes_forbidden = False
+    return api, calls
+
+
+def _child(kind="Pod", owner_uid="job-uid"):
+    return {"kind": kind, "metadata": {"name": "job-0", "namespace": "ns",
+                                       "ownerReferences": [{"kind": "DDPJob", "name": "job", "uid": owner_uid}]}}
+
+
+def test_every_call_has_a_request_timeout():
+    api, calls = _recording_api()
+    api.create(_child())
+    api.create(_child("Service"))
+    api.delete_pod("ns", "p", "uid")
+    api.delete_pod("ns", "p", "uid", force=True)
+    api.delete_job("ns", "job", "uid")
+    api.patch_status("ns", "job", {"phase": "Running"})
+    api.post_event({"metadata": {"name": "job", "namespace": "ns"}}, "Normal", "R", "m", "c")
+    api.node_ready("n")
+    api.read_lease("ns", "l")
+    api.write_lease("ns", {"metadata": {"name": "l"}}, create=True)
+    api.write_lease("ns", {"metadata": {"name": "l"}}, create=False)
+    assert len(calls) == 11
+    for name, kwargs in calls:
+        assert 0 < kwargs.get("_request_timeout", 0) <= k8s.REQUEST_TIMEOUT_SECONDS, name
+    api.read_lease("ns", "l", timeout=1.5)
+    assert calls[-1][1]["_request_timeout"] == 1.5
+
+
+def _conflicting(owner_refs):
+    def answer(name, args, kwargs):
+        if name.startswith("create_"):
+            raise ApiException(status=409, reason="AlreadyExists")
+        return SimpleNamespace(metadata=SimpleNamespace(owner_references=owner_refs))
+    return _recording_api(answer)
+
+
+def test_409_on_our_own_child_is_success():
+    api, calls = _conflicting([SimpleNamespace(uid="job-uid", kind="DDPJob", name="job")])
+    assert api.create(_child()) is None
+    assert [c[0] for c in calls] == ["create_namespaced_pod", "read_namespaced_pod"]
+
+
+@pytest.mark.parametrize("kind", ["Pod", "Service"])
+@pytest.mark.parametrize("refs", [None, [SimpleNamespace(uid="other", kind="ReplicaSet", name="web-1")]])
+def test_409_on_a_foreign_object_is_a_conflict_naming_it(kind, refs):
+    api, _ = _conflicting(refs)
+    with pytest.raises(ChildConflict) as err:
+        api.create(_child(kind))
+    text = str(err.value)
+    assert f"{kind.lower()} ns/job-0 already exists and is not owned by this DDPJob" in text
+    assert "delete or rename it" in text
+    assert ("ReplicaSet web-1" in text) if refs else ("owned by nothing" in text)

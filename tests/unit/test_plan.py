@@ -320,3 +320,68 @@ def test_pod_terminating_on_a_ready_or_unknown_node_is_waited_for():
     for ready in (True, None):  # None: Nodes may not be read (namespace-scoped RBAC)
         p = plan(job, status, observed(rdzv(), trainer(0), stuck, node_ready={"node-2": ready}), later(121))
         assert p.actions == () and p.requeue_after is None, ready
+
+
+def test_final_report_with_nan_still_succeeds_and_status_is_valid_json():
+    import json
+    job, status = _running()
+    report = '{"step": 120, "loss": NaN, "samplesPerSecond": Infinity, "metrics": {"acc": -Infinity, "ok": 1}, ' \
+             '"final": true}'
+    done = plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0, message=report),
+                                      trainer(1, phase="Succeeded", exit_code=0)), later(2))
+    assert done.status["phase"] == "Succeeded"
+    json.dumps(done.status, allow_nan=False)  # what the API server accepts
+    assert done.status["progress"]["step"] == 120 and "loss" not in done.status["progress"]
+    assert done.status["progress"]["metrics"] == {"ok": 1}
+
+
+def test_more_than_a_history_of_pods_ending_together_are_counted_once():
+    n = names.ATTEMPTS_HISTORY + 5
+    job, status = _running(n=n, nodes=n,
+                           failurePolicy={"backoffLimit": 100, "incidentWindowSeconds": 0})
+    failed = observed(rdzv(), *(trainer(i, phase="Failed", exit_code=1) for i in range(n)))
+    first = plan(job, status, failed, later(10))
+    assert len(first.status["attempts"]) == names.ATTEMPTS_HISTORY
+    assert first.status["restarts"] == n and len(first.actions) == n
+    # The same pods seen again (their deletes still in flight): nothing is counted or recorded again.
+    again = plan(job, first.status, failed, later(11))
+    assert again.status["restarts"] == n and again.status["attempts"] == first.status["attempts"]
+    assert again.status == first.status
+    # Once they are gone, their UIDs may leave the record (bounded by the pods that still exist).
+    gone = plan(job, again.status, observed(rdzv()), later(12))
+    bad = plan(job, gone.status, observed(rdzv(), trainer(0, phase="Failed", exit_code=1, uid="new")), later(13))
+    assert bad.status["recordedPods"] == ["new"] and bad.status["restarts"] == n + 1
+
+
+def test_trainer_pod_with_a_garbage_group_label_is_stale_not_a_crash():
+    job, status = _running()
+    odd = trainer(1, uid="odd")
+    odd["metadata"]["labels"][names.LABEL_GROUP] = "not-a-number"
+    p = plan(job, status, observed(rdzv(), trainer(0), odd), later(5))
+    assert (DELETE, "mnist-1") in _acts(p)
+    assert p.status["restarts"] == 0
+
+
+def test_lifecycle_write_never_carries_older_progress():
+    job, status = _running()
+    status["progress"] = {"step": 61, "summary": "step 61"}
+    # A resumed run's final report at a lower step than already shown keeps the newer step.
+    report = '{"step": 54, "loss": 0.5, "final": true}'
+    done = plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0, message=report),
+                                      trainer(1, phase="Succeeded", exit_code=0)), later(2))
+    assert done.status["phase"] == "Succeeded" and done.status["progress"]["step"] == 61
+    newer = plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0,
+                                                       message='{"step": 90, "final": true}'),
+                                       trainer(1, phase="Succeeded", exit_code=0)), later(2))
+    assert newer.status["progress"]["step"] == 90 and newer.status["progress"]["final"] is True
+
+
+def test_huge_deadline_and_ttl_never_overflow():
+    from ddp_operator import crd
+    top = crd.MAX_DURATION_SECONDS
+    job, status = _running(runPolicy={"activeDeadlineSeconds": top, "ttlSecondsAfterFinished": top})
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(1)), later(40))
+    assert p.status["phase"] == "Running" and p.requeue_after > 0
+    done = plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0),
+                                      trainer(1, phase="Succeeded", exit_code=0)), later(50))
+    assert done.status["phase"] == "Succeeded" and done.requeue_after > 0

@@ -128,3 +128,37 @@ def test_invalid_names(name, message):
 def test_spec_must_be_an_object():
     with pytest.raises(SpecError, match="^spec: must be an object"):
         parse_spec(["nodes"])
+
+
+@pytest.mark.parametrize("field", ["activeDeadlineSeconds", "ttlSecondsAfterFinished"])
+def test_durations_have_a_maximum_that_datetime_arithmetic_survives(field):
+    from datetime import datetime, timedelta, timezone
+    with pytest.raises(SpecError, match=f"spec.runPolicy.{field}: must be <= {crd.MAX_DURATION_SECONDS}"):
+        parse_job(job_body(runPolicy={field: 10 ** 12}))
+    top = parse_job(job_body(runPolicy={field: crd.MAX_DURATION_SECONDS})).spec.run_policy
+    assert datetime(9000, 1, 1, tzinfo=timezone.utc) + timedelta(seconds=crd.MAX_DURATION_SECONDS)
+    assert top.active_deadline_seconds or top.ttl_seconds_after_finished
+
+
+def test_every_seconds_field_is_capped_like_the_crd():
+    schema = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+
+    def walk(props, path):
+        for key, sub in props.items():
+            if "properties" in sub:
+                yield from walk(sub["properties"], f"{path}.{key}")
+            elif "Seconds" in key:
+                yield f"{path}.{key}", sub
+
+    fields = list(walk(schema, "spec"))
+    assert len(fields) >= 7
+    for path, sub in fields:
+        assert "maximum" in sub, path
+        parts = path.split(".")[1:]
+        body = job_body()
+        target = body["spec"]
+        for p in parts[:-1]:
+            target = target.setdefault(p, {})
+        target[parts[-1]] = sub["maximum"] + 1
+        with pytest.raises(SpecError, match=f"{path}: must be <= {sub['maximum']}"):
+            parse_job(body)

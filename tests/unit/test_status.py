@@ -80,3 +80,24 @@ def test_progress_status_keeps_known_fields():
     assert "junk" not in out and "lastCheckpointStep" not in out
     assert out["summary"] == "step 120 epoch 2 loss 0.4123 testAccuracy 0.97"
     assert progress_summary({"final": True}) == "final"
+
+
+def test_progress_status_drops_non_finite_numbers():
+    import json
+    report = {"step": 3, "loss": float("nan"), "samplesPerSecond": float("inf"), "time": float("-inf"),
+              "metrics": {"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": 0.5, "e": float("nan")}},
+              "epoch": float("inf")}
+    out = progress_status(report)
+    json.dumps(out, allow_nan=False)
+    assert out["step"] == 3 and "loss" not in out and "epoch" not in out and "time" not in out
+    assert out["metrics"] == {"b": [1.0, None], "c": {"d": 0.5}}
+    assert "nan" not in out["summary"] and "inf" not in out["summary"]
+
+
+def test_newer_progress_never_goes_backwards():
+    from ddp_operator.status import newer_progress
+    assert newer_progress({"step": 61}, {"step": 54}) == {"step": 61}
+    assert newer_progress({"step": 54}, {"step": 61}) == {"step": 61}
+    assert newer_progress(None, {"step": 1}) == {"step": 1}
+    assert newer_progress({"step": 5}, {"step": 5, "loss": 0.1}) == {"step": 5, "loss": 0.1}
+    assert newer_progress({"step": 5}, {"summary": "final", "final": True})["step"] == 5

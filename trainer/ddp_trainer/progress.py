@@ -7,11 +7,15 @@
 
 The training loop only replaces a dict (no locks, no I/O per step); the server thread serialises it on
 request, so the operator decides the rate. Pull, not push: nothing needs Kubernetes credentials.
+
+Both the endpoint and the termination log are strict JSON: a NaN or infinite loss or metric (a diverging run)
+is written as ``null``, since JSON has no such numbers and the API server would refuse them in status.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -19,6 +23,22 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 PATH = "/progress"
+
+
+def finite(value: Any) -> Any:
+    """`value` with every NaN/Infinity replaced by None, recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def dumps(record: dict[str, Any], **kwargs: Any) -> str:
+    """Strict JSON (allow_nan=False) of a record whose non-finite numbers became null."""
+    return json.dumps(finite(record), allow_nan=False, **kwargs)
 
 
 class Progress:
@@ -55,7 +75,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path.split("?", 1)[0] not in (PATH, "/"):
             self.send_error(404)
             return
-        body = json.dumps(self.progress.snapshot()).encode()
+        body = dumps(self.progress.snapshot()).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -92,9 +112,9 @@ def write_termination_log(path: str | None, record: dict[str, Any]) -> bool:
     """
     if not path:
         return False
-    body = json.dumps(record, separators=(",", ":"))
+    body = dumps(record, separators=(",", ":"))
     if len(body) > 4096:
-        body = json.dumps({**record, "metrics": {}}, separators=(",", ":"))[:4096]
+        body = dumps({**record, "metrics": {}}, separators=(",", ":"))[:4096]
     try:
         with open(path, "w") as f:
             f.write(body)

@@ -90,13 +90,13 @@ watch and annotate the objects it handles: no secrets, no configmaps, no pods/ex
   resources: [ddpjobs/finalizers]
   verbs: [update]
 # Children: created with owner references, so garbage collection removes them with the job. Reads come from
-# kopf's watches (list, watch), never a get; tests/rbac_needs.py derives every verb from the code.
+# kopf's watches (list, watch); get only to see who owns an object that holds a child's name (409); tests/rbac_needs.py derives every verb from the code.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, watch, create, delete]
+  verbs: [get, list, watch, create, delete]
 - apiGroups: [""]
   resources: [services]
-  verbs: [list, watch, create]
+  verbs: [get, list, watch, create]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]

@@ -1,0 +1,322 @@
+"""handlers.Reconciler with a fake API and in-memory indexes: one job's pods cannot stall the others, per-job
+memory goes with the job, progress never goes back, a foreign child is reported."""
+
+import copy
+import socket
+import threading
+import time
+
+import pytest
+
+from ddp_operator import handlers, names
+from ddp_operator.handlers import Reconciler
+from ddp_operator.k8s import ChildConflict
+
+from ddp_builders import job_body
+
+
+class FakeApi:
+    def __init__(self, index):
+        self.index = index
+        self.patches, self.events, self.deleted = [], [], []
+        self.conflicts = set()
+        self.n = 0
+
+    def create(self, body):
+        name = body["metadata"]["name"]
+        if name in self.conflicts:
+            raise ChildConflict(body["kind"], body["metadata"]["namespace"], name, [])
+        self.n += 1
+        obj = copy.deepcopy(dict(body))
+        obj["metadata"]["uid"] = f"pod-uid-{self.n}"
+        key = (obj["metadata"]["namespace"], obj["metadata"]["labels"].get(names.LABEL_JOB_NAME, name))
+        if body["kind"] == "Pod":
+            self.index["pods_by_job"].setdefault(key, []).append(obj)
+        else:
+            self.index["services_by_job"].setdefault(key, []).append(True)
+        return obj
+
+    def delete_pod(self, namespace, name, uid, force=False):
+        self.deleted.append(name)
+
+    def delete_job(self, namespace, name, uid):
+        pass
+
+    def patch_status(self, namespace, name, status):
+        self.patches.append(((namespace, name), copy.deepcopy(dict(status))))
+        for body in self.index["ddpjobs_by_key"].get((namespace, name), []):
+            body.setdefault("status", {}).update(copy.deepcopy(dict(status)))
+
+    def post_event(self, job, type_, reason, message, component):
+        self.events.append((job["metadata"]["name"], type_, reason, message))
+
+    def node_ready(self, name):
+        return True
+
+
+def _reconciler():
+    index = {"ddpjobs_by_key": {}, "pods_by_job": {}, "services_by_job": {}}
+    r = Reconciler(FakeApi(index))
+    r.indexes = index
+    return r
+
+
+def _add_job(r, name, namespace="ml", **spec):
+    body = job_body(name=name, namespace=namespace, **spec)
+    body["metadata"]["uid"] = f"uid-{namespace}-{name}"
+    r.indexes["ddpjobs_by_key"][(namespace, name)] = [body]
+    return (namespace, name), body
+
+
+def _run_pods(r, key, ip="127.0.0.9"):
+    for p in r.indexes["pods_by_job"].get(key, []):
+        p["status"] = {"phase": "Running", "podIP": ip,
+                       "conditions": [{"type": "Ready", "status": "True"}]}
+
+
+def _sizes(r):
+    """Every per-job structure of the Reconciler (private on purpose: this is what must not leak)."""
+    return {name: len(getattr(r, name)) for name in
+            ("_locks", "_written", "_written_at", "_tombstones", "_created", "_wakeups", "_last_pass",
+             "_progress_at", "_progress_ip", "_phases")}
+
+
+# --- one job cannot stall the others ------------------------------------------------------------------------------
+def test_one_jobs_failing_probe_never_drops_another_jobs_wake_up(monkeypatch, caplog):
+    r = _reconciler()
+    a, _ = _add_job(r, "a", progressPeriodSeconds=1)
+    b, _ = _add_job(r, "b")
+    for key in (a, a, b):
+        r.reconcile(*key)
+        _run_pods(r, key)
+    passes, probed = [], threading.Event()
+    real = r.reconcile
+    monkeypatch.setattr(r, "reconcile", lambda ns, name, body=None: (passes.append((ns, name)), real(ns, name))[1])
+
+    def boom(key):
+        if key == a:
+            probed.set()
+            raise RecursionError("maximum recursion depth exceeded while decoding a JSON array")
+    monkeypatch.setattr(r, "poll_progress", boom)
+    r.wake(b, 0)
+    r.tick()  # must not raise
+    assert b in passes
+    assert probed.wait(5)
+    deadline = time.monotonic() + 5
+    while r._probing and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not r._probing  # the failed poll is done with; the next period polls again
+    assert "progress poll failed" in caplog.text
+    r.stop()
+
+
+def test_one_jobs_failing_pass_re_arms_it_and_still_runs_the_others(monkeypatch):
+    r = _reconciler()
+    a, _ = _add_job(r, "a")
+    b, _ = _add_job(r, "b")
+    passes = []
+    real = r._reconcile
+
+    def flaky(key, body):
+        passes.append(key)
+        if key == a:
+            raise OverflowError("date value out of range")
+        return real(key, body)
+    monkeypatch.setattr(r, "_reconcile", flaky)
+    r.wake(a, 0)
+    r.wake(b, 0)
+    r.tick()
+    assert a in passes and b in passes
+    assert a in r._wakeups and b not in r._wakeups  # a is retried, b is done
+
+
+def _trickler():
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=trickle, args=(conn,), daemon=True).start()
+
+    def trickle(conn):
+        try:
+            conn.recv(4096)
+            conn.sendall(b"HTTP/1.0 200 OK\r\n")
+            while not stop.wait(0.05):
+                conn.sendall(b"X")
+        except OSError:
+            pass
+        finally:
+            conn.close()
+    threading.Thread(target=serve, daemon=True).start()
+    return sock.getsockname()[1], lambda: (stop.set(), sock.close())
+
+
+def test_a_trickling_pod_never_holds_the_ticker(monkeypatch):
+    port, close = _trickler()
+    monkeypatch.setattr(names, "PROGRESS_PORT", port)
+    r = _reconciler()
+    slow, _ = _add_job(r, "slow", progressPeriodSeconds=1)
+    other, _ = _add_job(r, "other")
+    r.reconcile(*slow)
+    _run_pods(r, slow, ip="127.0.0.1")
+    r.reconcile(*slow)
+    assert r._written["uid-ml-slow"]["phase"] == names.PHASE_RUNNING
+    try:
+        r.wake(other, 0)
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (r.tick(), done.set()), daemon=True)
+        started = time.monotonic()
+        t.start()
+        assert done.wait(3), "the ticker is stuck on a pod that trickles bytes"
+        assert time.monotonic() - started < 1.0
+        assert ("ml", "other") in r._last_pass  # its wake-up ran
+        # The probe itself gives up at its deadline.
+        deadline = time.monotonic() + 3 + 2
+        while r._probing and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not r._probing
+    finally:
+        close()
+        r.stop()
+
+
+# --- progress -----------------------------------------------------------------------------------------------------
+class _Serve:
+    """GET /progress on one loopback address answering `report`."""
+
+    def __init__(self, ip, port, report):
+        import http.server
+        import json
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                body = json.dumps(report).encode()
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_):
+                pass
+        self.server = http.server.HTTPServer((ip, port), H)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _running_job(r, name="job"):
+    key, body = _add_job(r, name, progressPeriodSeconds=1)
+    r.reconcile(*key)
+    _run_pods(r, key, ip="127.0.0.2")
+    r.reconcile(*key)
+    assert r._written[body["metadata"]["uid"]]["phase"] == names.PHASE_RUNNING
+    return key, body
+
+
+def test_only_pods_owned_by_the_job_are_probed(monkeypatch):
+    port = _free_port()
+    monkeypatch.setattr(names, "PROGRESS_PORT", port)
+    r = _reconciler()
+    key, body = _running_job(r)
+    # A pod anyone could create in the namespace, with the job's labels but no owner reference, answers...
+    impostor = copy.deepcopy(r.indexes["pods_by_job"][key][1])
+    impostor["metadata"].update(name="impostor", uid="impostor-uid", ownerReferences=[])
+    impostor["status"]["podIP"] = "127.0.0.1"
+    r.indexes["pods_by_job"][key].append(impostor)
+    server = _Serve("127.0.0.1", port, {"step": 999})
+    try:
+        r.poll_progress(key)
+    finally:
+        server.close()
+    # ...and is never asked (the job's own pods, on 127.0.0.2, do not answer).
+    assert not [s for _, s in r.api.patches if "progress" in s]
+
+
+def test_progress_polling_never_writes_an_older_step(monkeypatch):
+    port = _free_port()
+    monkeypatch.setattr(names, "PROGRESS_PORT", port)
+    r = _reconciler()
+    key, body = _running_job(r)
+    uid = body["metadata"]["uid"]
+    for step, written in ((61, 61), (54, 61), (62, 62)):
+        server = _Serve("127.0.0.2", port, {"step": step})
+        try:
+            r._progress_at.clear()
+            r.poll_progress(key)
+        finally:
+            server.close()
+        assert r._written[uid]["progress"]["step"] == written
+        assert body["status"]["progress"]["step"] == written
+    assert [s["progress"]["step"] for _, s in r.api.patches if "progress" in s] == [61, 62]
+
+
+# --- memory -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["deleted-event", "namespace-gone"])
+def test_a_hundred_jobs_created_and_deleted_leave_nothing_behind(how):
+    r = _reconciler()
+    before = _sizes(r)
+    for i in range(100):
+        key, body = _add_job(r, f"j{i}", namespace=f"ns{i % 7}")
+        r.reconcile(*key)
+        _run_pods(r, key)
+        r.reconcile(*key)
+        r.wake(key, 60)
+        pods = r.indexes["pods_by_job"].get(key, [])
+        # A pod deleted while the job lives: a tombstone.
+        r.pod_deleted(key, pods[0])
+        # The job goes away: its DELETED event (or, with its namespace, nothing at all)...
+        del r.indexes["ddpjobs_by_key"][key]
+        if how == "deleted-event":
+            r.job_deleted(key, body["metadata"]["uid"])
+        # ...and then the garbage collector deletes its pods, each DELETED event triggering a pass.
+        for p in r.indexes["pods_by_job"].pop(key, []):
+            r.pod_deleted(key, p)
+            r.reconcile(*key)
+    r._swept_at = 0.0
+    r.tick()
+    assert _sizes(r) == before == {k: 0 for k in before}
+    assert all(v == 0 for v in r.tracked().values())
+
+
+# --- foreign children ---------------------------------------------------------------------------------------------
+def test_a_foreign_pod_holding_a_childs_name_is_a_condition_and_an_event(monkeypatch):
+    r = _reconciler()
+    key, body = _add_job(r, "mnist")
+    r.api.conflicts.add("mnist-0")
+    r.reconcile(*key)
+    assert r._wakeups.get(key) is not None  # the conflict is reported without waiting for a resync
+    r._wakeups[key] = 0
+    r.tick()
+    status = r._written[body["metadata"]["uid"]]
+    cond = [c for c in status["conditions"] if c["type"] == names.COND_REPLICA_FAILURE][0]
+    assert cond["status"] == "True" and cond["reason"] == names.REASON_CHILD_CONFLICT
+    assert "pod ml/mnist-0 already exists and is not owned by this DDPJob" in cond["message"]
+    assert "delete or rename it" in status["message"]
+    assert [e for e in r.api.events if e[2] == names.REASON_CHILD_CONFLICT and e[1] == "Warning"]
+    # The object is removed: the next retry (its wake-up is armed) creates the job's own pod and clears the
+    # condition.
+    assert r._wakeups.get(key) is not None
+    r.api.conflicts.clear()
+    monkeypatch.setattr(handlers, "CONFLICT_RETRY_SECONDS", 0.0)
+    r._wakeups[key] = 0
+    r.tick()
+    r.tick()
+    status = r._written[body["metadata"]["uid"]]
+    cond = [c for c in status["conditions"] if c["type"] == names.COND_REPLICA_FAILURE][0]
+    assert cond["status"] == "False"
+    assert any(p["metadata"]["name"] == "mnist-0" for p in r.indexes["pods_by_job"][key])
