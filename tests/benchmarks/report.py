@@ -38,8 +38,10 @@ def _n(value: Any, unit: str = "") -> str:
 def recorded(doc: Doc) -> str:
     m = doc.get("machine") or {}
     commit = (doc.get("commit") or "?")[:7] + ("+" if doc.get("dirty") else "")
+    load = (doc.get("result") or {}).get("loadavg_1m")
     return (f"{doc.get('mode')}, `{commit}`, {str(doc.get('date'))[:10]}, "
-            f"{m.get('cores')} cores / {_n(m.get('memory_gib'))} GiB, torch {m.get('torch')}")
+            f"{m.get('cores')} cores / {_n(m.get('memory_gib'))} GiB, torch {m.get('torch')}"
+            + (f", load {_n(max(load))}" if load else ""))
 
 
 def _count(doc: Doc, target: str) -> int:
@@ -55,7 +57,7 @@ def _lost(doc: Doc, target: str) -> str:
     measured = [x for x in lost if x is not None]
     if not measured:
         return "steps lost not measured"
-    text = f"steps lost ≤ {max(measured)}"
+    text = f"steps lost (max) {max(measured)}"
     return text + (f" ({len(lost) - len(measured)} unmeasured)" if len(measured) < len(lost) else "")
 
 
@@ -74,8 +76,8 @@ def e2e_rank0(doc: Doc) -> str:
 def trainer_recovery(doc: Doc) -> str:
     r = doc["result"]
     return (f"p50 {_n(r.get('recovery_s_p50'), ' s')}, max {_n(r.get('recovery_s_max'), ' s')}, "
-            f"{r.get('kills')} kills, {'survived' if r.get('survived') else 'did not survive'}, "
-            f"steps lost ≤ {_n(r.get('steps_lost_max'))}, final weights "
+            f"kills: {r.get('kills')}, {'survived' if r.get('survived') else 'did not survive'}, "
+            f"steps lost (max) {_n(r.get('steps_lost_max'))}, final weights "
             f"{'bitwise equal' if r.get('bitwise_equal') else 'NOT bitwise equal'}")
 
 
@@ -164,20 +166,19 @@ def baselines_table(bench_dir: Path) -> str:
     r = doc["result"]
     lines = ["| setting | survived | kill → first resumed step (p50) | steps lost (max) |", "|---|---|---|---|"]
     for c in r["configs"].values():
-        never = "never" if c["survived"] == 0 else _n(c.get("recovery_s_p50"), " s")
-        lines.append(f"| {c['setting']} | {c['survived']}/{c['kills']} | {never} | {_n(c.get('steps_lost_max'))} |")
+        p50 = _n(c.get("recovery_s_p50"), " s") if c["survived"] else f"none resumed within {_n(c['waited_s'], ' s')}"
+        lines.append(f"| {c['setting']} | {c['survived']}/{c['kills']} | {p50} | {_n(c.get('steps_lost_max'))} |")
     ours = results.load("trainer_recovery", bench_dir)
     if ours is not None:
         o = ours["result"]
-        lines.append(f"| DDPJob's trainer (peer snapshots), DDPJob's settings, non-host node killed "
+        lines.append(f"| DDPJob's trainer (peer snapshots) with DDPJob's environment and keep-alives, non-host node killed "
                      f"(`make bench-trainer-recovery`, {ours.get('mode')}) | "
                      f"{o.get('kills') if o.get('survived') else 0}/{o.get('kills')} | "
                      f"{_n(o.get('recovery_s_p50'), ' s')} | {_n(o.get('steps_lost_max'))} |")
     lines.append("")
     lines.append(f"Recorded by `make bench-baselines`: {recorded(doc)}; {r.get('kills_per_config')} kill(s) per "
-                 f"configuration, checkpoint every {r.get('checkpoint_every')} steps, a kill counts as not "
-                 f"survived when training had not resumed {_n(max(c['waited_s'] for c in r['configs'].values()), ' s')} "
-                 f"after it or the job did not then finish.")
+                 f"configuration, checkpoint every {r.get('checkpoint_every')} steps; a kill counts as survived "
+                 f"when training resumed and the job then finished on every node.")
     return "\n".join(lines)
 
 
