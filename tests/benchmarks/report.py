@@ -41,7 +41,7 @@ def recorded(doc: Doc) -> str:
     load = (doc.get("result") or {}).get("loadavg_1m")
     return (f"{doc.get('mode')}, `{commit}`, {str(doc.get('date'))[:10]}, "
             f"{m.get('cores')} cores / {_n(m.get('memory_gib'))} GiB, torch {m.get('torch')}"
-            + (f", load {_n(max(load))}" if load else ""))
+            + (f", load {_n(max(load) if isinstance(load, list) else load)}" if load else ""))
 
 
 def _count(doc: Doc, target: str) -> int:
