@@ -8,7 +8,7 @@ writes (create, update, patch, delete) in the API server's audit log: the embedd
 metadata of every write in .cluster/logs/audit.log (hack/cluster.py's audit policy); another cluster needs
 an audit log of its own (--audit-log). The operator's writes are those of its ServiceAccount (the chart's
 operator) or, for DDPJOB_OPERATOR=subprocess, the non-kubectl writes of the kubeconfig's user; only
-writes in the job's namespace count.
+writes in the job's namespace count (never the control plane's own `system:` users).
 
 Steady state: once the job is Running with every node ready, --window seconds of healthy training (the
 step delay keeps it training past the window). One job runs at the CRD's default progressPeriodSeconds
@@ -139,7 +139,10 @@ def measure(a: argparse.Namespace, k: h.Kubectl, op: h.Operator, audit: Path, us
             if ev.get("verb") not in WRITE_VERBS or ref.get("namespace") != ns or ev.get("stage") != "ResponseComplete":
                 continue
             if op.mode == "subprocess":
-                if ev.get("userAgent", "").startswith("kubectl"):
+                # the kubeconfig's user, minus this program's kubectl calls; the control plane's own
+                # components (scheduler bindings, kubelet status, endpoint controllers) are system: users
+                if ev.get("userAgent", "").startswith("kubectl") or \
+                        ev.get("user", {}).get("username", "").startswith("system:"):
                     continue
             elif ev.get("user", {}).get("username") != user:
                 continue
