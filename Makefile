@@ -6,10 +6,11 @@ export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)
 .PHONY: help deps binaries cluster-up cluster-down cluster-status image images generate \
         test test-unit test-trainer test-cluster test-integration test-e2e test-chart \
         demo demo-down kind-e2e \
-        bench-trainer-recovery bench-overhead bench-e2e-recovery bench-startup bench-api bench-scale
+        bench-trainer-recovery bench-baselines bench-overhead bench-e2e-recovery bench-startup bench-api \
+        bench-scale bench-report
 
 help: ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-24s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-24s %s\n", $$1, $$2}'
 
 deps: ## system packages + .venv (idempotent)
 	hack/install-deps.sh
@@ -71,20 +72,28 @@ demo-down: ## remove what the demo added
 kind-e2e: ## for users with Docker: the e2e suite on kind
 	hack/kind-e2e.sh
 
-bench-trainer-recovery: ## trainer recovery vs stock torchrun (JSON)
-	$(PY) tests/benchmarks/trainer_recovery.py
+# Every bench-* target prints its JSON and records it in docs/bench/<name>.json (commit, date, machine);
+# `make bench-report` writes the README's Measured table and docs/recovery.md's baselines from those files.
+bench-trainer-recovery: ## trainer recovery vs stock torchrun (JSON, docs/bench/trainer_recovery.json)
+	$(PY) tests/benchmarks/trainer_recovery.py --record
 
-bench-overhead: ## snapshot/checkpoint overhead vs a bare DDP loop (JSON)
-	$(PY) tests/benchmarks/trainer_overhead.py
+bench-baselines: ## stock torchrun as a skilled user sets it up, node kills on loopback (docs/bench/baselines.json)
+	$(PY) tests/benchmarks/baselines.py --record
 
-bench-e2e-recovery: ## pod kills on the cluster (JSON)
-	$(PY) tests/benchmarks/e2e_recovery.py
+bench-overhead: ## snapshot/checkpoint overhead vs a bare DDP loop (JSON, docs/bench/trainer_overhead.json)
+	$(PY) tests/benchmarks/trainer_overhead.py --record
 
-bench-startup: ## apply → running → first step vs hand-written pods (JSON)
-	$(PY) tests/benchmarks/startup.py
+bench-e2e-recovery: ## pod kills on the cluster (JSON, docs/bench/e2e_recovery.json)
+	$(PY) tests/benchmarks/e2e_recovery.py --record
 
-bench-api: ## API writes for one clean job, from the audit log (JSON)
-	$(PY) tests/benchmarks/api_writes.py
+bench-startup: ## apply → running → first step vs hand-written pods (JSON, docs/bench/startup.json)
+	$(PY) tests/benchmarks/startup.py --record
 
-bench-scale: ## 200 DDPJobs at once, control plane only (JSON)
-	$(PY) tests/benchmarks/scale.py
+bench-api: ## API writes for one clean job at the default and the sample's progress period (docs/bench/api_writes.json)
+	$(PY) tests/benchmarks/api_writes.py --record
+
+bench-scale: ## 200 DDPJobs at once, control plane only (JSON, docs/bench/scale.json)
+	$(PY) tests/benchmarks/scale.py --record
+
+bench-report: ## rewrite the README's Measured table and docs/recovery.md's baselines from docs/bench/*.json
+	$(PY) tests/benchmarks/report.py --write

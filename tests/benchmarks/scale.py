@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The operator under many jobs at once, control plane only (`make bench-scale`).
 
-    tests/benchmarks/scale.py [--jobs 200] [--nodes 1] [--quick]
+    tests/benchmarks/scale.py [--jobs 200] [--nodes 1] [--quick] [--record]
 
 Applies --jobs DDPJobs in one `kubectl apply` and measures how long the operator takes to create every
 child (per job: the headless Service, the rendezvous-store pod and --nodes training pods), and the
@@ -16,13 +16,13 @@ jobs, all_children_created_s, operator_rss_mib, and more.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.benchmarks import results  # noqa: E402
 from tests.e2e import harness as h  # noqa: E402
 
 NOWHERE = {"ddp.dev/bench-node": "nowhere"}
@@ -34,6 +34,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=1, help="training pods per job")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--quick", action="store_true", help="20 jobs (smoke test)")
+    results.add_record_arg(p)
     a = p.parse_args()
     if a.quick:
         a.jobs = 20
@@ -132,7 +133,7 @@ def main() -> int:
         k("delete", "ddpj", "--all", "-n", ns, "--wait=false", check=False, timeout=300)
         h.delete_namespace(k, ns, wait=True)
         op.stop()
-    print(json.dumps(result))
+    results.emit("scale", result, mode="quick" if a.quick else "full", record=a.record)
     return 0
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the operator adds to a job's start-up (`make bench-startup`).
 
-    tests/benchmarks/startup.py [--rounds 3] [--nodes 2] [--quick]
+    tests/benchmarks/startup.py [--rounds 3] [--nodes 2] [--quick] [--record]
 
 Each round, in a fresh namespace each:
 - DDPJob: `kubectl apply` of a digits DDPJob -> every training pod Running, and -> the first training step
@@ -21,7 +21,6 @@ baseline_running_s, delta_s, rounds.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import uuid
@@ -29,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "operator"))
+from tests.benchmarks import results  # noqa: E402
 from tests.e2e import harness as h  # noqa: E402
 
 from ddp_operator import pod as pod_render  # noqa: E402
@@ -44,6 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="DDPJob + baseline pairs")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="one round (smoke test)")
+    results.add_record_arg(p)
     a = p.parse_args()
     if a.quick:
         a.rounds = 1
@@ -128,7 +129,7 @@ def main() -> int:
         "nodes": a.nodes,
         "rounds": rounds,
     }
-    print(json.dumps(result))
+    results.emit("startup", result, mode="quick" if a.quick else "full", record=a.record)
     return 0
 
 

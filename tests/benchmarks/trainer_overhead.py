@@ -15,7 +15,7 @@ per-round ratios of back-to-back segments (load swings on a shared machine cance
 ratios in CPU time of rank 0 per step (``cpu_*``) are less sensitive to other processes, and
 ``snapshot_write_us`` times one snapshot write directly. Prints one JSON object as its last line.
 
-    .venv/bin/python tests/benchmarks/trainer_overhead.py [--quick] [--rounds 30 --steps 60]
+    .venv/bin/python tests/benchmarks/trainer_overhead.py [--quick] [--record] [--rounds 30 --steps 60]
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "trainer"))
+sys.path.insert(0, str(ROOT))
+from tests.benchmarks import results  # noqa: E402
 
 
 def worker(rounds: int, steps: int, workdir: str) -> None:
@@ -136,6 +138,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workdir", default="", help=argparse.SUPPRESS)
+    results.add_record_arg(p)
     opts = p.parse_args()
     rounds, steps = (3, 30) if opts.quick else (opts.rounds, opts.steps)
     if opts.worker:
@@ -187,7 +190,7 @@ def main() -> int:
         "quick": opts.quick,
         "wall_s": round(time.time() - t0, 1),
     }
-    print(json.dumps(result))
+    results.emit("trainer_overhead", result, mode="quick" if opts.quick else "full", record=opts.record)
     return 0
 
 

@@ -2,7 +2,8 @@
 
 Rank 0 saves a checkpoint every N steps; on start every rank loads the newest one and skips the
 batches already done. No peer snapshots, no SIGTERM handling, default process-group timeout. It prints
-the same structured step/resume lines as ddp_trainer (only to let the benchmark measure it).
+the same structured step/resume/start lines as ddp_trainer (only to let the benchmarks measure it; the step
+line comes before the step's checkpoint, as in ddp_trainer, so steps lost is never negative).
 
     torchrun ... tests/benchmarks/trainer_plain_ddp.py --checkpoint-dir DIR --checkpoint-every 10
 """
@@ -50,6 +51,8 @@ def main() -> int:
         opt.load_state_dict(ckpt["optimizer"])
         step = ckpt["step"]
         log("resume", source="checkpoint", step=step)
+    else:
+        log("start", source="fresh")
     steps_per_epoch = len(loader)
     for epoch in range(step // steps_per_epoch, args.epochs):
         sampler.set_epoch(epoch)

@@ -7,11 +7,16 @@ replacement started each time; recovery = kill -> first step logged after the re
 weights are compared with an uninterrupted run of the same job.
 
 Baseline: stock torchrun (default environment and rendezvous settings) running a plain
-checkpoint-every-10 DDP script, same kill and replacement.
+checkpoint-every-10 DDP script, same kill and replacement. The baselines a skilled user would run
+(+ TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, + short keep-alives, the plain script under DDPJob's torchrun
+settings) are measured by `make bench-baselines` (tests/benchmarks/baselines.py); their recorded
+results (docs/bench/baselines.json) are reported under `baselines`.
 
-Prints one JSON object as its last line.
+Steps lost: ddp_trainer.testing.steps_lost (highest step any rank logged before the restore minus the
+restored step; never clamped). Prints one JSON object as its last line; --record also writes
+docs/bench/trainer_recovery.json.
 
-    .venv/bin/python tests/benchmarks/trainer_recovery.py [--quick] [--kills 5]
+    .venv/bin/python tests/benchmarks/trainer_recovery.py [--quick] [--kills 5] [--record]
 """
 
 from __future__ import annotations
@@ -26,9 +31,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "trainer"))
+for _p in (ROOT, ROOT / "trainer"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 from ddp_trainer.testing import ClusterTimeout, LocalCluster, recovery_after_kill  # noqa: E402
+from tests.benchmarks import results  # noqa: E402
 
 DIGITS = ["--seed", "11", "--patience", "0"]
 
@@ -50,12 +58,13 @@ def ours(work: Path, kills: int, epochs: int, every: int, delay: float) -> dict:
     with LocalCluster(work / "ours", args=args, env=env, rdzv_id="bench-ours") as c:
         host = c.start_node()
         victim = c.start_node()
-        next_kill = every
+        next_kill, since = every, float("-inf")
         for k in range(kills):
             c.wait_for_step(next_kill, timeout=600)
             killed_at = c.kill(victim)
             victim = c.start_node(f"node1-r{k + 1}")
-            rec = recovery_after_kill(c, killed_at, timeout=600)
+            rec = recovery_after_kill(c, killed_at, timeout=600, since=since)
+            since = rec.pop("restored_at")
             results.append(rec)
             print(json.dumps({"kill": k + 1, **rec}), file=sys.stderr, flush=True)
             next_kill = rec["resumed_from"] + every
@@ -81,7 +90,23 @@ def baseline(work: Path, epochs: int, kill_step: int, delay: float, wait_s: floa
         except ClusterTimeout:
             return {"survived": False, "recovery_s": None, "waited_s": wait_s}
         rcs = c.wait_exit(c.nodes[:1] + c.nodes[2:], timeout=600)
+        rec.pop("restored_at")
         return {"survived": set(rcs.values()) == {0}, **rec}
+
+
+def recorded_baselines() -> dict | None:
+    """The committed results of `make bench-baselines`: per configuration survival, p50 and steps lost."""
+    doc = results.load("baselines")
+    if doc is None:
+        return None
+    keep = ("setting", "kills", "survived", "recovery_s_p50", "steps_lost_max")
+    return {
+        "from": "docs/bench/baselines.json (make bench-baselines)",
+        "commit": doc.get("commit"),
+        "date": doc.get("date"),
+        "mode": doc.get("mode"),
+        "configs": {k: {f: v.get(f) for f in keep} for k, v in doc["result"]["configs"].items()},
+    }
 
 
 def main() -> int:
@@ -89,6 +114,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="1 kill, short jobs (smoke test)")
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--baseline-wait", type=float, default=150.0, help="seconds to wait for the baseline to resume")
+    results.add_record_arg(p)
     opts = p.parse_args()
     kills = 1 if opts.quick else max(opts.kills, 1)
     every, delay = 25, 0.04
@@ -106,7 +132,9 @@ def main() -> int:
         "kills": len(times),
         "recovery_s_p50": round(statistics.median(times), 3),
         "recovery_s_max": round(max(times), 3),
-        "steps_lost_max": max(r["steps_lost"] for r in mine["recoveries"]),
+        # None if a recovery had no step line before its restore (unmeasured): never read as 0
+        "steps_lost_max": None if any(r["steps_lost"] is None for r in mine["recoveries"])
+        else max(r["steps_lost"] for r in mine["recoveries"]),
         "sources": sorted({r["source"] for r in mine["recoveries"]}),
         "survived": mine["survived"],
         "bitwise_equal": mine["digest"] == ref,
@@ -119,12 +147,13 @@ def main() -> int:
             k: round(statistics.median(r[k] for r in mine["recoveries"]), 3)
             for k in ("until_process_group_s", "until_restored_s", "first_step_s")
         },
+        "baselines": recorded_baselines(),
         "loadavg_1m": [load_start, round(os.getloadavg()[0], 2)],
         "cpus": os.cpu_count(),
         "quick": opts.quick,
         "wall_s": round(time.time() - t0, 1),
     }
-    print(json.dumps(result))
+    results.emit("trainer_recovery", result, mode="quick" if opts.quick else "full", record=opts.record)
     return 0
 
 

@@ -38,8 +38,10 @@ from typing import Any, Callable
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _path in (REPO, REPO / "trainer"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+from ddp_trainer.testing import StepsLostError, steps_lost  # noqa: E402  the one definition of steps lost
 from tests import tools  # noqa: E402
 from tests.conftest import (  # noqa: E402  the suite's cluster helpers, shared with the benchmarks
     Cluster,
@@ -353,7 +355,8 @@ class PhaseError(AssertionError):
     """The job reached a terminal phase other than the one waited for."""
 
 
-def wait_for_or_raise(check: Callable[[], Any], timeout: float, what: str, fatal: type[BaseException],
+def wait_for_or_raise(check: Callable[[], Any], timeout: float, what: str,
+                      fatal: type[BaseException] | tuple[type[BaseException], ...],
                       interval: float = 0.5) -> Any:
     """wait_for, except that exceptions of type `fatal` end the wait at once."""
     def guarded():
@@ -488,27 +491,41 @@ class Recovery:
     seconds: float  # kill -> first training step of the re-formed group
     resumed_from: int  # the step the group resumed from (0: started over)
     source: str  # "peer", "local", "disk" or "fresh"
-    steps_lost: int  # steps rank 0 had reached at the kill minus resumed_from
+    # ddp_trainer.testing.steps_lost: the highest step any surviving pod logged before the restore minus
+    # resumed_from (None: no step line in the window, e.g. an image whose non-rank-0 pods log no steps)
+    steps_lost: int | None
+    restored_at: float  # log time of the restore (pass as `since` for the next kill of the same job)
 
 
-def recovery_after(k: Kubectl, namespace: str, name: str, killed_at: float, step_at_kill: int,
-                   timeout: float) -> Recovery:
-    """Wait for the first step after a resume (or fresh start) logged after `killed_at`."""
+def recovery_after(k: Kubectl, namespace: str, name: str, killed_at: float, step_at_kill: int | None = None,
+                   timeout: float = 180, *, since: float = float("-inf")) -> Recovery:
+    """Wait for the first step after a resume (or fresh start) logged after `killed_at`.
+
+    Steps lost come from the trainer's own log lines in the job's current pods (the killed pod's are gone
+    with it; the survivors' remain), never from `step_at_kill`, a progress reading taken before the kill
+    (kept in the signature for callers that pass it). `since`: the previous restore of the same job.
+    """
     def check():
-        evs = [e for e in job_events(k, namespace, name) if e.time >= killed_at]
-        restart = next((e for e in evs if e.event in ("resume", "start")), None)
+        evs = job_events(k, namespace, name)
+        after = [e for e in evs if e.time >= killed_at]
+        restart = next((e for e in after if e.event in ("resume", "start")), None)
         if restart is None:
             st = status(k, namespace, name)
             if st.get("phase") in ("Failed", "Succeeded"):
                 raise PhaseError(f"{namespace}/{name} ended {st.get('phase')} without resuming")
             return None
-        step = next((e for e in evs if e.event == "step" and e.time >= restart.time), None)
+        resumed = restart.int("step", 0) if restart.event == "resume" else 0
+        step = next((e for e in after if e.event == "step" and e.time >= restart.time and e.int("step") > resumed),
+                    None)
         if step is None:
             return None
-        resumed = restart.int("step", 0) if restart.event == "resume" else 0
+        lost = steps_lost(((e.time, e.int("step")) for e in evs if e.event == "step"), resumed, restart.time,
+                          since=since)
         source = restart.fields.get("source", "fresh")
-        return Recovery(round(step.time - killed_at, 2), resumed, source, max(0, step_at_kill - resumed))
-    return wait_for_or_raise(check, timeout, f"{namespace}/{name} to resume training", PhaseError, interval=1.0)
+        return Recovery(round(step.time - killed_at, 2), resumed, source, lost, restart.time)
+    # a negative steps lost is a bug to report at once, not a "not yet"
+    return wait_for_or_raise(check, timeout, f"{namespace}/{name} to resume training", (PhaseError, StepsLostError),
+                             interval=1.0)
 
 
 def final_accuracy(k: Kubectl, namespace: str, name: str) -> float | None:

@@ -53,6 +53,9 @@ def test_killed_worker_pod_is_replaced_and_training_resumes(kubectl, ns):
                60, f"a replacement for {victim}")
     rec = h.recovery_after(kubectl, ns, "kw", killed_at, prog["step"], 180)
     assert rec.resumed_from > 0, f"training started over instead of resuming: {rec}"
+    # rank 0 survived: the replacement got the state from its peer's snapshot, at most the step in flight lost
+    assert rec.source == "peer", rec
+    assert rec.steps_lost is not None and rec.steps_lost <= 1, rec
 
     st = h.wait_phase(kubectl, ns, "kw", "Succeeded", SUCCEED_TIMEOUT)
     assert st.get("restarts") == 1, f"expected exactly one counted restart: {st}"
@@ -68,6 +71,8 @@ def test_killed_rank0_pod_job_still_succeeds(kubectl, ns):
 
     h.wait_for(lambda: _pod_uids(kubectl, ns, "k0").get(rank0) not in (None, uid), 60, f"a replacement for {rank0}")
     rec = h.recovery_after(kubectl, ns, "k0", killed_at, prog["step"], 180)
+    # the group re-formed around the survivor's state: resumed, not started over
+    assert rec.source != "fresh" and rec.resumed_from > 0, f"training started over instead of resuming: {rec}"
     st = h.wait_phase(kubectl, ns, "k0", "Succeeded", SUCCEED_TIMEOUT)
     _assert_accuracy(kubectl, ns, "k0")
     assert st.get("restarts", 0) >= 1, st

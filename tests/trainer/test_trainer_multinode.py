@@ -82,7 +82,7 @@ def test_store_process_survives_loss_of_rank0_node(tmp_path, reference):
         cluster.start_store()
         cluster.start_node()
         cluster.start_node()
-        step = cluster.wait_for_step(29, timeout=JOB_TIMEOUT)
+        step = cluster.wait_for_step(29, timeout=JOB_TIMEOUT, rank=0)
         victim = cluster.node(step.node)  # the node running global rank 0
         killed_at = cluster.kill(victim)
         cluster.start_node(f"{victim.name}-replacement")

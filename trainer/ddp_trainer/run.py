@@ -273,6 +273,22 @@ class Run:
             loss = float(loss.detach().item())
         if loss is not None:
             self._last_loss = loss
+        # The step line comes before the step's snapshot/checkpoint, so no restore is ever ahead of the
+        # logged steps (steps lost, ddp_trainer.testing.steps_lost, is never negative by a logging race).
+        # Rank 0 writes the full line; the first local rank of every other node a short one, so the
+        # completed steps survive in some pod's log whichever pod is lost.
+        if self.log_every and pos.step % self.log_every == 0:
+            if self.session.is_main:
+                self.log(
+                    "step",
+                    step=pos.step,
+                    epoch=pos.epoch,
+                    batch=pos.batch,
+                    loss=self._last_loss,
+                    samples_per_s=round(self._sps, 1) if self._sps else None,
+                )
+            elif self.session.local_rank == 0:
+                self.log("step", all_ranks=True, step=pos.step, epoch=pos.epoch, batch=pos.batch)
         if self._epoch_len is None or pos.batch < self._epoch_len:
             self._save_point()
         if self.session.is_main:
@@ -283,15 +299,6 @@ class Run:
                 samplesPerSecond=round(self._sps or 0.0, 2),
                 lastCheckpointStep=self._ckpt_step(),
             )
-            if self.log_every and pos.step % self.log_every == 0:
-                self.log(
-                    "step",
-                    step=pos.step,
-                    epoch=pos.epoch,
-                    batch=pos.batch,
-                    loss=self._last_loss,
-                    samples_per_s=round(self._sps, 1) if self._sps else None,
-                )
 
     def epoch_done(self, metrics: dict[str, Any] | None = None, *, stop: bool = False) -> None:
         """Close the epoch (after validation); ``stop=True`` (agreed by all ranks) ends :meth:`epochs`."""

@@ -346,9 +346,10 @@ class LocalCluster:
                 raise ClusterTimeout(f"all nodes exited while waiting for {what}\n{self.dump()}")
             time.sleep(0.1)
 
-    def wait_for_step(self, step: int, *, timeout: float, after: float = 0.0) -> Event:
+    def wait_for_step(self, step: int, *, timeout: float, after: float = 0.0, rank: int | None = None) -> Event:
+        """The first step line at or past ``step`` (every node logs them; ``rank`` picks one rank's)."""
         return self.wait_for(
-            lambda e: e.int("step") >= step and e.time >= after,
+            lambda e: e.int("step") >= step and e.time >= after and (rank is None or e.get("rank") == str(rank)),
             timeout=timeout,
             what=f"step {step}",
             name="step",
@@ -373,23 +374,58 @@ class LocalCluster:
         return "\n".join(parts)
 
 
-def recovery_after_kill(cluster: LocalCluster, killed_at: float, *, timeout: float = 180) -> dict[str, Any]:
-    """Wait for the first step after a kill that follows a resume; measure time and steps lost.
+class StepsLostError(AssertionError):
+    """A recovery restored a step that no rank had completed: never clamped away, always a bug."""
 
-    ``steps_lost`` is the last step logged before the kill minus the step the run resumed from: the
-    work that had to be redone.
+
+def steps_lost(completed: Iterable[tuple[float, int]], restored_step: int, restored_at: float, *,
+               since: float = float("-inf")) -> int | None:
+    """Steps lost by one recovery: the one definition every benchmark and test uses.
+
+    ``completed`` are (log time, step) of the ``event=step`` lines the trainer writes once per completed
+    optimizer step (rank 0, and the first local rank of every other node, so a line survives in some
+    pod's log or agent output whichever node was killed); ``restored_step``/``restored_at`` come from
+    the resumed run's ``event=resume`` line (0 for ``event=start``, a fresh start). The result is the
+    highest step any rank completed in ``[since, restored_at)`` -- before the group re-formed, so a step
+    a survivor finished just after the kill counts as lost work -- minus the restored step. The step
+    line is written before the step's snapshot or checkpoint, so a restore can never be ahead of the
+    lines: a negative value is a bug and raises :class:`StepsLostError` instead of being clamped.
+    ``None`` when no step line was logged in the window (nothing to measure from).
     """
-    resume = cluster.wait_for(
-        lambda e: e.time >= killed_at, timeout=timeout, what="resume after the kill", name="resume"
+    before = [step for t, step in completed if since <= t < restored_at]
+    if not before:
+        return None
+    lost = max(before) - restored_step
+    if lost < 0:
+        raise StepsLostError(
+            f"restored step {restored_step} is ahead of the highest completed step {max(before)}: a bug"
+        )
+    return lost
+
+
+def restore_after(cluster: LocalCluster, after: float, *, timeout: float) -> Event:
+    """The first ``resume`` (or ``start``: a fresh start) event logged at or after ``after``."""
+    return cluster.wait_for(
+        lambda e: e.time >= after and e.name in ("resume", "start"), timeout=timeout, what="resume after the kill"
     )
+
+
+def recovery_after_kill(
+    cluster: LocalCluster, killed_at: float, *, timeout: float = 180, since: float = float("-inf")
+) -> dict[str, Any]:
+    """Wait for the first step after a kill that follows a resume (or a fresh start); measure time and
+    :func:`steps_lost` (``since``: the previous recovery's resume, when one job is killed several times).
+    """
+    resume = restore_after(cluster, killed_at, timeout=timeout)
+    restored = resume.int("step") if resume.name == "resume" else 0
     first = cluster.wait_for(
-        lambda e: e.time >= resume.time and e.int("step") > resume.int("step"),
+        lambda e: e.time >= resume.time and e.int("step") > restored,
         timeout=timeout,
         what="first resumed step",
         name="step",
     )
-    before = [e.int("step") for e in cluster.events("step") if e.time <= killed_at]
-    last_before = max(before) if before else 0
+    steps = cluster.events("step")
+    lost = steps_lost(((e.time, e.int("step")) for e in steps), restored, resume.time, since=since)
     sessions = [e for e in cluster.events("session") if killed_at <= e.time <= resume.time]
     joined = sessions[-1].time if sessions else resume.time
     return {
@@ -399,8 +435,9 @@ def recovery_after_kill(cluster: LocalCluster, killed_at: float, *, timeout: flo
         "until_process_group_s": round(joined - killed_at, 3),
         "until_restored_s": round(resume.time - joined, 3),
         "first_step_s": round(first.time - resume.time, 3),
-        "resumed_from": resume.int("step"),
-        "source": resume["source"],
-        "last_step_before_kill": last_before,
-        "steps_lost": last_before - resume.int("step"),
+        "resumed_from": restored,
+        "source": resume.get("source", "fresh"),
+        "last_step_before_kill": max((e.int("step") for e in steps if since <= e.time <= killed_at), default=None),
+        "steps_lost": lost,
+        "restored_at": resume.time,
     }

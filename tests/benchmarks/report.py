@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""`make bench-report`: the README's Measured table and docs/recovery.md's baseline table, from the
+results the benchmarks recorded in docs/bench/<name>.json (tests/benchmarks/results.py).
+
+    .venv/bin/python tests/benchmarks/report.py [--write | --check]
+
+Each table sits between two marker comments (`<!-- bench-report:<block>:begin -->` ... `:end -->`);
+only what lies between them is rewritten. --check (the default) exits 1 and names the blocks that differ
+from what the files say; tests/unit/test_bench_report.py runs the same check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from tests.benchmarks import results  # noqa: E402
+
+README = ROOT / "README.md"
+RECOVERY = ROOT / "docs" / "recovery.md"
+Doc = dict[str, Any]
+
+
+def _n(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        value = f"{value:g}"
+    return f"{value}{unit}"
+
+
+def recorded(doc: Doc) -> str:
+    m = doc.get("machine") or {}
+    commit = (doc.get("commit") or "?")[:7] + ("+" if doc.get("dirty") else "")
+    load = (doc.get("result") or {}).get("loadavg_1m")
+    return (f"{doc.get('mode')}, `{commit}`, {str(doc.get('date'))[:10]}, "
+            f"{m.get('cores')} cores / {_n(m.get('memory_gib'))} GiB, torch {m.get('torch')}"
+            + (f", load {_n(max(load) if isinstance(load, list) else load)}" if load else ""))
+
+
+def _count(doc: Doc, target: str) -> int:
+    return sum(1 for d in doc["result"].get("detail", []) if d.get("target") == target)
+
+
+def _survived(doc: Doc, target: str) -> int:
+    return sum(1 for d in doc["result"].get("detail", []) if d.get("target") == target and d.get("survived"))
+
+
+def _lost(doc: Doc, target: str) -> str:
+    lost = [d.get("steps_lost") for d in doc["result"].get("detail", []) if d.get("target") == target]
+    measured = [x for x in lost if x is not None]
+    if not measured:
+        return "steps lost not measured"
+    text = f"steps lost (max) {max(measured)}"
+    return text + (f" ({len(lost) - len(measured)} unmeasured)" if len(measured) < len(lost) else "")
+
+
+def e2e_worker(doc: Doc) -> str:
+    r = doc["result"]
+    return (f"p50 {_n(r.get('recovery_s_p50'), ' s')}, max {_n(r.get('recovery_s_max'), ' s')}, "
+            f"{_survived(doc, 'worker')}/{_count(doc, 'worker')} survived, {_lost(doc, 'worker')}")
+
+
+def e2e_rank0(doc: Doc) -> str:
+    r = doc["result"]
+    return (f"p50 {_n(r.get('rank0_recovery_s_p50'), ' s')}, max {_n(r.get('rank0_recovery_s_max'), ' s')}, "
+            f"{_survived(doc, 'rank0')}/{_count(doc, 'rank0')} survived, {_lost(doc, 'rank0')}")
+
+
+def trainer_recovery(doc: Doc) -> str:
+    r = doc["result"]
+    return (f"p50 {_n(r.get('recovery_s_p50'), ' s')}, max {_n(r.get('recovery_s_max'), ' s')}, "
+            f"kills: {r.get('kills')}, {'survived' if r.get('survived') else 'did not survive'}, "
+            f"steps lost (max) {_n(r.get('steps_lost_max'))}, final weights "
+            f"{'bitwise equal' if r.get('bitwise_equal') else 'NOT bitwise equal'}")
+
+
+def trainer_baseline(doc: Doc) -> str:
+    r = doc["result"]
+    if not r.get("baseline_survived"):
+        return f"did not survive (waited {_n(r.get('baseline_waited_s'), ' s')})"
+    return f"survived, {_n(r.get('baseline_recovery_s_p50'), ' s')}, steps lost {_n(r.get('baseline_steps_lost'))}"
+
+
+def baselines_summary(doc: Doc) -> str:
+    parts = []
+    for name, c in doc["result"]["configs"].items():
+        parts.append(f"{name} {c['survived']}/{c['kills']}" + (f" ({_n(c['recovery_s_p50'], ' s')})"
+                                                              if c.get("recovery_s_p50") is not None else ""))
+    return "survived: " + ", ".join(parts) + " — table in [docs/recovery.md](docs/recovery.md)"
+
+
+def startup(doc: Doc) -> str:
+    r = doc["result"]
+    return (f"{_n(r.get('apply_to_running_s'), ' s')} / {_n(r.get('apply_to_first_step_s'), ' s')} "
+            f"(hand-written pods: {_n(r.get('baseline_first_step_s'), ' s')}; delta {_n(r.get('delta_s'), ' s')})")
+
+
+def api(period_key: str) -> Callable[[Doc], str]:
+    def figure(doc: Doc) -> str:
+        r = doc["result"]
+        at = (r.get("at_progress_period") or {}).get(str(r.get(period_key)))
+        if at is None:
+            return "not measured"
+        return (f"{at['creates']} creates, {at['status_writes']} status writes, "
+                f"{_n(at['steady_state_writes_per_min'])} writes/min while healthy + "
+                f"{_n(at['progress_writes_per_min'])} progress writes/min")
+    return figure
+
+
+def scale(doc: Doc) -> str:
+    r = doc["result"]
+    return f"{r.get('jobs')} jobs: all children in {_n(r.get('all_children_created_s'), ' s')}, " \
+           f"operator RSS {_n(r.get('operator_rss_mib'), ' MiB')}"
+
+
+def overhead(doc: Doc) -> str:
+    r = doc["result"]
+    return (f"ratio {_n(r.get('ratio'))}, snapshot overhead {_n(r.get('snapshot_overhead_pct'), ' %')} "
+            f"(one snapshot write {_n(r.get('snapshot_write_us'), ' µs')})")
+
+
+# (what, benchmark file, figure, goal, command)
+ROWS: list[tuple[str, str, Callable[[Doc], str], str, str]] = [
+    ("non-rank-0 pod killed → first resumed step (on the cluster)", "e2e_recovery", e2e_worker, "≤ 15 s",
+     "make bench-e2e-recovery"),
+    ("rank 0's pod killed → first resumed step", "e2e_recovery", e2e_rank0, "≤ 30 s", "make bench-e2e-recovery"),
+    ("same, torchrun agents on loopback, kills of a non-host node", "trainer_recovery", trainer_recovery, "≤ 10 s",
+     "make bench-trainer-recovery"),
+    ("stock torchrun (default environment) + checkpoint-every-10 script, same kill", "trainer_recovery",
+     trainer_baseline, "", "make bench-trainer-recovery"),
+    ("stock torchrun set up as a skilled user would, same kill (5 configurations)", "baselines",
+     baselines_summary, "", "make bench-baselines"),
+    ("`kubectl apply` → pods Running / → first step", "startup", startup, "delta ≤ 2 s", "make bench-startup"),
+    ("API writes, one clean 2-node job, default `progressPeriodSeconds` (30 s)", "api_writes",
+     api("default_progress_period_s"), "≤ N+2 creates, ≤ 6 status writes + progress, 0/min", "make bench-api"),
+    ("same, the sample's `progressPeriodSeconds: 5`", "api_writes", api("sample_progress_period_s"),
+     "progress ≤ 12/min", "make bench-api"),
+    ("DDPJobs at once, control plane only", "scale", scale, "200 in ≤ 30 s, ≤ 200 MiB", "make bench-scale"),
+    ("training with per-step snapshots + checkpoints vs a bare DDP loop", "trainer_overhead", overhead,
+     "≥ 0.97, ≤ 2 %", "make bench-overhead"),
+]
+
+
+def measured_table(bench_dir: Path) -> str:
+    lines = ["| what | figure | goal | command | recorded (mode, commit, date, machine) |", "|---|---|---|---|---|"]
+    for what, name, figure, goal, command in ROWS:
+        doc = results.load(name, bench_dir)
+        if doc is None:
+            lines.append(f"| {what} | not recorded yet | {goal} | `{command}` | — |")
+        else:
+            lines.append(f"| {what} | {figure(doc)} | {goal} | `{command}` | {recorded(doc)} |")
+    return "\n".join(lines)
+
+
+def baselines_table(bench_dir: Path) -> str:
+    doc = results.load("baselines", bench_dir)
+    if doc is None:
+        return "Not recorded yet: run `make bench-baselines`."
+    r = doc["result"]
+    lines = ["| setting | survived | kill → first resumed step (p50) | steps lost (max) |", "|---|---|---|---|"]
+    for c in r["configs"].values():
+        p50 = _n(c.get("recovery_s_p50"), " s") if c["survived"] else f"none resumed within {_n(c['waited_s'], ' s')}"
+        lines.append(f"| {c['setting']} | {c['survived']}/{c['kills']} | {p50} | {_n(c.get('steps_lost_max'))} |")
+    ours = results.load("trainer_recovery", bench_dir)
+    if ours is not None:
+        o = ours["result"]
+        lines.append(f"| DDPJob's trainer (peer snapshots) with DDPJob's environment and keep-alives, non-host node killed "
+                     f"(`make bench-trainer-recovery`, {ours.get('mode')}) | "
+                     f"{o.get('kills') if o.get('survived') else 0}/{o.get('kills')} | "
+                     f"{_n(o.get('recovery_s_p50'), ' s')} | {_n(o.get('steps_lost_max'))} |")
+    lines.append("")
+    lines.append(f"Recorded by `make bench-baselines`: {recorded(doc)}; {r.get('kills_per_config')} kill(s) per "
+                 f"configuration, checkpoint every {r.get('checkpoint_every')} steps; a kill counts as survived "
+                 f"when training resumed and the job then finished on every node.")
+    return "\n".join(lines)
+
+
+BLOCKS: list[tuple[Path, str, Callable[[Path], str]]] = [
+    (README, "measured", measured_table),
+    (RECOVERY, "baselines", baselines_table),
+]
+
+
+def markers(block: str) -> tuple[str, str]:
+    return (f"<!-- bench-report:{block}:begin (generated by `make bench-report` from docs/bench/*.json) -->",
+            f"<!-- bench-report:{block}:end -->")
+
+
+def replace_block(text: str, block: str, content: str) -> str:
+    begin, end = markers(block)
+    i, j = text.find(begin), text.find(end)
+    if i < 0 or j < i:
+        raise ValueError(f"markers of block {block!r} not found")
+    return text[: i + len(begin)] + "\n" + content + "\n" + text[j:]
+
+
+def stale(bench_dir: Path = results.BENCH_DIR) -> list[str]:
+    """Blocks whose text differs from what the recorded results say (empty: all agree)."""
+    out = []
+    for path, block, render in BLOCKS:
+        text = path.read_text()
+        if replace_block(text, block, render(bench_dir)) != text:
+            out.append(f"{path.relative_to(ROOT)}:{block}")
+    return out
+
+
+def write(bench_dir: Path = results.BENCH_DIR) -> list[str]:
+    changed = []
+    for path, block, render in BLOCKS:
+        text = path.read_text()
+        new = replace_block(text, block, render(bench_dir))
+        if new != text:
+            path.write_text(new)
+            changed.append(f"{path.relative_to(ROOT)}:{block}")
+    return changed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--write", action="store_true", help="rewrite the tables")
+    g.add_argument("--check", action="store_true", help="exit 1 if a table differs from the files (default)")
+    a = p.parse_args()
+    if a.write:
+        changed = write()
+        print("rewrote " + ", ".join(changed) if changed else "tables already match docs/bench/*.json")
+        return 0
+    out = stale()
+    if out:
+        print("out of date with docs/bench/*.json (run `make bench-report`): " + ", ".join(out))
+        return 1
+    print("tables match docs/bench/*.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
