@@ -139,7 +139,7 @@ ROWS: list[tuple[str, str, Callable[[Doc], str], str, str]] = [
      baselines_summary, "", "make bench-baselines"),
     ("`kubectl apply` → pods Running / → first step", "startup", startup, "delta ≤ 2 s", "make bench-startup"),
     ("API writes, one clean 2-node job, default `progressPeriodSeconds` (30 s)", "api_writes",
-     api("default_progress_period_s"), "≤ N+2 creates, ≤ 6 status writes + progress, 0/min", "make bench-api"),
+     api("default_progress_period_s"), "≤ N+3 creates (with the NetworkPolicy), ≤ 6 status writes + progress, 0/min", "make bench-api"),
     ("same, the sample's `progressPeriodSeconds: 5`", "api_writes", api("sample_progress_period_s"),
      "progress ≤ 12/min", "make bench-api"),
     ("DDPJobs at once, control plane only", "scale", scale, "200 in ≤ 30 s, ≤ 200 MiB", "make bench-scale"),
