@@ -48,6 +48,7 @@ from tests.conftest import (  # noqa: E402  the suite's cluster helpers, shared 
     Kubectl,
     create_test_namespace,
     dump_namespace,
+    embedded,
     ensure_image,
     stop_process,
     wait_for,
