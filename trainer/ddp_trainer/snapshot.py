@@ -123,7 +123,10 @@ class _Slot:
         size = _align(int(size * 1.25) + _PAGE, _PAGE)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         os.ftruncate(self.fd, size)
-        self.mm = mmap.mmap(self.fd, size)
+        # Fault every page in now (once per slot): otherwise the first copies into a slot pay the
+        # page allocation and look far more expensive than the copies that follow.
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self.mm = mmap.mmap(self.fd, size, flags=flags)
         self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.size = size
 
@@ -179,9 +182,9 @@ class PeerSnapshots:
         t0 = time.perf_counter()
         skeleton, tensors = flatten(state)
         meta = self._prepare(skeleton, tensors, every)
+        prepared_s = time.perf_counter() - t0
         with self._lock:
-            self._write(step, meta, tensors)
-        self.last_copy_s = time.perf_counter() - t0
+            self.last_copy_s = prepared_s + self._write(step, meta, tensors)
 
     def write_async(
         self, step: int, state: dict[str, Any], *, stable: Collection[int] = (), every: int | None = None
@@ -220,14 +223,16 @@ class PeerSnapshots:
         self._thread.start()
 
     def _write_in_thread(self, step: int, meta: bytes, sources: list[torch.Tensor], event: Any) -> None:
-        t0 = time.perf_counter()
         try:
             with self._lock:
+                staged_s = 0.0
                 if event is not None:
+                    t0 = time.perf_counter()
                     sources = self._stage_cuda(sources, event)
                     self._sources_read.set()
-                self._write(step, meta, sources, on_sources_read=self._sources_read.set)
-            self.last_copy_s = time.perf_counter() - t0 + (self.last_sync_s or 0.0)
+                    staged_s = time.perf_counter() - t0
+                copy_s = self._write(step, meta, sources, on_sources_read=self._sources_read.set)
+            self.last_copy_s = (self.last_sync_s or 0.0) + staged_s + copy_s
         except BaseException as exc:  # reported to the training thread at its next wait
             self._error = exc
         finally:
@@ -299,7 +304,8 @@ class PeerSnapshots:
         )
 
     def _write(self, step: int, meta: bytes, tensors: list[torch.Tensor],
-               on_sources_read: Callable[[], None] | None = None) -> None:
+               on_sources_read: Callable[[], None] | None = None) -> float:
+        """Copy into the older slot; returns the copy's seconds (without a first-use slot allocation)."""
         specs, data_len = self._specs, self._data_len
         slot = self._slots[self._next]
         # Reuse the slot's data offset while the meta fits, so the cached views stay valid.
@@ -308,6 +314,7 @@ class PeerSnapshots:
         else:
             data_off = _align(_HEADER_SIZE + len(meta) * 2, _PAGE)
         slot.ensure(data_off + data_len + 8)
+        t_copy = time.perf_counter()  # the slot's one-time allocation above is not the copy's cost
         assert slot.mm is not None and slot.base is not None
         key = (data_off, self._layout)
         if slot.views_key != key:
@@ -334,6 +341,7 @@ class PeerSnapshots:
         self._next ^= 1
         self.last_step = step
         self.last_bytes = data_len
+        return time.perf_counter() - t_copy
 
     # -- reading -----------------------------------------------------------------------------------------
     def read_latest(self) -> Snapshot | None:
