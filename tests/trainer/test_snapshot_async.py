@@ -144,3 +144,29 @@ def test_adaptive_interval_above_one_resumes_bitwise_from_an_older_step(tmp_path
     assert resumed.restored_from == "local" and restored == killed.snapshots.last_step
     assert 53 - 7 <= restored < 53  # steps lost: more than the step in flight, at most K
     assert digest == reference  # replayed from an older step, bit for bit
+
+
+def test_cpu_snapshots_never_initialise_cuda(tmp_path):
+    snaps = PeerSnapshots(str(tmp_path / "shm"), "k")
+    p = torch.ones(10)
+    snaps.write_async(1, {"p": p}, stable={p.data_ptr()})
+    snaps.wait()
+    assert not torch.cuda.is_initialized()
+    snaps.close(remove=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU path is tested above)")
+def test_cuda_snapshot_goes_through_a_side_stream_and_pinned_buffers(tmp_path):
+    snaps = PeerSnapshots(str(tmp_path / "shm"), "k")
+    p = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    b = torch.zeros(4, device="cuda")
+    p.mul_(2)  # queued on the current stream before the save point: must be in the snapshot
+    snaps.write_async(3, {"p": p, "b": b}, stable={p.data_ptr()})
+    b.add_(1)
+    snaps.wait_sources()
+    p.add_(1)
+    snaps.wait()
+    got = snaps.read_latest()
+    assert got.step == 3 and torch.equal(got.state["p"], (torch.arange(1 << 20, dtype=torch.float32) * 2))
+    assert torch.equal(got.state["b"], torch.zeros(4))
+    snaps.close(remove=True)
