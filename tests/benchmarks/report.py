@@ -148,16 +148,20 @@ def overhead_table(bench_dir: Path) -> str:
         return "Not recorded yet: run `make bench-overhead`."
     r = doc["result"]
     lines = ["| parameters | step without snapshots | snapshot copy | snapshot bytes | K (steps lost ≤ K) "
-             "| bytes per step | overhead (wall) | overhead (CPU time) | half the snapshot to a buddy |",
+             "| bytes per step | overhead (CPU time, rank 0) | overhead (wall) | half the snapshot to a buddy |",
              "|---|---|---|---|---|---|---|---|---|"]
     for z in r["sweep"]:
         lines.append(f"| {z['params']:,} | {_n(z['step_ms'], ' ms')} | {_n(z['copy_ms'], ' ms')} | "
                      f"{z['snapshot_bytes'] / 2**20:.1f} MiB | {z['k']} | {z['bytes_per_step'] / 2**20:.2f} MiB | "
-                     f"{_n(z['overhead_pct'], ' %')} | {_n(z.get('cpu_overhead_pct'), ' %')} | "
+                     f"{_n(z['overhead_pct'], ' %')} | {_n(z.get('wall_overhead_pct'), ' %')} | "
                      f"{_n(z.get('buddy_transfer_ms'), ' ms')} |")
     lines.append("")
     lines.append(f"Recorded by `make bench-overhead`: {recorded(doc)}; budget {_n(r.get('snapshot_budget_pct'))} %; "
-                 f"medians of paired rounds (a segment of whole K-cycles without, then with snapshots); the "
+                 f"medians of paired rounds (a segment of whole K-cycles without, then with snapshots); "
+                 f"snapshot copy: its cost to training (save point + CPU time of the background copy, K's "
+                 f"input); overhead in CPU time of rank 0, whose pod writes the snapshot (writer thread "
+                 f"included), and in wall time, which other processes' load on this shared machine swings "
+                 f"by tens of percent per round; the "
                  f"snapshot read back equalled the live state at every size: "
                  f"{'yes' if all((r.get('snapshot_exact_by_params') or {}).values()) else 'NO'}. Digits "
                  f"(full vs bare DDP loop): ratio {_n(r.get('ratio'))}, per-round p25–p75 "

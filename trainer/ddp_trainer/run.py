@@ -118,6 +118,8 @@ class Run:
         ) or envmod.DEFAULT_SNAPSHOT_MAX_EVERY
         self._next_snapshot_step = 0
         self._step_s: float | None = None  # moving average of the time between step_done calls
+        self._copy_s: float | None = None  # moving average of what one snapshot costs
+        self._copy_seen: int | None = None
         self.log_every = log_every or 0
 
         # Only global rank 0 touches the checkpoint directory; it alone validates it.
@@ -384,10 +386,15 @@ class Run:
         snaps.wait()  # the previous copy is complete: its time is measured
         if self.snapshot_adaptive:
             k = self.snapshot_every
-            if snaps.last_copy_s is not None and self._step_s is not None:
+            if snaps.last_copy_s is not None and snaps.last_step != self._copy_seen:
+                # one copy's cost is noisy (page cache, other processes): average the recent ones
+                self._copy_seen = snaps.last_step
+                c = snaps.last_copy_s
+                self._copy_s = c if self._copy_s is None else 0.5 * self._copy_s + 0.5 * c
+            if self._copy_s is not None and self._step_s is not None:
                 # The step time average includes the snapshot stalls: a slight under-estimate of K's room.
-                k = choose_interval(snaps.last_copy_s, self._step_s, self.snapshot_budget_pct, self.snapshot_max_every)
-            measured = snaps.last_copy_s is not None and self._step_s is not None
+                k = choose_interval(self._copy_s, self._step_s, self.snapshot_budget_pct, self.snapshot_max_every)
+            measured = self._copy_s is not None and self._step_s is not None
             if k != self.snapshot_every or (measured and not self._interval_logged):
                 self._interval_logged = True
                 self.log(
@@ -395,7 +402,7 @@ class Run:
                     all_ranks=True,
                     every=k,
                     previous=self.snapshot_every,
-                    copy_ms=round(snaps.last_copy_s * 1e3, 3) if snaps.last_copy_s is not None else None,
+                    copy_ms=round(self._copy_s * 1e3, 3) if self._copy_s is not None else None,
                     step_ms=round(self._step_s * 1e3, 3) if self._step_s is not None else None,
                     bytes=snaps.last_bytes,
                     budget_pct=self.snapshot_budget_pct,

@@ -65,10 +65,9 @@ SLOT_NAMES = ("snapshot-0.bin", "snapshot-1.bin")
 def choose_interval(copy_s: float, step_s: float, budget_pct: float, max_every: int = 50) -> int:
     """The snapshot interval K: the fewest steps between snapshots that keeps their cost within budget.
 
-    ``copy_s`` is what one snapshot costs (the save point's synchronous part plus the background copy's
-    wall time: on a CPU the copy competes with training for cores and memory bandwidth, so the whole copy
-    is counted even though it overlaps the next step), ``step_s`` the time of one training step without
-    it. K = ceil(copy_s / (step_s * budget_pct / 100)), within 1..max_every. Steps lost per failure are
+    ``copy_s`` is what one snapshot costs training (the save point's synchronous part plus the background
+    copy's CPU time: on a CPU the copy takes a core and memory bandwidth from training, so the whole copy
+    is counted even though it overlaps the next step), ``step_s`` the time of one training step. K = ceil(copy_s / (step_s * budget_pct / 100)), within 1..max_every. Steps lost per failure are
     at most K (the newest valid snapshot is never more than K steps behind the newest logged step).
     """
     if max_every < 1:
@@ -170,7 +169,8 @@ class PeerSnapshots:
         self._pinned: list[torch.Tensor | None] = []
         self._stream: Any = None
         self.in_flight_step: int | None = None
-        self.last_copy_s: float | None = None  # wall time of the last write's copy (thread or caller)
+        self.last_copy_s: float | None = None  # what the last write cost training (see _write_in_thread)
+        self.last_copy_wall_s: float | None = None  # its wall time
         self.last_sync_s: float | None = None  # the save point's own part of the last asynchronous write
         self.last_bytes = 0  # tensor bytes in the last write
         self.stall_s = 0.0  # total time callers waited for a write in flight
@@ -184,7 +184,7 @@ class PeerSnapshots:
         meta = self._prepare(skeleton, tensors, every)
         prepared_s = time.perf_counter() - t0
         with self._lock:
-            self.last_copy_s = prepared_s + self._write(step, meta, tensors)
+            self.last_copy_s = self.last_copy_wall_s = prepared_s + self._write(step, meta, tensors)
 
     def write_async(
         self, step: int, state: dict[str, Any], *, stable: Collection[int] = (), every: int | None = None
@@ -231,8 +231,15 @@ class PeerSnapshots:
                     sources = self._stage_cuda(sources, event)
                     self._sources_read.set()
                     staged_s = time.perf_counter() - t0
-                copy_s = self._write(step, meta, sources, on_sources_read=self._sources_read.set)
-            self.last_copy_s = (self.last_sync_s or 0.0) + staged_s + copy_s
+                c0 = time.thread_time()
+                copy_wall_s = self._write(step, meta, sources, on_sources_read=self._sources_read.set)
+                copy_cpu_s = time.thread_time() - c0
+            self.last_copy_wall_s = (self.last_sync_s or 0.0) + staged_s + copy_wall_s
+            # The cost to training: the save point's part, the device transfer (wall: it holds PCIe and
+            # a stream), and the CPU time of the host copy (the cores and memory bandwidth it takes from
+            # training). Not the host copy's wall time: on a busy machine that includes waiting for a
+            # core, which costs training nothing.
+            self.last_copy_s = (self.last_sync_s or 0.0) + staged_s + min(copy_cpu_s, copy_wall_s)
         except BaseException as exc:  # reported to the training thread at its next wait
             self._error = exc
         finally:
