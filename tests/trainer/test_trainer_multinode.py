@@ -67,6 +67,7 @@ def test_kill_with_snapshot_interval_above_one_replays_bitwise(tmp_path, referen
         rec = recovery_after_kill(cluster, killed_at, timeout=JOB_TIMEOUT)
         rcs = cluster.wait_exit([host, cluster.node("node1-replacement")], timeout=JOB_TIMEOUT)
         assert set(rcs.values()) == {0}, cluster.dump()
+        print("recovery with K forced to 8:", rec)
         assert rec["source"] == "peer" and rec["snapshot_every"] == 8, rec
         assert 0 <= rec["steps_lost"] <= 8, rec
         intervals = [e.int("every") for e in cluster.events("snapshot_interval")]
