@@ -32,8 +32,10 @@ def test_recovery_benchmark_quick():
     assert result["kills"] == 1, result
     assert result["survived"] is True, f"the killed job did not finish: {result}"
     assert result["bitwise_equal"] is True, f"final weights differ from the uninterrupted run: {result}"
-    # measured from the log lines (never None: the surviving host logged its steps), at most the step in flight
-    assert result["steps_lost_max"] is not None and 0 <= result["steps_lost_max"] <= 1, result
+    # measured from the log lines (never None: the surviving host logged its steps), at most the snapshot
+    # interval K in force (the resume line reports it)
+    assert result["snapshot_every_max"] is not None, result
+    assert result["steps_lost_max"] is not None and 0 <= result["steps_lost_max"] <= result["snapshot_every_max"], result
     assert result["sources"] == ["peer"], result
 
 
@@ -53,5 +55,16 @@ def test_baselines_quick():
 
 def test_overhead_benchmark_quick():
     result = _run("trainer_overhead.py")
-    assert {"ratio", "snapshot_overhead_pct", "bare_samples_per_s", "full_samples_per_s"} <= set(result), result
-    assert result["ratio"] > 0
+    keys = {"ratio", "ratio_p25", "ratio_p75", "snapshot_overhead_pct", "bare_samples_per_s", "full_samples_per_s",
+            "overhead_pct_by_params", "steps_lost_bound_by_params", "snapshot_exact_by_params", "sweep"}  # fmt: skip
+    assert keys <= set(result), result
+    assert result["ratio"] > 0 and result["ratio_p25"] <= result["ratio"] <= result["ratio_p75"], result
+    sizes = result["overhead_pct_by_params"]
+    assert len(sizes) == 2 and set(sizes) == set(result["steps_lost_bound_by_params"]), result
+    for n, k in result["steps_lost_bound_by_params"].items():
+        assert int(n) > 0 and str(int(n)) == n, result  # keys: parameter counts as integer strings
+        assert isinstance(k, int) and 1 <= k <= 50, result  # K within its bounds
+    # the asynchronous writer, in a real DDP job: the snapshot read back is the live state of its step
+    assert all(result["snapshot_exact_by_params"].values()), result
+    for size in result["sweep"]:
+        assert size["snapshot_bytes"] >= 12 * size["params"], size  # weights + Adam's two moments, fp32

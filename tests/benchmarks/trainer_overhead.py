@@ -1,26 +1,39 @@
-"""bench-overhead: what ddp_trainer costs per step, against a bare DDP loop on the same model.
+"""bench-overhead: what ddp_trainer costs per step, on the digits model and across model sizes.
 
-One 2-process torchrun job (gloo, CPU) trains the digits ConvNet in interleaved segments of the same
-length, rotating their order each round so machine load hits all of them alike:
+One 2-process torchrun job (gloo, CPU, one thread per process).
+
+Part 1, digits (the ConvNet of the examples) in interleaved segments of the same length, rotating their
+order each round so machine load hits all of them alike:
 
 - ``bare``: a plain DDP loop (forward, backward, optimizer step);
 - ``run``: the same loop driven by ``ddp_trainer.Run`` with snapshots and checkpoints off (RNG reseeding,
   step accounting, progress, step log line);
-- ``full``: ``Run`` with a peer snapshot every step, a disk checkpoint every 50 steps and the progress
+- ``full``: ``Run`` as a job runs by default: peer snapshots at the adaptive interval K
+  (``DDPJOB_SNAPSHOT_BUDGET_PCT``, default 2 %), a disk checkpoint every 50 steps and the progress
   server on.
 
-Reports median samples/s per segment kind, ``ratio`` = full / bare and ``snapshot_overhead_pct`` =
-how much slower ``full`` is than ``run`` (the cost of snapshots and checkpoints), each the median of
-per-round ratios of back-to-back segments (load swings on a shared machine cancel out). The same
-ratios in CPU time of rank 0 per step (``cpu_*``) are less sensitive to other processes, and
-``snapshot_write_us`` times one snapshot write directly. Prints one JSON object as its last line.
+``ratio`` = full / bare samples/s, the median of per-round ratios of back-to-back segments (load swings
+on a shared machine cancel out), with their spread (``ratio_p25``/``ratio_p75``, min, max);
+``snapshot_overhead_pct`` = how much slower ``full`` is than ``run``.
 
-    .venv/bin/python tests/benchmarks/trainer_overhead.py [--quick] [--record] [--rounds 30 --steps 60]
+Part 2, the sweep: an MLP family (``MLP(width)``: 256 inputs, 4 hidden layers, 10 outputs, Adam) at about
+1M, 10M and 100M parameters. Per size, paired rounds of ``run`` (no snapshots) and ``full`` (adaptive
+snapshots, no disk checkpoints, so only the snapshot is measured) segments of whole K-cycles; reported per
+size (medians over the rounds): step time without snapshots, the snapshot's copy time (save-point part +
+background copy) and how long training stalled for it, overhead % (full vs run step time, per-round
+ratio), the snapshot's bytes and bytes per step (bytes / K), and K. Also per size: whether the snapshot
+read back equals the live state (``snapshot_exact``: the asynchronous writer in a real DDP job) and what
+sending half the snapshot to the other rank costs (``buddy_transfer_s``: what a sharded scheme would add
+per snapshot; see docs/recovery.md for the decision). Prints one JSON object as its last line.
+
+    .venv/bin/python tests/benchmarks/trainer_overhead.py [--quick] [--record] [--rounds 20 --steps 60]
+        [--sizes 1e6,1e7,1e8 --sweep-rounds 6 --segment-s 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -36,7 +49,27 @@ sys.path.insert(0, str(ROOT))
 from tests.benchmarks import results  # noqa: E402
 
 
-def worker(rounds: int, steps: int, workdir: str) -> None:
+INPUTS, OUTPUTS, HIDDEN_LAYERS = 256, 10, 4
+
+
+def mlp_params(width: int) -> int:
+    return INPUTS * width + width + (HIDDEN_LAYERS - 1) * (width * width + width) + width * OUTPUTS + OUTPUTS
+
+
+def mlp_width(params: float) -> int:
+    """The width whose MLP has about ``params`` parameters."""
+    lo, hi = 1, 1 << 16
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if mlp_params(mid) < params:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def worker(rounds: int, steps: int, workdir: str, sizes: list[float], sweep_rounds: int, segment_s: float,
+           size_budget_s: float) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -72,7 +105,7 @@ def worker(rounds: int, steps: int, workdir: str) -> None:
             checkpoint_dir=os.path.join(workdir, "ckpt"),
             checkpoint_every=50,
             snapshot_dir=shm,
-            snapshot_every=1,
+            snapshot_every="auto",
             progress_port=port,
         ),
     }
@@ -97,10 +130,13 @@ def worker(rounds: int, steps: int, workdir: str) -> None:
         else:
             run = runs[kind]
             run.position.batch = 0
+            run._last_step_time = None  # the gap between segments is no step
             for i, (xb, yb) in enumerate(run.batches(loader)):
                 if i == steps:
                     break
                 run.step_done(loss=train_step(xb, yb), samples=len(xb))
+            if run.snapshots is not None:
+                run.snapshots.wait()  # a copy still in flight belongs to this segment
         cpu = time.process_time() - c0
         dist.barrier()
         return steps * 32 * session.world_size / (time.perf_counter() - t0), cpu / steps
@@ -116,7 +152,7 @@ def worker(rounds: int, steps: int, workdir: str) -> None:
             rate, cpu_per_step = segment(kind)
             rates[kind].append(rate)
             cpu[kind].append(cpu_per_step)
-    # the price of one snapshot write, measured directly on this model
+    # the price of one snapshot write, measured directly on this model (synchronous: the whole copy)
     snaps = runs["full"].snapshots
     write_us = None
     if snaps is not None and session.local_rank == 0:
@@ -125,24 +161,206 @@ def worker(rounds: int, steps: int, workdir: str) -> None:
         for i in range(200):
             snaps.write(i, comp.state_dict(runs["full"].position))
         write_us = (time.perf_counter() - t0) / 200 * 1e6
-    if session.is_main:
-        print("OVERHEAD " + json.dumps({"rates": rates, "cpu": cpu, "snapshot_write_us": write_us}), flush=True)
+    digits_k = runs["full"].snapshot_every
     runs["full"].finish()
+    runs["run"].finish()
+    sweep = [sweep_size(session, int(n), workdir, sweep_rounds, segment_s, size_budget_s) for n in sizes]
+    if session.is_main:
+        out = {"rates": rates, "cpu": cpu, "snapshot_write_us": write_us, "digits_k": digits_k, "sweep": sweep}
+        print("OVERHEAD " + json.dumps(out), flush=True)
     session.close()
+
+
+def sweep_size(session, target: int, workdir: str, rounds: int, segment_s: float, size_budget_s: float) -> dict:
+    """Paired rounds of `run` (no snapshots) and `full` (adaptive snapshots) on an MLP of ~target params."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddp_trainer
+
+    width = mlp_width(target)
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(INPUTS, width), nn.ReLU()]
+    for _ in range(HIDDEN_LAYERS - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    net = nn.Sequential(*layers, nn.Linear(width, OUTPUTS))
+    params = sum(p.numel() for p in net.parameters())
+    model = DDP(net, gradient_as_bucket_view=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(session.rank)
+    batches = [(torch.randn(32, INPUTS, generator=g), torch.randint(0, OUTPUTS, (32,), generator=g)) for _ in range(8)]
+    shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else workdir
+    shm = os.path.join(shm_root, f"bench-overhead-{os.getppid()}-{session.local_rank}-{params}")
+    common = dict(model=model, optimizer=opt, checkpoint_dir=None, progress_port=0, log_every=0)
+    runs = {
+        "run": ddp_trainer.Run(session, snapshot_every=0, **common),
+        "full": ddp_trainer.Run(session, snapshot_dir=shm, snapshot_every="auto", **common),
+    }
+    runs["full"].restore()  # the first save point: one measured copy before training
+    snaps = runs["full"].snapshots
+    copies: list[float] = []
+    copies_wall: list[float] = []
+    stalls: list[float] = []
+
+    cpu_times: dict[str, list[float]] = {"run": [], "full": []}
+
+    def segment(kind: str, n: int) -> float:
+        run = runs[kind]
+        data = [batches[i % len(batches)] for i in range(n)]
+        run.position.batch = 0
+        run._last_step_time = None  # the gap between segments is no step
+        stall0 = snaps.stall_s if snaps is not None else 0.0
+        dist.barrier()
+        c0 = time.process_time()  # this process, the snapshot thread included
+        t0 = time.perf_counter()
+        for xb, yb in run.batches(data):
+            last = snaps.last_step if snaps is not None else None
+            loss = F.cross_entropy(model(xb), yb)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            run.step_done()
+            if kind == "full" and snaps is not None and snaps.last_step != last and snaps.last_copy_s:
+                copies.append(snaps.last_copy_s)  # a copy completed during this step
+                copies_wall.append(snaps.last_copy_wall_s or 0.0)
+        if kind == "full" and snaps is not None:
+            snaps.wait()  # a copy still in flight belongs to this segment
+            stalls.append(snaps.stall_s - stall0)
+        dt = time.perf_counter() - t0
+        cpu_times[kind].append((time.process_time() - c0) / n)
+        dist.barrier()
+        return dt / n
+
+    # warm-up: allocator, DDP buckets, and K settling on measured copy and step times
+    segment("run", 3)
+    warm = segment("full", 6)
+    guess = torch.tensor([max(segment("run", 3), 1e-4)], dtype=torch.float64)
+    dist.broadcast(guess, src=0)  # every length below derives from it: all ranks must agree
+    step_guess = float(guess.item())
+    segment("full", max(6, min(60, int(2 * segment_s / step_guess))))
+    k = runs["full"].snapshot_every
+    # segments of whole K-cycles, about segment_s long; every rank must agree on the length
+    n_steps = max(k, round(segment_s / step_guess / k) * k)
+    # big models have long K-cycles: fewer rounds (at least 3) keep the sweep within minutes
+    rounds = max(3, min(rounds, int(size_budget_s / (2 * n_steps * step_guess))))
+    n = torch.tensor([n_steps, rounds], dtype=torch.int64)
+    dist.broadcast(n, src=0)
+    n_steps, rounds = int(n[0]), int(n[1])
+    del warm
+    times: dict[str, list[float]] = {"run": [], "full": []}
+    ks: list[int] = []
+    copies.clear()
+    copies_wall.clear()
+    for v in cpu_times.values():
+        v.clear()
+    for r in range(rounds):
+        for kind in (("run", "full") if r % 2 == 0 else ("full", "run")):
+            times[kind].append(segment(kind, n_steps))
+        ks.append(runs["full"].snapshot_every)
+    # outcome: a snapshot written asynchronously in this job holds exactly the live state of its step
+    exact = None
+    if snaps is not None:
+        snaps.wait()
+        full = runs["full"]
+        full._snapshot(full.position.step)
+        snaps.wait()
+        got = snaps.read_latest()
+        live = full.components.state_dict(full.position)
+        from ddp_trainer.state import flatten
+
+        a, b = flatten(live)[1], flatten(got.state)[1] if got is not None else []
+        exact = got is not None and got.step == full.position.step and len(a) == len(b) and all(
+            torch.equal(x, y) for x, y in zip(a, b)
+        )
+    # what a sharded scheme would add per snapshot: sending half the snapshot to a buddy
+    nbytes = torch.tensor([snaps.last_bytes if snaps is not None else 0], dtype=torch.int64)
+    dist.broadcast(nbytes, src=0)
+    half = torch.empty(int(nbytes.item()) // 2 // 4, dtype=torch.float32)
+    dist.barrier()
+    t0 = time.perf_counter()
+    dist.broadcast(half, src=0)
+    buddy_s = time.perf_counter() - t0
+    result = {
+        "params": params,
+        "width": width,
+        "steps_per_segment": n_steps,
+        "rounds": rounds,
+        "run_step_s": times["run"],
+        "full_step_s": times["full"],
+        "run_cpu_s": cpu_times["run"],
+        "full_cpu_s": cpu_times["full"],
+        "copy_s": copies,
+        "copy_wall_s": copies_wall,
+        "stall_s": stalls,
+        "k": ks,
+        "k_max": max(ks + [k]),
+        "snapshot_bytes": snaps.last_bytes if snaps is not None else None,
+        "snapshot_exact": exact,
+        "buddy_transfer_s": buddy_s,
+    }
+    for run in runs.values():
+        run.finish()
+    del runs, model, opt, net, half, batches
+    gc.collect()
+    return result
+
+
+def summarize(sz: dict) -> dict:
+    """One size's medians; overhead is the median of per-round (full / run step time - 1)."""
+    med = statistics.median
+    run, full = sz["run_step_s"], sz["full_step_s"]
+    k = max(sz["k"]) if sz["k"] else sz["k_max"]
+    return {
+        "params": sz["params"],
+        "width": sz["width"],
+        "step_ms": round(med(run) * 1e3, 3),
+        "step_ms_with_snapshots": round(med(full) * 1e3, 3),
+        "copy_ms": round(med(sz["copy_s"]) * 1e3, 3) if sz["copy_s"] else None,  # its cost (CPU time), K's input
+        "copy_wall_ms": round(med(sz["copy_wall_s"]) * 1e3, 3) if sz["copy_wall_s"] else None,
+        "stall_ms_per_segment": round(med(sz["stall_s"]) * 1e3, 3) if sz["stall_s"] else None,
+        # wall time per step: full vs run, per round (what the issue defines; on a shared machine other
+        # processes' load swings each round by tens of percent), and the quietest segment of each kind
+        "wall_overhead_pct": round(med(100.0 * (f / r - 1.0) for f, r in zip(full, run)), 2),
+        "wall_overhead_pct_quietest": round(100.0 * (min(full) / min(run) - 1.0), 2),
+        "run_step_ms_rounds": [round(x * 1e3, 2) for x in run],
+        "full_step_ms_rounds": [round(x * 1e3, 2) for x in full],
+        "wall_overhead_pct_rounds": [round(100.0 * (f / r - 1.0), 2) for f, r in zip(full, run)],
+        # rank 0's CPU time per step, its snapshot thread included: what the copy takes from the machine,
+        # much less sensitive to other processes than wall time
+        "overhead_pct": round(med(100.0 * (f / r - 1.0) for f, r in zip(sz["full_cpu_s"], sz["run_cpu_s"])), 2),
+        "overhead_pct_rounds_cpu": [round(100.0 * (f / r - 1.0), 2) for f, r in zip(sz["full_cpu_s"], sz["run_cpu_s"])],
+        "snapshot_bytes": sz["snapshot_bytes"],
+        "bytes_per_step": round(sz["snapshot_bytes"] / k) if sz["snapshot_bytes"] else None,
+        "k": k,
+        "k_rounds": sz["k"],
+        "steps_per_segment": sz["steps_per_segment"],
+        "rounds": sz["rounds"],
+        "snapshot_exact": sz["snapshot_exact"],
+        "buddy_transfer_ms": round(sz["buddy_transfer_s"] * 1e3, 3),
+    }
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="2 short rounds (smoke test)")
-    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--sizes", default="1e6,1e7,1e8", help="approximate parameter counts of the sweep")
+    p.add_argument("--sweep-rounds", type=int, default=6)
+    p.add_argument("--segment-s", type=float, default=3.0, help="seconds per sweep segment (whole K-cycles)")
+    p.add_argument("--size-budget-s", type=float, default=60.0, help="seconds of measured rounds per size")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workdir", default="", help=argparse.SUPPRESS)
     results.add_record_arg(p)
     opts = p.parse_args()
     rounds, steps = (3, 30) if opts.quick else (opts.rounds, opts.steps)
+    sizes = [1e5, 1e6] if opts.quick else [float(x) for x in opts.sizes.split(",")]
+    sweep_rounds, segment_s = (2, 0.5) if opts.quick else (opts.sweep_rounds, opts.segment_s)
     if opts.worker:
-        worker(rounds, steps, opts.workdir)
+        worker(rounds, steps, opts.workdir, sizes, sweep_rounds, segment_s, opts.size_budget_s)
         return 0
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
@@ -158,6 +376,8 @@ def main() -> int:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
             __file__, "--worker", "--workdir", tmp, "--rounds", str(rounds), "--steps", str(steps),
+            "--sizes", ",".join(str(x) for x in sizes), "--sweep-rounds", str(sweep_rounds),
+            "--segment-s", str(segment_s), "--size-budget-s", str(opts.size_budget_s),
         ]  # fmt: skip
         if opts.quick:
             cmd.append("--quick")
@@ -170,7 +390,9 @@ def main() -> int:
     rates, cpu = raw["rates"], raw["cpu"]
     med = {k: statistics.median(v) for k, v in rates.items()}
     # Ratios of segments run back to back in the same round cancel most of the machine's load swings.
-    ratio = statistics.median(f / b for f, b in zip(rates["full"], rates["bare"]))
+    ratios = sorted(f / b for f, b in zip(rates["full"], rates["bare"]))
+    ratio = statistics.median(ratios)
+    quart = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
     snap_pct = statistics.median(100.0 * (r / f - 1.0) for r, f in zip(rates["run"], rates["full"]))
     cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
     result = {
@@ -178,6 +400,12 @@ def main() -> int:
         "run_samples_per_s": round(med["run"], 1),
         "full_samples_per_s": round(med["full"], 1),
         "ratio": round(ratio, 4),
+        "ratio_p25": round(quart[0], 4),
+        "ratio_p75": round(quart[2], 4),
+        "ratio_min": round(ratios[0], 4),
+        "ratio_max": round(ratios[-1], 4),
+        "ratio_spread": round(quart[2] - quart[0], 4),
+        "digits_snapshot_every": raw["digits_k"],
         "snapshot_overhead_pct": round(snap_pct, 2),
         "cpu_ms_per_step": {k: round(v * 1e3, 3) for k, v in cpu_med.items()},
         "cpu_ratio": round(cpu_med["bare"] / cpu_med["full"], 4),
@@ -188,8 +416,18 @@ def main() -> int:
         "steps_per_segment": steps,
         "samples_per_s": {k: [round(x, 1) for x in v] for k, v in raw["rates"].items()},
         "quick": opts.quick,
-        "wall_s": round(time.time() - t0, 1),
     }
+    sweep = [summarize(sz) for sz in raw["sweep"]]
+    result["sweep"] = sweep
+    # overhead: rank 0's CPU time per step (the rank whose pod writes the snapshot; its writer thread
+    # included), full vs run, median of paired rounds. Wall time alongside: on this shared 2-core machine
+    # its per-round ratios swing by tens of percent with other processes' load.
+    result["overhead_pct_by_params"] = {str(sz["params"]): sz["overhead_pct"] for sz in sweep}
+    result["wall_overhead_pct_by_params"] = {str(sz["params"]): sz["wall_overhead_pct"] for sz in sweep}
+    result["steps_lost_bound_by_params"] = {str(sz["params"]): sz["k"] for sz in sweep}
+    result["snapshot_exact_by_params"] = {str(sz["params"]): sz["snapshot_exact"] for sz in sweep}
+    result["snapshot_budget_pct"] = float(os.environ.get("DDPJOB_SNAPSHOT_BUDGET_PCT") or 2.0)
+    result["wall_s"] = round(time.time() - t0, 1)
     results.emit("trainer_overhead", result, mode="quick" if opts.quick else "full", record=opts.record)
     return 0
 

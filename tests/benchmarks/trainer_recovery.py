@@ -135,6 +135,8 @@ def main() -> int:
         # None if a recovery had no step line before its restore (unmeasured): never read as 0
         "steps_lost_max": None if any(r["steps_lost"] is None for r in mine["recoveries"])
         else max(r["steps_lost"] for r in mine["recoveries"]),
+        # the snapshot interval K bounding each recovery's steps lost (adaptive by default)
+        "snapshot_every_max": max((r.get("snapshot_every") or 1 for r in mine["recoveries"]), default=None),
         "sources": sorted({r["source"] for r in mine["recoveries"]}),
         "survived": mine["survived"],
         "bitwise_equal": mine["digest"] == ref,

@@ -35,6 +35,8 @@ PROGRESS_PORT = "DDPJOB_PROGRESS_PORT"
 CHECKPOINT_EVERY = "DDPJOB_CHECKPOINT_EVERY"
 KEEP_CHECKPOINTS = "DDPJOB_KEEP_CHECKPOINTS"
 SNAPSHOT_EVERY = "DDPJOB_SNAPSHOT_EVERY"
+SNAPSHOT_BUDGET_PCT = "DDPJOB_SNAPSHOT_BUDGET_PCT"
+SNAPSHOT_MAX_EVERY = "DDPJOB_SNAPSHOT_MAX_EVERY"
 RUN_KEY = "DDPJOB_RUN_KEY"
 TERMINATION_LOG = "DDPJOB_TERMINATION_LOG"
 PG_TIMEOUT = "DDPJOB_PG_TIMEOUT"
@@ -44,6 +46,12 @@ DEFAULT_PROGRESS_PORT = 29401
 DEFAULT_SNAPSHOT_ROOT = "/dev/shm/ddpjob"
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 DEFAULT_PG_TIMEOUT_S = 120.0
+AUTO = "auto"
+# Every step by default: at most one step lost per failure, the contract the e2e tests hold. Large models opt
+# into the adaptive interval (auto), which keeps snapshots within DDPJOB_SNAPSHOT_BUDGET_PCT of training time.
+DEFAULT_SNAPSHOT_EVERY = "1"
+DEFAULT_SNAPSHOT_BUDGET_PCT = 2.0
+DEFAULT_SNAPSHOT_MAX_EVERY = 50
 
 
 class ConfigError(ValueError):
@@ -93,6 +101,19 @@ def get_float(
         raise ConfigError(f"{name}={raw!r} is not a number") from None
     if minimum is not None and value < minimum:
         raise ConfigError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def parse_every(name: str, raw: str | int | None) -> int | None:
+    """A snapshot interval: ``auto`` (or unset) is None (adaptive), else an int >= 0 (0: off)."""
+    if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", AUTO)):
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected {AUTO} or a number of steps (0: off)") from None
+    if value < 0:
+        raise ConfigError(f"{name}={value} must be >= 0 (0: off) or {AUTO}")
     return value
 
 

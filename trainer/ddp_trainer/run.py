@@ -13,14 +13,19 @@
     run.finish(metrics={"testAccuracy": test_acc})
 
 A *save point* is a moment where the state is consistent: after every step except an epoch's last
-(whose save point is :meth:`Run.epoch_done`, after validation). At a save point every pod's local
-rank 0 copies the state into its peer snapshot and, every ``checkpoint_every`` steps, global rank 0
-queues a disk checkpoint.
+(whose save point is :meth:`Run.epoch_done`, after validation). At every K-th save point every pod's
+local rank 0 starts copying the state into its peer snapshot (asynchronously, overlapping the next
+step; an optimizer step pre-hook waits until the copy has read the live tensors) and, every
+``checkpoint_every`` steps, global rank 0 queues a disk checkpoint. K (``snapshot_every``) is fixed
+(default 1: every save point) or, with ``auto``, chosen from the measured copy and step times so that snapshots cost at most
+``DDPJOB_SNAPSHOT_BUDGET_PCT`` (default 2 %) of the training time (:func:`snapshot.choose_interval`);
+each pod decides its own K, logs it (``event=snapshot_interval``) and rank 0 reports it in progress
+(``snapshotEvery``). A failure loses at most K steps.
 
 On (re)start every rank reports the newest snapshot step its pod holds and rank 0 the newest disk
 checkpoint; the newest wins. A snapshot newer than the disk is broadcast from the lowest rank holding
-it to every rank (a replaced pod has none), so losing a non-rank-0 pod costs at most the step in
-flight and no storage reads.
+it to every rank (a replaced pod has none), so losing a non-rank-0 pod costs at most K steps (the
+snapshot interval in force) and no storage reads; the resume line says which K bounded the loss.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from .checkpoint import CheckpointStore
 from .progress import Progress, ProgressServer, termination_log_path, write_termination_log
 from .sampler import ResumableDistributedSampler
 from .session import Session
-from .snapshot import PeerSnapshots, default_dir
+from .snapshot import PeerSnapshots, choose_interval, default_dir
 from .state import Components, Position, detached_copy, unwrap
 
 _FROM_ENV: Any = object()
@@ -62,7 +67,8 @@ class Run:
         checkpoint_every: int | None = _FROM_ENV,
         keep_checkpoints: int | None = _FROM_ENV,
         snapshot_dir: str | None = _FROM_ENV,
-        snapshot_every: int | None = _FROM_ENV,
+        snapshot_every: int | str | None = _FROM_ENV,
+        snapshot_budget_pct: float | None = _FROM_ENV,
         progress_port: int | None = _FROM_ENV,
         log_every: int | None = _FROM_ENV,
         checkpoint_on_terminate: bool = True,
@@ -72,7 +78,10 @@ class Run:
         checkpoint_dir: DDPJOB_CHECKPOINT_DIR (unset: no disk checkpoints).
         checkpoint_every: DDPJOB_CHECKPOINT_EVERY steps (default 100; 0: only the final one).
         snapshot_dir: DDPJOB_SNAPSHOT_DIR (default /dev/shm/ddpjob/<run key>).
-        snapshot_every: DDPJOB_SNAPSHOT_EVERY steps (default 1; 0: no peer snapshots).
+        snapshot_every: DDPJOB_SNAPSHOT_EVERY steps, (default 1), or "auto" (adaptive, see module doc);
+            0: no peer snapshots.
+        snapshot_budget_pct: DDPJOB_SNAPSHOT_BUDGET_PCT (default 2): the share of training time snapshots
+            may take when the interval is adaptive (at most DDPJOB_SNAPSHOT_MAX_EVERY steps, default 50).
         progress_port: DDPJOB_PROGRESS_PORT (default 29401; 0: no server).
         """
         self.session = session
@@ -87,7 +96,12 @@ class Run:
         if keep_checkpoints is _FROM_ENV:
             keep_checkpoints = envmod.get_int(envmod.KEEP_CHECKPOINTS, 3, minimum=1)
         if snapshot_every is _FROM_ENV:
-            snapshot_every = envmod.get_int(envmod.SNAPSHOT_EVERY, 1, minimum=0)
+            snapshot_every = envmod.get_str(envmod.SNAPSHOT_EVERY, envmod.DEFAULT_SNAPSHOT_EVERY)
+        if snapshot_budget_pct is _FROM_ENV:
+            snapshot_budget_pct = envmod.get_float(
+                envmod.SNAPSHOT_BUDGET_PCT, envmod.DEFAULT_SNAPSHOT_BUDGET_PCT, minimum=0.0
+            )
+        every = envmod.parse_every("snapshot_every", snapshot_every)
         if snapshot_dir is _FROM_ENV:
             snapshot_dir = envmod.get_str(envmod.SNAPSHOT_DIR) or default_dir(session.run_key)
         if progress_port is _FROM_ENV:
@@ -95,7 +109,17 @@ class Run:
         if log_every is _FROM_ENV:
             log_every = envmod.get_int(envmod.LOG_EVERY, 1, minimum=0)
         self.checkpoint_every = checkpoint_every or 0
-        self.snapshot_every = snapshot_every or 0
+        # K: the snapshot interval in force (adaptive: starts at 1 until a copy has been measured)
+        self.snapshot_adaptive = every is None
+        self.snapshot_every = 1 if every is None else every
+        self.snapshot_budget_pct = float(snapshot_budget_pct or 0.0)
+        self.snapshot_max_every = envmod.get_int(
+            envmod.SNAPSHOT_MAX_EVERY, envmod.DEFAULT_SNAPSHOT_MAX_EVERY, minimum=1
+        ) or envmod.DEFAULT_SNAPSHOT_MAX_EVERY
+        self._next_snapshot_step = 0
+        self._step_s: float | None = None  # moving average of the time between step_done calls
+        self._copy_s: float | None = None  # moving average of what one snapshot costs
+        self._copy_seen: int | None = None
         self.log_every = log_every or 0
 
         # Only global rank 0 touches the checkpoint directory; it alone validates it.
@@ -107,6 +131,11 @@ class Run:
         if snapshot_dir and self.snapshot_every:
             self.snapshots = PeerSnapshots(snapshot_dir, session.run_key)
         self._writes_snapshots = self.snapshots is not None and session.local_rank == 0
+        self._hook: Any = None
+        if self._writes_snapshots and optimizer is not None:
+            # The snapshot thread copies parameters and optimizer state from the live tensors: the next
+            # optimizer step (the first thing that changes them) waits until it has read them.
+            self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
 
         self.progress = Progress(session.world_size)
         self._server: ProgressServer | None = None
@@ -122,6 +151,7 @@ class Run:
         self._sps: float | None = None
         self._last_loss: float | None = None
         self._finished = False
+        self._interval_logged = False
         self.restored_from: str | None = None
         if checkpoint_on_terminate and self.checkpoints is not None and self._writes_snapshots:
             session.on_terminate(self._checkpoint_on_terminate)
@@ -157,16 +187,18 @@ class Run:
         t0 = time.perf_counter()
         local = self.snapshots.read_latest() if self.snapshots is not None else None
         local_step = local.step if local is not None else -1
+        local_every = local.every if local is not None else None
         disk_steps = self.checkpoints.steps() if self.checkpoints is not None else []
         disk_step = disk_steps[0] if disk_steps else -1
         gathered: list[Any] = [None] * s.world_size
-        dist.all_gather_object(gathered, (local_step, disk_step))
+        dist.all_gather_object(gathered, (local_step, disk_step, local_every))
         snap_steps = [int(g[0]) for g in gathered]
         disk_step = int(gathered[0][1])
         best_snap = max(snap_steps)
 
         state: dict[str, Any] | None = None
         source, src_rank = "fresh", None
+        bound = None  # the snapshot interval in force when the restored snapshot was written
         if disk_step > best_snap:
             payload: list[Any] = [None]
             if s.is_main:
@@ -187,6 +219,7 @@ class Run:
                 dist.broadcast_object_list(payload, src=src_rank)
                 state = local.state if local is not None and local_step == best_snap else payload[0]
                 source = "peer"
+            bound = gathered[src_rank][2]
         if local is not None and self.snapshots is not None:
             self.snapshots.set_next_slot_after(local)
 
@@ -211,14 +244,18 @@ class Run:
                 exact=str(exact).lower(),
                 seconds=round(time.perf_counter() - t0, 3),
                 restart_count=s.restart_count,
+                snapshot_every=bound if source in ("peer", "local") else None,
             )
         else:
             self.log("start", source="fresh", restart_count=s.restart_count)
         if self.checkpoints is not None and disk_step >= 0:
             self.checkpoints.last_saved_step = disk_step
         self.restored_from = source
-        self.progress.update(step=self.position.step, epoch=self.position.epoch, lastCheckpointStep=self._ckpt_step())
         self._save_point(checkpoint=False)
+        self.progress.update(
+            step=self.position.step, epoch=self.position.epoch, lastCheckpointStep=self._ckpt_step(),
+            **self._snapshot_progress(),
+        )
         return source
 
     # -- iteration -----------------------------------------------------------------------------------------
@@ -264,6 +301,9 @@ class Run:
         pos.step += 1
         pos.batch += 1
         now = time.perf_counter()
+        if self._last_step_time is not None:
+            dt = max(now - self._last_step_time, 1e-9)
+            self._step_s = dt if self._step_s is None else 0.9 * self._step_s + 0.1 * dt
         if samples is not None and self._last_step_time is not None:
             dt = max(now - self._last_step_time, 1e-9)
             rate = samples * self.session.world_size / dt
@@ -273,6 +313,11 @@ class Run:
             loss = float(loss.detach().item())
         if loss is not None:
             self._last_loss = loss
+        if self._writes_snapshots and self.snapshots is not None and self.snapshots.in_flight_step is not None:
+            # A snapshot started before this step is complete before the step is logged, so the newest
+            # valid snapshot is never more than K steps behind the log (already done on a CPU: the
+            # optimizer step waited for the copy).
+            self.snapshots.wait()
         # The step line comes before the step's snapshot/checkpoint, so no restore is ever ahead of the
         # logged steps (steps lost, ddp_trainer.testing.steps_lost, is never negative by a logging race).
         # Rank 0 writes the full line; the first local rank of every other node a short one, so the
@@ -298,6 +343,7 @@ class Run:
                 loss=self._last_loss,
                 samplesPerSecond=round(self._sps or 0.0, 2),
                 lastCheckpointStep=self._ckpt_step(),
+                **self._snapshot_progress(),
             )
 
     def epoch_done(self, metrics: dict[str, Any] | None = None, *, stop: bool = False) -> None:
@@ -313,13 +359,69 @@ class Run:
             self.progress.update(epoch=pos.epoch, metrics=metrics or {}, lastCheckpointStep=self._ckpt_step())
             self.log("epoch", epoch=finished, step=pos.step, stop=str(pos.stopped).lower(), **(metrics or {}))
 
+    def _before_optimizer_step(self, *_: Any) -> None:
+        assert self.snapshots is not None
+        self.snapshots.wait_sources()
+
+    def _snapshot_due(self, step: int) -> bool:
+        if not self._writes_snapshots or not self.snapshot_every:
+            return False
+        if self.snapshot_adaptive:
+            return step >= self._next_snapshot_step
+        return step % self.snapshot_every == 0
+
+    def _stable_tensors(self) -> set[int]:
+        """Tensors only the optimizer step changes: the snapshot thread may read them live."""
+        opt = self.components.optimizer
+        if opt is None:
+            return set()
+        ptrs = {p.data_ptr() for group in opt.param_groups for p in group["params"]}
+        for per_param in opt.state.values():
+            ptrs.update(v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
+        return ptrs
+
+    def _snapshot(self, step: int) -> None:
+        snaps = self.snapshots
+        assert snaps is not None
+        snaps.wait()  # the previous copy is complete: its time is measured
+        if self.snapshot_adaptive:
+            k = self.snapshot_every
+            if snaps.last_copy_s is not None and snaps.last_step != self._copy_seen:
+                # one copy's cost is noisy (page cache, other processes): average the recent ones
+                self._copy_seen = snaps.last_step
+                c = snaps.last_copy_s
+                self._copy_s = c if self._copy_s is None else 0.5 * self._copy_s + 0.5 * c
+            if self._copy_s is not None and self._step_s is not None:
+                # The step time average includes the snapshot stalls: a slight under-estimate of K's room.
+                k = choose_interval(self._copy_s, self._step_s, self.snapshot_budget_pct, self.snapshot_max_every)
+            measured = self._copy_s is not None and self._step_s is not None
+            if k != self.snapshot_every or (measured and not self._interval_logged):
+                self._interval_logged = True
+                self.log(
+                    "snapshot_interval",
+                    all_ranks=True,
+                    every=k,
+                    previous=self.snapshot_every,
+                    copy_ms=round(self._copy_s * 1e3, 3) if self._copy_s is not None else None,
+                    step_ms=round(self._step_s * 1e3, 3) if self._step_s is not None else None,
+                    bytes=snaps.last_bytes,
+                    budget_pct=self.snapshot_budget_pct,
+                )
+            self.snapshot_every = k
+            self._next_snapshot_step = step + k
+        state = self.components.state_dict(self.position)
+        snaps.write_async(step, state, stable=self._stable_tensors(), every=self.snapshot_every)
+
+    def _snapshot_progress(self) -> dict[str, Any]:
+        if not self._writes_snapshots or self.snapshots is None:
+            return {}
+        return {"snapshotEvery": self.snapshot_every, "lastSnapshotStep": self.snapshots.last_step}
+
     def _save_point(self, checkpoint: bool = True) -> None:
         step = self.position.step
         state = None
-        if self._writes_snapshots and step % self.snapshot_every == 0:
-            assert self.snapshots is not None
-            state = self.components.state_dict(self.position)
-            self.snapshots.write(step, state)
+        if self._snapshot_due(step):
+            self._snapshot(step)
         if (
             checkpoint
             and self.checkpoints is not None
@@ -366,6 +468,9 @@ class Run:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         if self.snapshots is not None:
             # The run is over: nothing to recover any more, and /dev/shm is memory.
             self.snapshots.close(remove=self._writes_snapshots)

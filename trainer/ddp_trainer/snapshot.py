@@ -10,9 +10,19 @@ user extras) is pickled into the slot header.
 
 Slots alternate, so while one is being written the other still holds the previous complete step. A
 slot is valid when its leading and trailing generation numbers match: a writer killed half-way (the
-pod dies, SIGKILL) leaves that slot invalid and the other one intact. Since the copy happens
-synchronously right after the optimizer step, a pod that logged step N has step N (or N-1 if killed
-during the copy) in shared memory, whatever kills it.
+pod dies, SIGKILL) leaves that slot invalid and the other one intact.
+
+The copy is asynchronous (:meth:`PeerSnapshots.write_async`): at a save point only the tensors that can
+change before the next optimizer step (buffers such as BatchNorm statistics, which the next forward
+updates, and anything else the caller does not declare *stable*) are cloned, and the non-tensor rest is
+pickled; a background thread then copies the stable tensors (parameters, optimizer state) straight from
+the live objects into the slot while the next forward/backward runs. The run installs an optimizer
+step pre-hook that waits until the thread has read its sources (:meth:`PeerSnapshots.wait_sources`), so
+the slot holds exactly the state of the step it is labelled with. On CUDA the thread copies on a side
+stream into pinned staging buffers (after an event recorded at the save point), then into the slot; on
+CPU it copies directly. Only one write is in flight; a slot's generation is written after its copy has
+completed, so a slot is only ever valid with a whole step in it. How often to write (every K steps) is
+:func:`choose_interval`'s decision.
 
 Slot layout (little endian)::
 
@@ -28,6 +38,7 @@ Slot layout (little endian)::
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import pickle
@@ -35,6 +46,7 @@ import re
 import struct
 import threading
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +62,23 @@ _PAGE = 4096
 SLOT_NAMES = ("snapshot-0.bin", "snapshot-1.bin")
 
 
+def choose_interval(copy_s: float, step_s: float, budget_pct: float, max_every: int = 50) -> int:
+    """The snapshot interval K: the fewest steps between snapshots that keeps their cost within budget.
+
+    ``copy_s`` is what one snapshot costs training (the save point's synchronous part plus the background
+    copy's CPU time: on a CPU the copy takes a core and memory bandwidth from training, so the whole copy
+    is counted even though it overlaps the next step), ``step_s`` the time of one training step. K = ceil(copy_s / (step_s * budget_pct / 100)), within 1..max_every. Steps lost per failure are
+    at most K (the newest valid snapshot is never more than K steps behind the newest logged step).
+    """
+    if max_every < 1:
+        raise ValueError(f"max_every={max_every} must be >= 1")
+    if not (copy_s > 0.0) or not (step_s > 0.0) or not (budget_pct > 0.0):
+        # nothing measured yet (or a zero budget): a zero budget means as rarely as allowed
+        return max_every if budget_pct <= 0.0 and copy_s > 0.0 else 1
+    k = math.ceil(copy_s / (step_s * budget_pct / 100.0) - 1e-9)
+    return max(1, min(max_every, k))
+
+
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -63,6 +92,7 @@ class Snapshot:
     step: int
     state: dict[str, Any]
     path: str
+    every: int | None = None  # the snapshot interval K in force when it was written
 
 
 def default_dir(run_key: str, root: str = "/dev/shm/ddpjob") -> str:
@@ -92,7 +122,10 @@ class _Slot:
         size = _align(int(size * 1.25) + _PAGE, _PAGE)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         os.ftruncate(self.fd, size)
-        self.mm = mmap.mmap(self.fd, size)
+        # Fault every page in now (once per slot): otherwise the first copies into a slot pay the
+        # page allocation and look far more expensive than the copies that follow.
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self.mm = mmap.mmap(self.fd, size, flags=flags)
         self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.size = size
 
@@ -120,21 +153,149 @@ class PeerSnapshots:
         self._next = 0
         self._generation = time.time_ns()
         self.last_step: int | None = None
-        # The SIGTERM thread may read while the training thread writes; other processes only read
-        # while nobody writes (at restore, before the first save point).
+        # Held while a slot is written (by the writer thread for asynchronous writes): the SIGTERM thread
+        # may read meanwhile; other processes only read while nobody writes (at restore).
         self._lock = threading.Lock()
         self._layout: tuple | None = None
         self._specs: list[tuple] = []
         self._data_len = 0
+        # asynchronous writes: one in flight at a time
+        self._thread: threading.Thread | None = None
+        self._sources_read = threading.Event()
+        self._sources_read.set()
+        self._done = threading.Event()
+        self._done.set()
+        self._error: BaseException | None = None
+        self._pinned: list[torch.Tensor | None] = []
+        self._stream: Any = None
+        self.in_flight_step: int | None = None
+        self.last_copy_s: float | None = None  # what the last write cost training (see _write_in_thread)
+        self.last_copy_wall_s: float | None = None  # its wall time
+        self.last_sync_s: float | None = None  # the save point's own part of the last asynchronous write
+        self.last_bytes = 0  # tensor bytes in the last write
+        self.stall_s = 0.0  # total time callers waited for a write in flight
 
     # -- writing -----------------------------------------------------------------------------------------
-    def write(self, step: int, state: dict[str, Any]) -> None:
+    def write(self, step: int, state: dict[str, Any], every: int | None = None) -> None:
         """Copy ``state`` into the older slot. Synchronous; costs one memcpy of the tensors."""
-        with self._lock:
-            self._write(step, state)
-
-    def _write(self, step: int, state: dict[str, Any]) -> None:
+        self.wait()
+        t0 = time.perf_counter()
         skeleton, tensors = flatten(state)
+        meta = self._prepare(skeleton, tensors, every)
+        prepared_s = time.perf_counter() - t0
+        with self._lock:
+            self.last_copy_s = self.last_copy_wall_s = prepared_s + self._write(step, meta, tensors)
+
+    def write_async(
+        self, step: int, state: dict[str, Any], *, stable: Collection[int] = (), every: int | None = None
+    ) -> None:
+        """Start copying ``state`` into the older slot and return; the slot is valid once the copy is done.
+
+        ``stable``: ``data_ptr()`` of tensors that stay unchanged until the caller next calls
+        :meth:`wait_sources` (parameters and optimizer state, guarded by an optimizer step pre-hook);
+        they are copied by the writer thread from the live objects. Every other tensor is cloned here.
+        """
+        self.wait()
+        t0 = time.perf_counter()
+        skeleton, tensors = flatten(state)
+        sources = []
+        cuda = False
+        with torch.no_grad():
+            for t in tensors:
+                t = t.detach()
+                if t.data_ptr() not in stable or not t.is_contiguous():
+                    t = t.clone(memory_format=torch.contiguous_format)
+                cuda = cuda or t.is_cuda
+                sources.append(t)
+        meta = self._prepare(skeleton, sources, every)
+        event = None
+        if cuda:  # only reached with CUDA tensors: nothing here initialises CUDA otherwise
+            event = torch.cuda.Event()
+            event.record()
+        self._sources_read.clear()
+        self._done.clear()
+        self.in_flight_step = step
+        self.last_sync_s = time.perf_counter() - t0
+        self._thread = threading.Thread(
+            target=self._write_in_thread, args=(step, meta, sources, event), name="ddp-snapshot",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _write_in_thread(self, step: int, meta: bytes, sources: list[torch.Tensor], event: Any) -> None:
+        try:
+            with self._lock:
+                staged_s = 0.0
+                if event is not None:
+                    t0 = time.perf_counter()
+                    sources = self._stage_cuda(sources, event)
+                    self._sources_read.set()
+                    staged_s = time.perf_counter() - t0
+                c0 = time.thread_time()
+                copy_wall_s = self._write(step, meta, sources, on_sources_read=self._sources_read.set)
+                copy_cpu_s = time.thread_time() - c0
+            self.last_copy_wall_s = (self.last_sync_s or 0.0) + staged_s + copy_wall_s
+            # The cost to training: the save point's part, the device transfer (wall: it holds PCIe and
+            # a stream), and the CPU time of the host copy (the cores and memory bandwidth it takes from
+            # training). Not the host copy's wall time: on a busy machine that includes waiting for a
+            # core, which costs training nothing.
+            self.last_copy_s = (self.last_sync_s or 0.0) + staged_s + min(copy_cpu_s, copy_wall_s)
+        except BaseException as exc:  # reported to the training thread at its next wait
+            self._error = exc
+        finally:
+            self.in_flight_step = None
+            self._sources_read.set()
+            self._done.set()
+
+    def _stage_cuda(self, sources: list[torch.Tensor], event: Any) -> list[torch.Tensor]:
+        """Device tensors → pinned host buffers on a side stream, after the save point's work is done."""
+        if len(self._pinned) != len(sources):
+            self._pinned = [None] * len(sources)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=next(t.device for t in sources if t.is_cuda))
+        out = []
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(event)
+            for i, t in enumerate(sources):
+                if not t.is_cuda:
+                    out.append(t)
+                    continue
+                buf = self._pinned[i]
+                if buf is None or buf.dtype != t.dtype or buf.shape != t.shape:
+                    buf = self._pinned[i] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t, non_blocking=True)
+                out.append(buf)
+        self._stream.synchronize()
+        return out
+
+    def wait_sources(self) -> float:
+        """Block until the write in flight has read the live tensors; returns the seconds waited."""
+        if self._sources_read.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        self._sources_read.wait()
+        waited = time.perf_counter() - t0
+        self.stall_s += waited
+        return waited
+
+    def wait(self) -> float:
+        """Block until the write in flight (if any) is complete and its slot valid; re-raises its error."""
+        waited = 0.0
+        if not self._done.is_set():
+            t0 = time.perf_counter()
+            self._done.wait()
+            waited = time.perf_counter() - t0
+            self.stall_s += waited
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            exc, self._error = self._error, None
+            raise exc
+        return waited
+
+    def _prepare(self, skeleton: Any, tensors: list[torch.Tensor], every: int | None) -> bytes:
+        """The slot's meta, pickled now: the skeleton refers to live dicts (extra, param groups)."""
         layout = tuple((t.dtype, t.shape) for t in tensors)
         if layout != self._layout:
             specs = []
@@ -144,10 +305,15 @@ class PeerSnapshots:
                 specs.append((_dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
                 offset = _align(offset + nbytes, _ALIGN)
             self._layout, self._specs, self._data_len = layout, specs, offset
-        specs, data_len = self._specs, self._data_len
-        meta = pickle.dumps(
-            {"run_key": self.run_key, "skeleton": skeleton, "specs": specs}, protocol=pickle.HIGHEST_PROTOCOL
+        return pickle.dumps(
+            {"run_key": self.run_key, "skeleton": skeleton, "specs": self._specs, "every": every},
+            protocol=pickle.HIGHEST_PROTOCOL,
         )
+
+    def _write(self, step: int, meta: bytes, tensors: list[torch.Tensor],
+               on_sources_read: Callable[[], None] | None = None) -> float:
+        """Copy into the older slot; returns the copy's seconds (without a first-use slot allocation)."""
+        specs, data_len = self._specs, self._data_len
         slot = self._slots[self._next]
         # Reuse the slot's data offset while the meta fits, so the cached views stay valid.
         if slot.views_key is not None and slot.views_key[0] >= _HEADER_SIZE + len(meta):
@@ -155,6 +321,7 @@ class PeerSnapshots:
         else:
             data_off = _align(_HEADER_SIZE + len(meta) * 2, _PAGE)
         slot.ensure(data_off + data_len + 8)
+        t_copy = time.perf_counter()  # the slot's one-time allocation above is not the copy's cost
         assert slot.mm is not None and slot.base is not None
         key = (data_off, self._layout)
         if slot.views_key != key:
@@ -173,10 +340,15 @@ class PeerSnapshots:
         if tensors:
             with torch.no_grad():
                 torch._foreach_copy_(slot.views, tensors)
+        if on_sources_read is not None:
+            on_sources_read()
+        # Valid only now that the whole copy is in the slot: trailing generation, then the leading one.
         struct.pack_into("<Q", mm, data_off + data_len, gen)
         struct.pack_into("<Q", mm, 8, gen)
         self._next ^= 1
         self.last_step = step
+        self.last_bytes = data_len
+        return time.perf_counter() - t_copy
 
     # -- reading -----------------------------------------------------------------------------------------
     def read_latest(self) -> Snapshot | None:
@@ -218,7 +390,9 @@ class PeerSnapshots:
         for dtype_name, shape, off, n in meta["specs"]:
             dtype = getattr(torch, dtype_name)
             tensors.append(base[data_off + off : data_off + off + n].view(dtype).view(shape).clone())
-        return Snapshot(step=step, state=unflatten(meta["skeleton"], tensors), path=path)
+        every = meta.get("every")
+        return Snapshot(step=step, state=unflatten(meta["skeleton"], tensors), path=path,
+                        every=int(every) if every is not None else None)
 
     def set_next_slot_after(self, snap: Snapshot | None) -> None:
         """Write next into the slot that does not hold ``snap`` (keep the newest intact)."""
@@ -227,6 +401,12 @@ class PeerSnapshots:
             self._next = held ^ 1
 
     def close(self, *, remove: bool = False) -> None:
+        try:
+            self.wait()
+        finally:
+            self._close(remove)
+
+    def _close(self, remove: bool) -> None:
         for slot in self._slots:
             slot.close()
             if remove:

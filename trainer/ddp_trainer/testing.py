@@ -439,5 +439,7 @@ def recovery_after_kill(
         "source": resume.get("source", "fresh"),
         "last_step_before_kill": max((e.int("step") for e in steps if since <= e.time <= killed_at), default=None),
         "steps_lost": lost,
+        # the snapshot interval K in force when the restored snapshot was written: steps lost <= K
+        "snapshot_every": int(resume["snapshot_every"]) if resume.get("snapshot_every") else None,
         "restored_at": resume.time,
     }

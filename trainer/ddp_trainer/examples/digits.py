@@ -51,7 +51,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ("--patience", "DIGITS_PATIENCE", 3, int, "epochs without validation improvement before stopping"),
         ("--checkpoint-dir", envmod.CHECKPOINT_DIR, None, str, "disk checkpoint directory (unset: none)"),
         ("--checkpoint-every", envmod.CHECKPOINT_EVERY, 50, int, "steps between disk checkpoints"),
-        ("--snapshot-every", envmod.SNAPSHOT_EVERY, 1, int, "steps between peer snapshots (0: off)"),
+        ("--snapshot-every", envmod.SNAPSHOT_EVERY, envmod.DEFAULT_SNAPSHOT_EVERY, str,
+         "steps between peer snapshots (auto: adaptive within DDPJOB_SNAPSHOT_BUDGET_PCT; 0: off)"),
         ("--step-delay", "DIGITS_STEP_DELAY", 0.0, float, "seconds to sleep per step (slow runs for kill tests)"),
         ("--amp", "DIGITS_AMP", "auto", str, "mixed precision: auto (CUDA only), off, bf16, fp16"),
         ("--final-weights", "DIGITS_FINAL_WEIGHTS", None, str, "rank 0 saves the final state dict here"),
@@ -62,7 +63,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("epochs", "batch_size"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    for name in ("patience", "checkpoint_every", "snapshot_every"):
+    envmod.parse_every("--snapshot-every", args.snapshot_every)  # ConfigError on a bad value
+    for name in ("patience", "checkpoint_every"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 0")
     if args.lr <= 0 or args.step_delay < 0:

@@ -1,0 +1,172 @@
+"""The snapshot interval K (a pure function) and the asynchronous snapshot writer: a slot is valid only
+once its copy is complete, the live tensors are read before the next optimizer step may change them, and
+a reader never sees a torn step."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_trainer import snapshot as snapmod
+from ddp_trainer.log import Logger
+from ddp_trainer.run import Run, model_digest
+from ddp_trainer.session import Session
+from ddp_trainer.snapshot import PeerSnapshots, choose_interval
+
+
+def test_interval_keeps_the_copy_within_the_budget():
+    # copy 10 ms, step 100 ms, 2 % budget: 10 / (100 * 0.02) = 5 steps
+    assert choose_interval(0.010, 0.100, 2.0) == 5
+    assert choose_interval(0.0101, 0.100, 2.0) == 6  # rounded up: never over budget
+    assert choose_interval(0.001, 0.100, 2.0) == 1  # cheap copies: every step
+    assert choose_interval(10.0, 0.100, 2.0, max_every=50) == 50  # bounded: steps lost stay known
+    assert choose_interval(0.010, 0.100, 10.0) == 1
+    for copy_s, step_s, budget in [(0.3, 1.4, 2.0), (0.02, 0.15, 2.0), (1e-4, 1e-2, 0.5)]:
+        k = choose_interval(copy_s, step_s, budget)
+        assert 1 <= k <= 50 and copy_s / (k * step_s) <= budget / 100 + 1e-12
+
+
+def test_interval_before_anything_is_measured_and_bad_bounds():
+    assert choose_interval(0.0, 0.1, 2.0) == 1
+    assert choose_interval(0.01, 0.0, 2.0) == 1
+    assert choose_interval(0.01, 0.1, 0.0, max_every=7) == 7  # zero budget: as rarely as allowed
+    with pytest.raises(ValueError):
+        choose_interval(0.01, 0.1, 2.0, max_every=0)
+
+
+def test_async_write_holds_the_state_of_its_step(tmp_path):
+    snaps = PeerSnapshots(str(tmp_path / "shm"), "k")
+    param = torch.zeros(1000)
+    buf = torch.zeros(3)
+    snaps.write_async(1, {"p": param, "b": buf}, stable={param.data_ptr()}, every=4)
+    buf.add_(1)  # not stable: cloned at the save point, so this change is not in step 1
+    snaps.wait_sources()  # what the optimizer step pre-hook does before changing `param`
+    param.add_(1)
+    snaps.wait()
+    got = snaps.read_latest()
+    assert got.step == 1 and got.every == 4
+    assert torch.equal(got.state["p"], torch.zeros(1000)) and torch.equal(got.state["b"], torch.zeros(3))
+    assert snaps.last_bytes >= 1003 * 4 and snaps.last_copy_s is not None and snaps.last_copy_s > 0
+    snaps.close(remove=True)
+
+
+def test_a_slot_is_invalid_until_its_copy_completes_and_readers_never_see_a_torn_step(tmp_path, monkeypatch):
+    shm = str(tmp_path / "shm")
+    snaps = PeerSnapshots(shm, "k")
+    snaps.write(1, {"w": torch.full((4096,), 1.0)})
+    started, release = threading.Event(), threading.Event()
+    real_copy = torch._foreach_copy_
+
+    def slow_copy(dst, src):  # copy half, then stop as if the pod were killed mid-copy
+        dst[0][:2048].copy_(src[0][:2048])
+        started.set()
+        release.wait(10)
+        real_copy(dst, src)
+
+    monkeypatch.setattr(snapmod.torch, "_foreach_copy_", slow_copy)
+    snaps.write_async(2, {"w": torch.full((4096,), 2.0)})
+    assert started.wait(10)
+    # another process reading now (no lock shared): the half-written slot is invalid, step 1 intact
+    other = PeerSnapshots(shm, "k").read_latest()
+    assert other.step == 1 and torch.equal(other.state["w"], torch.full((4096,), 1.0))
+    release.set()
+    snaps.wait()
+    got = PeerSnapshots(shm, "k").read_latest()
+    assert got.step == 2 and torch.equal(got.state["w"], torch.full((4096,), 2.0))
+    snaps.close(remove=True)
+
+
+def test_a_failed_copy_leaves_the_previous_step_and_is_reported(tmp_path, monkeypatch):
+    shm = str(tmp_path / "shm")
+    snaps = PeerSnapshots(shm, "k")
+    snaps.write(1, {"w": torch.ones(8)})
+
+    def broken_copy(dst, src):
+        dst[0][:4].zero_()
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(snapmod.torch, "_foreach_copy_", broken_copy)
+    snaps.write_async(2, {"w": torch.full((8,), 2.0)})
+    with pytest.raises(OSError, match="no space"):
+        snaps.wait()
+    got = PeerSnapshots(shm, "k").read_latest()
+    assert got.step == 1 and torch.equal(got.state["w"], torch.ones(8))
+    monkeypatch.undo()
+    snaps.close(remove=True)
+
+
+@pytest.fixture
+def single_process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield Session(rank=0, world_size=1, local_rank=0, local_world_size=1, group_rank=0, restart_count=0,
+                  run_key="unit", device=torch.device("cpu"), backend="gloo", log=Logger(0))
+    dist.destroy_process_group()
+
+
+def _train(session, shm, *, stop_at=None, budget=2.0, every="auto"):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    run = Run(session, model=model, optimizer=opt, seed=3, checkpoint_dir=None, snapshot_dir=shm,
+              snapshot_every=every, snapshot_budget_pct=budget, progress_port=0, log_every=0)
+    run.restore()
+    restored = run.step
+    data = torch.randn(40, 8, 32)
+    ks = []
+    for _ in run.epochs(2):
+        for xb in run.batches(data):
+            loss = model(xb + torch.randn_like(xb) * 0.01).pow(2).mean()  # the per-step reseeded RNG counts
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            run.step_done(loss=loss)
+            ks.append(run.progress.snapshot().get("snapshotEvery"))
+            if stop_at is not None and run.step == stop_at:
+                # a kill: whatever the newest complete snapshot is, nothing is written any more
+                run.snapshots.wait()
+                run.snapshots.close()
+                return run, None, ks, restored
+        run.epoch_done()
+    run.finish()
+    return run, model_digest(model), ks, restored
+
+
+def test_adaptive_interval_above_one_resumes_bitwise_from_an_older_step(tmp_path, single_process_group, monkeypatch):
+    """A tiny budget forces K > 1: the restore goes back to a step s <= the last one and replays exactly."""
+    _, reference, _, _ = _train(single_process_group, str(tmp_path / "ref"), every=0)
+    monkeypatch.setenv("DDPJOB_SNAPSHOT_MAX_EVERY", "7")
+    shm = str(tmp_path / "shm")
+    killed, _, ks, _ = _train(single_process_group, shm, stop_at=53, budget=0.0001)
+    assert max(k for k in ks if k) == 7, ks  # the budget is unreachable: K at its bound
+    resumed, digest, _, restored = _train(single_process_group, shm, budget=0.0001)
+    assert resumed.restored_from == "local" and restored == killed.snapshots.last_step
+    assert 53 - 7 <= restored < 53  # steps lost: more than the step in flight, at most K
+    assert digest == reference  # replayed from an older step, bit for bit
+
+
+def test_cpu_snapshots_never_initialise_cuda(tmp_path):
+    snaps = PeerSnapshots(str(tmp_path / "shm"), "k")
+    p = torch.ones(10)
+    snaps.write_async(1, {"p": p}, stable={p.data_ptr()})
+    snaps.wait()
+    assert not torch.cuda.is_initialized()
+    snaps.close(remove=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU path is tested above)")
+def test_cuda_snapshot_goes_through_a_side_stream_and_pinned_buffers(tmp_path):
+    snaps = PeerSnapshots(str(tmp_path / "shm"), "k")
+    p = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    b = torch.zeros(4, device="cuda")
+    p.mul_(2)  # queued on the current stream before the save point: must be in the snapshot
+    snaps.write_async(3, {"p": p, "b": b}, stable={p.data_ptr()})
+    b.add_(1)
+    snaps.wait_sources()
+    p.add_(1)
+    snaps.wait()
+    got = snaps.read_latest()
+    assert got.step == 3 and torch.equal(got.state["p"], (torch.arange(1 << 20, dtype=torch.float32) * 2))
+    assert torch.equal(got.state["b"], torch.zeros(4))
+    snaps.close(remove=True)
