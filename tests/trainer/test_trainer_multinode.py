@@ -57,7 +57,7 @@ def test_kill_non_host_node_resumes_bitwise(tmp_path, reference, with_disk_check
 def test_kill_with_snapshot_interval_above_one_replays_bitwise(tmp_path, reference):
     """A budget no copy fits forces K to its bound (8): the restore goes back up to 8 steps and replays
     them; the final weights are still the reference's and the steps lost stay within K."""
-    env = {"DDPJOB_SNAPSHOT_BUDGET_PCT": "0.0001", "DDPJOB_SNAPSHOT_MAX_EVERY": "8"}
+    env = {"DDPJOB_SNAPSHOT_EVERY": "auto", "DDPJOB_SNAPSHOT_BUDGET_PCT": "0.0001", "DDPJOB_SNAPSHOT_MAX_EVERY": "8"}
     with LocalCluster(tmp_path, args=[*DIGITS_ARGS, *SLOW], env=env, rdzv_id="kill-k8") as cluster:
         host = cluster.start_node()
         victim = cluster.start_node()
