@@ -61,6 +61,11 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def _owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    """Whether the job with this UID owns obj (labels alone can be put on any pod by anyone)."""
+    return any(o.get("uid") == uid for o in obj["metadata"].get("ownerReferences") or [])
+
+
 @dataclass
 class _Created:
     body: dict
@@ -237,7 +242,7 @@ class Reconciler:
     # --- observation ------------------------------------------------------------------------------
     def _observe(self, key: tuple[str, str], uid: str) -> tuple[tuple[PodState, ...], set[str]]:
         live = [p for p in self._values("pods_by_job", key)
-                if any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])]
+                if _owned_by(p, uid)]
         live_names = {p["metadata"]["name"]: p["metadata"]["uid"] for p in live}
         now = time.monotonic()
         with self._guard:
@@ -249,7 +254,7 @@ class Reconciler:
                     del created[name]
             fresh = [c.body for name, c in created.items() if name not in live_names]
         gone = [t for u, t in tombstones.items() if u not in live_names.values()
-                and any(o.get("uid") == uid for o in t["metadata"].get("ownerReferences") or [])]
+                and _owned_by(t, uid)]
         states = tuple(observe_pod(p) for p in live + fresh) + tuple(observe_pod(t, gone=True) for t in gone)
         return states, set(tombstones)
 
@@ -493,7 +498,7 @@ class Reconciler:
         ips = [p["status"].get("podIP") for p in self._values("pods_by_job", key)
                if (p.get("status") or {}).get("phase") == "Running" and (p.get("status") or {}).get("podIP")
                and p["metadata"].get("labels", {}).get(names.LABEL_ROLE) == names.ROLE_TRAINER
-               and any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])]
+               and _owned_by(p, uid)]
         found = progress.probe(ips, self._progress_ip.get(uid))
         if found is None:
             return
