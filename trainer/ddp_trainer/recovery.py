@@ -66,10 +66,11 @@ class HighWaterMark:
             self._mm.close()
             self._mm = None
         if remove:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+            for rm, path in ((os.unlink, self.path), (os.rmdir, os.path.dirname(self.path))):
+                try:
+                    rm(path)  # the directory only goes when empty (the snapshots are removed first)
+                except OSError:
+                    pass
 
 
 def recovery_record(
