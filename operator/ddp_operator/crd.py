@@ -41,6 +41,8 @@ DEFAULTS: dict[str, Any] = {
         "countDisruptions": False,
         "incidentWindowSeconds": 20,
         "stuckTerminatingTimeoutSeconds": 120,
+        "startupTimeoutSeconds": 600,
+        "nodeLostTimeoutSeconds": 60,
     },
     "runPolicy": {"suspend": False, "cleanPodPolicy": "Running"},
     "shm": {"medium": "Memory"},
@@ -57,6 +59,8 @@ MAXIMA: dict[str, int] = {
     "keepAliveIntervalSeconds": 600,
     "incidentWindowSeconds": 3600,
     "stuckTerminatingTimeoutSeconds": 86400,
+    "startupTimeoutSeconds": 86400,
+    "nodeLostTimeoutSeconds": 86400,
     "activeDeadlineSeconds": MAX_DURATION_SECONDS,
     "ttlSecondsAfterFinished": MAX_DURATION_SECONDS,
 }
@@ -342,6 +346,21 @@ def _spec_schema() -> dict:
                     "A pod still Terminating this long after its grace period, on a node that is NotReady or "
                     "gone, is force-deleted so its replacement can start.",
                     minimum=1, maximum=MAXIMA["stuckTerminatingTimeoutSeconds"], default=f["stuckTerminatingTimeoutSeconds"]),
+                "startupTimeoutSeconds": _int(
+                    "Fail the job (reason StartupTimeoutExceeded) when, for this many seconds in a row, fewer than "
+                    "minNodes training pods or no rendezvous store pod are running: an image that cannot be "
+                    "pulled, a missing ConfigMap or Secret key, an unschedulable pod, or a pod the API server "
+                    "refuses (quota, PodSecurity). The blocking reason is shown meanwhile in the PodsNotStarting "
+                    "and ReplicaFailure conditions and in status.message; fixing it (e.g. deleting the quota, "
+                    "creating the ConfigMap) lets the job start. Counts from status.podsPendingSince. 0: never.",
+                    minimum=0, maximum=MAXIMA["startupTimeoutSeconds"], default=f["startupTimeoutSeconds"]),
+                "nodeLostTimeoutSeconds": _int(
+                    "A training or rendezvous-store pod on a node whose Ready condition has been False or Unknown "
+                    "this long is treated as lost: force-deleted, recorded in status.attempts as a disruption "
+                    "(reason NodeLost; counted only with countDisruptions) and recreated (losing the store pod "
+                    "restarts the whole group). Needs permission to get Nodes; without it such pods are waited "
+                    "for. 0: never.",
+                    minimum=0, maximum=MAXIMA["nodeLostTimeoutSeconds"], default=f["nodeLostTimeoutSeconds"]),
             },
             default={},
             rules=[_rule("!(has(self.permanentExitCodes) && has(self.retryableExitCodes))",
@@ -519,6 +538,9 @@ def _status_schema() -> dict:
             "lastFailureTime": _str("When the last counted failure was observed.", format="date-time"),
             "recoveryStartTime": _str("When the current recovery started (unset while healthy).",
                                       format="date-time"),
+            "podsPendingSince": _str("Since when fewer than minNodes training pods, or no rendezvous store pod, "
+                                     "have been running (unset while they run); "
+                                     "failurePolicy.startupTimeoutSeconds counts from here.", format="date-time"),
             "attempts": {
                 "type": "array",
                 "description": f"The last {names.ATTEMPTS_HISTORY} ended training pods, newest last.",

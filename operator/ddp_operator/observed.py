@@ -1,4 +1,5 @@
-"""What an observed pod means to the operator: `observe_pod(pod)` reduces a Pod object to a frozen PodState."""
+"""What an observed object means to the operator: `observe_pod(pod)` reduces a Pod object to a frozen PodState,
+`observe_node(node)` a Node to its readiness and since when it holds."""
 
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ class PodState:
     # trainer's outcome (Succeeded/Failed); the pod itself still needs stopping (cleanPodPolicy). Native sidecars
     # (init containers with restartPolicy Always) are stopped by the kubelet, so they never make a pod linger.
     lingering: bool = False
+    # Why the pod cannot start, while it cannot: (reason, message) of a container the kubelet cannot create or
+    # pull (names.STARTUP_WAITING_REASONS), or of the scheduler's PodScheduled=False. None otherwise.
+    startup_error: tuple[str, str] | None = None
 
     @property
     def terminal(self) -> bool:
@@ -96,6 +100,23 @@ def _disruption(pod: Mapping) -> str | None:
             return cond.get("reason") or names.DISRUPTION_CONDITION
     if status.get("reason") in names.DISRUPTION_REASONS:
         return status["reason"]
+    return None
+
+
+def _startup_error(pod: Mapping) -> tuple[str, str] | None:
+    """The first reason the pod cannot start: a container (init containers first) waiting for a reason in
+    names.STARTUP_WAITING_REASONS, else the scheduler's Unschedulable."""
+    status = pod.get("status") or {}
+    for cs in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in names.STARTUP_WAITING_REASONS:
+            message = (waiting.get("message") or "").strip()
+            return waiting["reason"], f"container {cs.get('name')}: {message}"[:MESSAGE_TAIL] if message \
+                else f"container {cs.get('name')}"
+    for cond in status.get("conditions") or []:
+        if (cond.get("type") == "PodScheduled" and cond.get("status") == "False"
+                and cond.get("reason") == names.REASON_UNSCHEDULABLE):
+            return names.REASON_UNSCHEDULABLE, (cond.get("message") or "").strip()[:MESSAGE_TAIL]
     return None
 
 
@@ -154,4 +175,27 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
         finished_at=parse_time(terminated.get("finishedAt")),
         gone=gone,
         lingering=lingering,
+        startup_error=None if gone or phase not in ("Pending", "Running") else _startup_error(pod),
     )
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """A node as the node-loss rule sees it: Ready or not, and since when (the Ready condition's
+    lastTransitionTime; None for a node that no longer exists, or when the API gave no time)."""
+    ready: bool
+    since: datetime | None = None
+    gone: bool = False
+
+
+def observe_node(node: Mapping[str, Any] | None) -> NodeState:
+    """A Node object (None: it does not exist) as a NodeState. Ready is the Ready condition being True; False
+    and Unknown (the node controller's mark for a kubelet that stopped reporting) are both NotReady."""
+    if node is None:
+        return NodeState(ready=False, gone=True)
+    for cond in (node.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Ready":
+            since = cond.get("lastTransitionTime")
+            return NodeState(ready=cond.get("status") == "True",
+                             since=since if isinstance(since, datetime) else parse_time(since))
+    return NodeState(ready=False)

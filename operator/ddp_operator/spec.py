@@ -45,6 +45,9 @@ class FailurePolicy:
     count_disruptions: bool
     incident_window_seconds: int
     stuck_terminating_timeout_seconds: int
+    # 0: never. Defaults as in crd.DEFAULTS (keyword defaults only so that older callers still construct it).
+    startup_timeout_seconds: int = 600
+    node_lost_timeout_seconds: int = 60
 
     def is_permanent(self, exit_codes: tuple[int, ...]) -> bool:
         """Whether any of the exit codes (trainer container and workers) rules out a retry."""
@@ -319,6 +322,11 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
             f, "stuckTerminatingTimeoutSeconds", "spec.failurePolicy.stuckTerminatingTimeoutSeconds",
             default=fd["stuckTerminatingTimeoutSeconds"], minimum=1,
             maximum=crd.MAXIMA["stuckTerminatingTimeoutSeconds"]),
+        startup_timeout_seconds=_int(f, "startupTimeoutSeconds", "spec.failurePolicy.startupTimeoutSeconds",
+                                     default=fd["startupTimeoutSeconds"], maximum=crd.MAXIMA["startupTimeoutSeconds"]),
+        node_lost_timeout_seconds=_int(f, "nodeLostTimeoutSeconds", "spec.failurePolicy.nodeLostTimeoutSeconds",
+                                       default=fd["nodeLostTimeoutSeconds"],
+                                       maximum=crd.MAXIMA["nodeLostTimeoutSeconds"]),
     )
 
     r = _section(spec, "runPolicy")
