@@ -107,8 +107,8 @@ COND_FAILED = "Failed"
 # True while a child (Pod, Service) cannot be created: an object the job does not own holds its name.
 # Also True while the API server refuses to create a child (reason FailedCreate: quota, PodSecurity, a webhook).
 COND_REPLICA_FAILURE = "ReplicaFailure"
-# True while a pod of the job exists but cannot start: the kubelet's or scheduler's reason (ErrImagePull,
-# ImagePullBackOff, CreateContainerConfigError, Unschedulable, ...) and message.
+# True while a pod of the job exists but the kubelet cannot start it: the kubelet's reason (ErrImagePull,
+# ImagePullBackOff, CreateContainerConfigError, ...) and message.
 COND_PODS_NOT_STARTING = "PodsNotStarting"
 CONDITION_TYPES = (COND_CREATED, COND_RUNNING, COND_RESTARTING, COND_SUSPENDED, COND_SUCCEEDED, COND_FAILED,
                    COND_REPLICA_FAILURE, COND_PODS_NOT_STARTING)

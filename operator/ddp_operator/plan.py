@@ -31,8 +31,8 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
 - status.progress never goes back: a report (polled, or the final one) from a step before the one shown is not
   taken (status.newer_progress).
 - Pods that cannot start (the section "pods that cannot start"): a current pod the kubelet cannot start
-  (image pull, container config) or the scheduler cannot place sets condition PodsNotStarting=True with the
-  kubelet's reason and message; a child the API server refuses (Observed.refusals, the shell backs off its
+  (image pull, container config) sets condition PodsNotStarting=True with the kubelet's reason and message (an
+  Unschedulable pod does not: an autoscaler may add room; the startup timeout's message names it); a child the API server refuses (Observed.refusals, the shell backs off its
   retries) sets ReplicaFailure=True, reason FailedCreate, with the refusal (one Event per distinct refusal).
   Both show in status.reason/message and turn False once the cause is gone. While fewer than minNodes trainers
   or no store pod run, status.podsPendingSince says since when; failurePolicy.startupTimeoutSeconds after it the
@@ -455,10 +455,17 @@ class _Pass:
         elif was_refused:
             self.cond(names.COND_REPLICA_FAILURE, False, names.REASON_CHILDREN_CREATED, "every child was created")
 
+    def blocked(self, *, unschedulable: bool) -> list[PodState]:
+        """Current pods that cannot start (PodState.startup_error), by name; Unschedulable ones only if asked."""
+        return sorted((p for p in self.live if p.startup_error and not p.deleting and p.group == self.group
+                       and (p.role == names.ROLE_RDZV or self.current(p))
+                       and (unschedulable or p.startup_error[0] != names.REASON_UNSCHEDULABLE)),
+                      key=lambda p: p.name)
+
     def startup_problems(self) -> None:
-        """PodsNotStarting=True while a current pod cannot start, with the kubelet's (or scheduler's) reason."""
-        blocked = sorted((p for p in self.live if p.startup_error and not p.deleting and p.group == self.group
-                          and (p.role == names.ROLE_RDZV or self.current(p))), key=lambda p: p.name)
+        """PodsNotStarting=True while a current pod cannot start, with the kubelet's reason. A pod waiting for room
+        (Unschedulable) is not one: a cluster autoscaler may be adding a node; the startup timeout names it."""
+        blocked = self.blocked(unschedulable=False)
         prev = get_condition(self.conditions, names.COND_PODS_NOT_STARTING) or {}
         if blocked:
             first = blocked[0]
@@ -494,6 +501,9 @@ class _Pass:
             return False
         why = [c["message"] for c in self.conditions if c.get("status") == "True" and c.get("message")
                and c["type"] in (names.COND_PODS_NOT_STARTING, names.COND_REPLICA_FAILURE)]
+        waiting = self.blocked(unschedulable=True)
+        if not why and waiting:
+            why = [f"{waiting[0].startup_error[0]}: pod {waiting[0].name}, {waiting[0].startup_error[1]}"]
         self.finish(names.PHASE_FAILED, names.REASON_STARTUP_TIMEOUT,
                     f"{trainers}/{job.spec.nodes} training pods (at least {job.spec.min_nodes} needed) and "
                     f"{'the' if store else 'no'} rendezvous store running for "

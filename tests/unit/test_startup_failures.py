@@ -197,6 +197,19 @@ def test_elastic_job_training_with_min_nodes_does_not_time_out():
     assert _cond(p.status, names.COND_PODS_NOT_STARTING)["status"] == "True"  # still shown
 
 
+def test_unschedulable_pods_are_no_condition_but_name_the_timeout():
+    job = make_job(failurePolicy={"startupTimeoutSeconds": 60})
+    pods = [trainer(i, phase="Pending", node="") for i in range(2)]
+    for p in pods:
+        p["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                      "message": "0/1 nodes are available: 1 Insufficient cpu."}]
+    p = plan(job, _created(job), observed(rdzv(), *pods), later(10))
+    assert _cond(p.status, names.COND_PODS_NOT_STARTING) is None and p.events == ()  # an autoscaler may add room
+    failed = plan(job, p.status, observed(rdzv(), *pods), later(60))
+    assert failed.status["reason"] == names.REASON_STARTUP_TIMEOUT
+    assert "Unschedulable: pod mnist-0, 0/1 nodes are available: 1 Insufficient cpu." in failed.status["message"]
+
+
 def test_suspended_job_has_no_pending_clock():
     job = make_job(runPolicy={"suspend": True})
     p = plan(job, _created(make_job()), observed(), later(5))
