@@ -433,7 +433,7 @@ class Reconciler:
                 log.info("[%s/%s] deleting pod %s", *key, action.name)
                 self.api.delete_pod(namespace, action.name, action.uid)
             elif action.verb == FORCE_DELETE:
-                log.warning("[%s/%s] force-deleting pod %s stuck on a NotReady node", *key, action.name)
+                log.warning("[%s/%s] force-deleting pod %s on a NotReady or lost node", *key, action.name)
                 self.api.delete_pod(namespace, action.name, action.uid, force=True)
             elif action.verb == DELETE_JOB:
                 log.info("[%s/%s] ttlSecondsAfterFinished expired; deleting the job", *key)
