@@ -32,8 +32,8 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
   taken (status.newer_progress).
 - Pods that cannot start (the section "pods that cannot start"): a current pod the kubelet cannot start
   (image pull, container config) sets condition PodsNotStarting=True with the kubelet's reason and message (an
-  Unschedulable pod does not: an autoscaler may add room; the startup timeout's message names it); a child the API server refuses (Observed.refusals, the shell backs off its
-  retries) sets ReplicaFailure=True, reason FailedCreate, with the refusal (one Event per distinct refusal).
+  Unschedulable pod does not: an autoscaler may add room; the startup timeout's message names it); a child the
+  API server refuses (Observed.refusals, the shell backs off its retries) sets ReplicaFailure=True, reason FailedCreate, with the refusal (one Event per distinct refusal).
   Both show in status.reason/message and turn False once the cause is gone. While fewer than minNodes trainers
   or no store pod run, status.podsPendingSince says since when; failurePolicy.startupTimeoutSeconds after it the
   job fails (StartupTimeoutExceeded) with the blocking reason.
@@ -504,6 +504,7 @@ class _Pass:
         waiting = self.blocked(unschedulable=True)
         if not why and waiting:
             why = [f"{waiting[0].startup_error[0]}: pod {waiting[0].name}, {waiting[0].startup_error[1]}"]
+        self.actions = [a for a in self.actions if a.verb != CREATE]  # nothing more is started for a failed job
         self.finish(names.PHASE_FAILED, names.REASON_STARTUP_TIMEOUT,
                     f"{trainers}/{job.spec.nodes} training pods (at least {job.spec.min_nodes} needed) and "
                     f"{'the' if store else 'no'} rendezvous store running for "

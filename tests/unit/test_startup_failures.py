@@ -174,6 +174,7 @@ def test_children_that_cannot_be_created_time_out_too():
     assert p.status["reason"] == names.REASON_STARTUP_TIMEOUT
     assert "2/2 training pods" in p.status["message"] and "no rendezvous store" in p.status["message"]
     assert "exceeded quota: q" in p.status["message"]
+    assert _acts(p) == [(DELETE, "mnist-0"), (DELETE, "mnist-1")]  # the refused store pod is not tried again
 
 
 def test_startup_timeout_zero_never_fails_and_running_pods_reset_the_clock():
