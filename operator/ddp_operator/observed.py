@@ -1,5 +1,4 @@
-"""What an observed object means to the operator: `observe_pod(pod)` reduces a Pod object to a frozen PodState,
-`observe_node(node)` a Node to its readiness and since when it holds."""
+"""What an observed pod means to the operator: `observe_pod(pod)` reduces a Pod object to a frozen PodState."""
 
 from __future__ import annotations
 
@@ -46,6 +45,9 @@ class PodState:
     disruption: str | None         # disruption reason (eviction, preemption, node loss), or None
     final_report: Mapping[str, Any] | None  # rank 0's termination-log JSON, when present
     finished_at: datetime | None = None     # when the main container terminated
+    # Why the pod cannot start, while it cannot: (reason, message) of a container the kubelet cannot create or
+    # pull (names.STARTUP_WAITING_REASONS), or of the scheduler's PodScheduled=False. None otherwise.
+    startup_error: tuple[str, str] | None = None
     # A tombstone: the pod's last state from its DELETED watch event. The object no longer exists, whatever
     # its last phase says (a pod deleted gracefully usually ends Failed first: torchrun exits on SIGTERM).
     gone: bool = False
@@ -53,9 +55,6 @@ class PodState:
     # trainer's outcome (Succeeded/Failed); the pod itself still needs stopping (cleanPodPolicy). Native sidecars
     # (init containers with restartPolicy Always) are stopped by the kubelet, so they never make a pod linger.
     lingering: bool = False
-    # Why the pod cannot start, while it cannot: (reason, message) of a container the kubelet cannot create or
-    # pull (names.STARTUP_WAITING_REASONS), or of the scheduler's PodScheduled=False. None otherwise.
-    startup_error: tuple[str, str] | None = None
 
     @property
     def terminal(self) -> bool:
@@ -173,12 +172,13 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
         disruption=_disruption(pod),
         final_report=_final_report(message),
         finished_at=parse_time(terminated.get("finishedAt")),
+        startup_error=None if gone or phase not in ("Pending", "Running") else _startup_error(pod),
         gone=gone,
         lingering=lingering,
-        startup_error=None if gone or phase not in ("Pending", "Running") else _startup_error(pod),
     )
 
 
+# --- nodes (the node-loss rule) -------------------------------------------------------------------
 @dataclass(frozen=True)
 class NodeState:
     """A node as the node-loss rule sees it: Ready or not, and since when (the Ready condition's
