@@ -357,8 +357,8 @@ def _spec_schema() -> dict:
                 "nodeLostTimeoutSeconds": _int(
                     "A training or rendezvous-store pod on a node whose Ready condition has been False or Unknown "
                     "this long is treated as lost: force-deleted, recorded in status.attempts as a disruption "
-                    "(reason NodeLost; counted only with countDisruptions) and recreated (losing the store pod "
-                    "restarts the whole group). Needs permission to get Nodes; without it such pods are waited "
+                    "(reason NodeLost; counted only with countDisruptions) and recreated (a store pod as any lost "
+                    "store pod). Needs permission to get Nodes; without it such pods are waited "
                     "for. 0: never.",
                     minimum=0, maximum=MAXIMA["nodeLostTimeoutSeconds"], default=f["nodeLostTimeoutSeconds"]),
             },

@@ -33,8 +33,8 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
 - Pods that cannot start (the section "pods that cannot start"): a current pod the kubelet cannot start
   (image pull, container config) sets condition PodsNotStarting=True with the kubelet's reason and message (an
   Unschedulable pod does not: an autoscaler may add room; the startup timeout's message names it); a child the
-  API server refuses (Observed.refusals, the shell backs off its retries) sets ReplicaFailure=True, reason FailedCreate, with the refusal (one Event per distinct refusal).
-  Both show in status.reason/message and turn False once the cause is gone. While fewer than minNodes trainers
+  API server refuses (Observed.refusals, the shell backs off its retries) sets ReplicaFailure=True, reason
+  FailedCreate, with the refusal (one Event per distinct refusal). Both show in status.reason/message and turn False once the cause is gone. While fewer than minNodes trainers
   or no store pod run, status.podsPendingSince says since when; failurePolicy.startupTimeoutSeconds after it the
   job fails (StartupTimeoutExceeded) with the blocking reason.
 - Node loss (the section "node loss"): a live current trainer or store pod on a node NotReady (Ready False or
@@ -516,7 +516,7 @@ class _Pass:
     def node_lost(self) -> None:
         """Force-delete current pods on a node NotReady past the timeout (or gone); the failure rules then see
         them as ended disruptions (reason NodeLost): recorded, counted per countDisruptions, recreated once the
-        object is gone (a store pod restarts the group). Nodes of unknown state are left alone."""
+        object is gone (a store pod as the store-loss rule says). Nodes of unknown state are left alone."""
         timeout = self.job.spec.failure_policy.node_lost_timeout_seconds
         if not timeout or not self.observed.nodes:
             return

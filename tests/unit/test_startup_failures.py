@@ -252,7 +252,7 @@ def test_node_loss_counts_when_disruptions_count():
     assert plan(job, status, obs, later(60)).status["restarts"] == 1
 
 
-def test_losing_the_store_pods_node_restarts_the_group():
+def test_the_store_pod_on_a_lost_node_is_lost_too():
     job, status = _running()
     store = rdzv(node="node-2", ready=False)
     p = plan(job, status, observed(store, trainer(0), trainer(1), nodes={"node-2": NodeState(ready=False)}),
@@ -261,7 +261,8 @@ def test_losing_the_store_pods_node_restarts_the_group():
     gone_node = {"node-2": NodeState(ready=False, gone=True)}
     p = plan(job, status, observed(store, trainer(0), trainer(1), nodes=gone_node), later(1))
     assert (FORCE_DELETE, "mnist-rdzv") in _acts(p)
-    assert p.status["group"] == 1 and p.status["attempts"][-1]["reason"] == names.REASON_RDZV_LOST
+    # From here on it is the store-loss rule's: recorded once, as a disruption.
+    assert p.status["attempts"][-1]["pod"] == "mnist-rdzv" and p.status["attempts"][-1]["disruption"]
     assert p.status["disruptions"] == 1
 
 
