@@ -328,6 +328,39 @@ def test_running_pod_on_a_node_that_no_longer_exists_is_lost_and_replaced(k):
     assert status["attempts"][-1]["reason"] == "NodeLost" and status["attempts"][-1]["counted"] is False
 
 
+def test_running_pod_on_a_notready_node_is_lost_when_the_timeout_is_due(k):
+    """A Node object with no kubelet behind it (unschedulable and tainted: nothing else lands there), Ready=False
+    from now: the operator reads it for the pod the node controller marked not Ready, wakes up when
+    nodeLostTimeoutSeconds is due, force-deletes the pod and recreates it."""
+    import secrets
+    from datetime import datetime, timezone
+    node = f"ddp-it-notready-{secrets.token_hex(3)}"
+    k.core.create_node({"metadata": {"name": node, "labels": {"ddpjob.dev/test": "true"}},
+                        "spec": {"unschedulable": True, "taints": [
+                            {"key": "ddp.dev/test-node", "value": "fake", "effect": "NoSchedule"}]}})
+    try:
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        k.core.patch_node_status(node, {"status": {"conditions": [
+            {"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "fake",
+             "lastHeartbeatTime": now, "lastTransitionTime": now}]}})
+        _running(k, failurePolicy={"nodeLostTimeoutSeconds": 4})
+        k.core.create_namespaced_pod_binding("job-1", k.ns, {
+            "apiVersion": "v1", "kind": "Binding", "metadata": {"name": "job-1"},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node}}, _preload_content=False)
+        old = _uid(k, "job-1")
+        k.core.patch_namespaced_pod_status("job-1", k.ns, {"status": {"conditions": [
+            {"type": "Ready", "status": "False", "reason": "NodeNotReady"}]}})
+        started = time.monotonic()
+        wait_for(lambda: "job-1" in k.pods() and _uid(k, "job-1") != old, timeout=30, what="lost pod replaced")
+        lost = [e for e in k.events() if e.reason == "NodeLost"]
+        assert lost and f"node {node} has been NotReady since {now}" in lost[0].message, [e.message for e in lost]
+        assert time.monotonic() - started < 15
+        status = k.status()
+        assert status["attempts"][-1]["reason"] == "NodeLost" and status["restarts"] == 0
+    finally:
+        k.core.delete_node(node)
+
+
 def test_quota_refusal_is_a_condition_backs_off_and_clears_when_the_quota_goes(k):
     k.core.create_namespaced_resource_quota(k.ns, {"metadata": {"name": "one-pod"}, "spec": {"hard": {"pods": "1"}}})
     wait_for(lambda: k.core.read_namespaced_resource_quota("one-pod", k.ns).status.hard, what="quota status")
