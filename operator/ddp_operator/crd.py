@@ -44,6 +44,8 @@ DEFAULTS: dict[str, Any] = {
         # Off in practice for normal runs: as long as torch's default collective timeout (30 min), so an
         # evaluation phase (rank 0's step does not move while it validates) never looks like a hang.
         "hangTimeoutSeconds": 1800,
+        "startupTimeoutSeconds": 600,
+        "nodeLostTimeoutSeconds": 60,
     },
     "runPolicy": {"suspend": False, "cleanPodPolicy": "Running"},
     "shm": {"medium": "Memory"},
@@ -61,6 +63,8 @@ MAXIMA: dict[str, int] = {
     "incidentWindowSeconds": 3600,
     "stuckTerminatingTimeoutSeconds": 86400,
     "hangTimeoutSeconds": 7 * 86400,
+    "startupTimeoutSeconds": 86400,
+    "nodeLostTimeoutSeconds": 86400,
     "activeDeadlineSeconds": MAX_DURATION_SECONDS,
     "ttlSecondsAfterFinished": MAX_DURATION_SECONDS,
 }
@@ -358,6 +362,21 @@ def _spec_schema() -> dict:
                     "it above your longest evaluation. Needs progress polling: progressPeriodSeconds: 0 turns "
                     "it off too; jobs that report no progress are never considered hung.",
                     minimum=0, maximum=MAXIMA["hangTimeoutSeconds"], default=f["hangTimeoutSeconds"]),
+                "startupTimeoutSeconds": _int(
+                    "Fail the job (reason StartupTimeoutExceeded) when, for this many seconds in a row, fewer than "
+                    "minNodes training pods or no rendezvous store pod are running: an image that cannot be "
+                    "pulled, a missing ConfigMap or Secret key, an unschedulable pod, or a pod the API server "
+                    "refuses (quota, PodSecurity). The blocking reason is shown meanwhile in the PodsNotStarting "
+                    "and ReplicaFailure conditions and in status.message; fixing it (e.g. deleting the quota, "
+                    "creating the ConfigMap) lets the job start. Counts from status.podsPendingSince. 0: never.",
+                    minimum=0, maximum=MAXIMA["startupTimeoutSeconds"], default=f["startupTimeoutSeconds"]),
+                "nodeLostTimeoutSeconds": _int(
+                    "A training or rendezvous-store pod on a node whose Ready condition has been False or Unknown "
+                    "this long is treated as lost: force-deleted, recorded in status.attempts as a disruption "
+                    "(reason NodeLost; counted only with countDisruptions) and recreated (a store pod as any lost "
+                    "store pod). Needs permission to get Nodes; without it such pods are waited "
+                    "for. 0: never.",
+                    minimum=0, maximum=MAXIMA["nodeLostTimeoutSeconds"], default=f["nodeLostTimeoutSeconds"]),
             },
             default={},
             rules=[_rule("!(has(self.permanentExitCodes) && has(self.retryableExitCodes))",
@@ -565,6 +584,9 @@ def _status_schema() -> dict:
             "lastFailureTime": _str("When the last counted failure was observed.", format="date-time"),
             "recoveryStartTime": _str("When the current recovery started (unset while healthy).",
                                       format="date-time"),
+            "podsPendingSince": _str("Since when fewer than minNodes training pods, or no rendezvous store pod, "
+                                     "have been running (unset while they run); "
+                                     "failurePolicy.startupTimeoutSeconds counts from here.", format="date-time"),
             "attempts": {
                 "type": "array",
                 "description": f"The last {names.ATTEMPTS_HISTORY} ended training pods, newest last.",

@@ -105,9 +105,13 @@ COND_SUSPENDED = "Suspended"
 COND_SUCCEEDED = "Succeeded"
 COND_FAILED = "Failed"
 # True while a child (Pod, Service) cannot be created: an object the job does not own holds its name.
+# Also True while the API server refuses to create a child (reason FailedCreate: quota, PodSecurity, a webhook).
 COND_REPLICA_FAILURE = "ReplicaFailure"
+# True while a pod of the job exists but the kubelet cannot start it: the kubelet's reason (ErrImagePull,
+# ImagePullBackOff, CreateContainerConfigError, ...) and message.
+COND_PODS_NOT_STARTING = "PodsNotStarting"
 CONDITION_TYPES = (COND_CREATED, COND_RUNNING, COND_RESTARTING, COND_SUSPENDED, COND_SUCCEEDED, COND_FAILED,
-                   COND_REPLICA_FAILURE)
+                   COND_REPLICA_FAILURE, COND_PODS_NOT_STARTING)
 
 # Condition reasons double as Event reasons.
 REASON_CREATED = "JobCreated"
@@ -137,6 +141,22 @@ REASON_TTL_EXPIRED = "TTLExpired"
 REASON_CREATE_FAILED = "FailedCreate"
 REASON_CHILD_CONFLICT = "ChildConflict"
 REASON_CHILDREN_CREATED = "ChildrenCreated"
+REASON_PODS_STARTED = "PodsStarted"
+REASON_STARTUP_TIMEOUT = "StartupTimeoutExceeded"
+# A pod on a node NotReady for longer than failurePolicy.nodeLostTimeoutSeconds: a disruption (attempt reason,
+# and the Event of its force-deletion).
+REASON_NODE_LOST = "NodeLost"
+
+# Why a pod that exists cannot start. Container waiting reasons set by the kubelet (CrashLoopBackOff is not
+# one: that container did start), and the scheduler's PodScheduled=False reason.
+STARTUP_WAITING_REASONS = (
+    "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull", "RegistryUnavailable",
+    "SignatureValidationFailed", "CreateContainerConfigError", "CreateContainerError", "PreCreateHookError",
+    "PreStartHookError",
+)
+# The kubelet alternates these while it retries a pull: one condition reason (the first seen) for all of them.
+IMAGE_PULL_REASONS = ("ErrImagePull", "ImagePullBackOff")
+REASON_UNSCHEDULABLE = "Unschedulable"
 
 # Pod condition / status reasons that mark a disruption (not the training's fault).
 DISRUPTION_CONDITION = "DisruptionTarget"

@@ -45,6 +45,9 @@ class PodState:
     disruption: str | None         # disruption reason (eviction, preemption, node loss), or None
     final_report: Mapping[str, Any] | None  # rank 0's termination-log JSON, when present
     finished_at: datetime | None = None     # when the main container terminated
+    # Why the pod cannot start, while it cannot: (reason, message) of a container the kubelet cannot create or
+    # pull (names.STARTUP_WAITING_REASONS), or of the scheduler's PodScheduled=False. None otherwise.
+    startup_error: tuple[str, str] | None = None
     # A tombstone: the pod's last state from its DELETED watch event. The object no longer exists, whatever
     # its last phase says (a pod deleted gracefully usually ends Failed first: torchrun exits on SIGTERM).
     gone: bool = False
@@ -96,6 +99,23 @@ def _disruption(pod: Mapping) -> str | None:
             return cond.get("reason") or names.DISRUPTION_CONDITION
     if status.get("reason") in names.DISRUPTION_REASONS:
         return status["reason"]
+    return None
+
+
+def _startup_error(pod: Mapping) -> tuple[str, str] | None:
+    """The first reason the pod cannot start: a container (init containers first) waiting for a reason in
+    names.STARTUP_WAITING_REASONS, else the scheduler's Unschedulable."""
+    status = pod.get("status") or {}
+    for cs in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in names.STARTUP_WAITING_REASONS:
+            message = (waiting.get("message") or "").strip()
+            return waiting["reason"], f"container {cs.get('name')}: {message}"[:MESSAGE_TAIL] if message \
+                else f"container {cs.get('name')}"
+    for cond in status.get("conditions") or []:
+        if (cond.get("type") == "PodScheduled" and cond.get("status") == "False"
+                and cond.get("reason") == names.REASON_UNSCHEDULABLE):
+            return names.REASON_UNSCHEDULABLE, (cond.get("message") or "").strip()[:MESSAGE_TAIL]
     return None
 
 
@@ -152,6 +172,30 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
         disruption=_disruption(pod),
         final_report=_final_report(message),
         finished_at=parse_time(terminated.get("finishedAt")),
+        startup_error=None if gone or phase not in ("Pending", "Running") else _startup_error(pod),
         gone=gone,
         lingering=lingering,
     )
+
+
+# --- nodes (the node-loss rule) -------------------------------------------------------------------
+@dataclass(frozen=True)
+class NodeState:
+    """A node as the node-loss rule sees it: Ready or not, and since when (the Ready condition's
+    lastTransitionTime; None for a node that no longer exists, or when the API gave no time)."""
+    ready: bool
+    since: datetime | None = None
+    gone: bool = False
+
+
+def observe_node(node: Mapping[str, Any] | None) -> NodeState:
+    """A Node object (None: it does not exist) as a NodeState. Ready is the Ready condition being True; False
+    and Unknown (the node controller's mark for a kubelet that stopped reporting) are both NotReady."""
+    if node is None:
+        return NodeState(ready=False, gone=True)
+    for cond in (node.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Ready":
+            since = cond.get("lastTransitionTime")
+            return NodeState(ready=cond.get("status") == "True",
+                             since=since if isinstance(since, datetime) else parse_time(since))
+    return NodeState(ready=False)

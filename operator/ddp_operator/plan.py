@@ -35,6 +35,17 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
   deleted and replaced; the job is Restarting with reason Hang.
 - status.lastIncident keeps the last incident's reason and time (the first reason within the incident window);
   status.lastRecovery combines it with the trainer's `recovery` report (status.last_recovery).
+- Pods that cannot start (the section "pods that cannot start"): a current pod the kubelet cannot start
+  (image pull, container config) sets condition PodsNotStarting=True with the kubelet's reason and message (an
+  Unschedulable pod does not: an autoscaler may add room; the startup timeout's message names it); a child the
+  API server refuses (Observed.refusals, the shell backs off its retries) sets ReplicaFailure=True, reason
+  FailedCreate, with the refusal (one Event per distinct refusal). Both show in status.reason/message and turn False once the cause is gone. While fewer than minNodes trainers
+  or no store pod run, status.podsPendingSince says since when; failurePolicy.startupTimeoutSeconds after it the
+  job fails (StartupTimeoutExceeded) with the blocking reason.
+- Node loss (the section "node loss"): a live current trainer or store pod on a node NotReady (Ready False or
+  Unknown) for failurePolicy.nodeLostTimeoutSeconds, or on a node that no longer exists, is force-deleted and
+  handled as a disruption (reason NodeLost) by the ordinary failure rules; nodes of unknown state (no RBAC) are
+  left alone. The shell reads the nodes of the pods `node_lost_candidates` names.
 """
 
 from __future__ import annotations
@@ -48,7 +59,7 @@ from ddp_operator import names
 from ddp_operator.env import rdzv_endpoint, rdzv_id
 from ddp_operator.labels import selector_string, trainer_selector
 from ddp_operator.netpol import NetworkPolicyConfig, render_network_policy, wanted
-from ddp_operator.observed import PodState, format_time, parse_time
+from ddp_operator.observed import NodeState, PodState, format_time, parse_time
 from ddp_operator.pod import render_trainer_pod
 from ddp_operator.rdzv import render_rdzv_pod
 from ddp_operator.service import render_service
@@ -87,6 +98,11 @@ class Observed:
     # Hang detection: every current trainer pod's own progress report (None: it did not answer), handed in only
     # when the shell found rank 0's step unchanged for failurePolicy.hangTimeoutSeconds (hang.py).
     hang_reports: Mapping[str, Mapping[str, Any] | None] | None = None
+    # Children whose create the API server refused (quota, PodSecurity, a webhook, an invalid field):
+    # name -> "cannot create Pod <name>: <code> <reason>: <message>". The shell retries them with a backoff.
+    refusals: Mapping[str, str] = field(default_factory=dict)
+    # Nodes of node_lost_candidates: their state, or None when unknown (no permission to read Nodes).
+    nodes: Mapping[str, NodeState | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -104,6 +120,16 @@ def stuck_pods(job: Job, pods: tuple[PodState, ...], now: datetime) -> list[PodS
     timeout = timedelta(seconds=job.spec.failure_policy.stuck_terminating_timeout_seconds)
     return [p for p in pods if not p.gone and p.deleting and p.node and p.deletion_time
             and now >= p.deletion_time + timeout]
+
+
+def node_lost_candidates(pods: tuple[PodState, ...]) -> list[PodState]:
+    """Pods whose node the shell looks up for the node-loss rule: live, not ended nor deleting, on a node, and not
+    Ready (the node controller marks the pods of a NotReady node not Ready, so healthy pods cost no reads)."""
+    return [p for p in pods if not p.gone and not p.terminal and not p.deleting and p.node and not p.ready]
+
+
+# At most this many refused children are named in the ReplicaFailure condition (and get an Event each).
+REFUSALS_SHOWN = 3
 
 
 class _Pass:
@@ -136,6 +162,7 @@ class _Pass:
         self.recovery_seconds: float | None = None
         self.incident_reason = ""
         self.incident_message = ""
+        self.pods_pending_since = parse_time(self.prev.get("podsPendingSince"))
 
     # --- helpers ----------------------------------------------------------------------------------
     def cond(self, type_: str, status: bool, reason: str, message: str) -> None:
@@ -274,7 +301,8 @@ class _Pass:
                 self.record(p, counted=True)
                 return False
             self.record(p, counted=counts)
-            self.incident_reason = names.REASON_NODE_DISRUPTED if p.disruption else names.REASON_NODE_FAILED
+            self.incident_reason = (names.REASON_NODE_LOST if p.disruption == names.REASON_NODE_LOST
+                                    else names.REASON_NODE_DISRUPTED if p.disruption else names.REASON_NODE_FAILED)
             self.incident_message = f"{what}; replacing it" + ("" if counts else " (not counted)")
             self.delete(p)
         return True
@@ -409,9 +437,120 @@ class _Pass:
             message = "; ".join(conflicts[name] for name in sorted(conflicts))
             self.cond(names.COND_REPLICA_FAILURE, True, names.REASON_CHILD_CONFLICT, message)
             self.reason, self.message = names.REASON_CHILD_CONFLICT, f"{self.message}; {message}"
-        elif (get_condition(self.conditions, names.COND_REPLICA_FAILURE) or {}).get("status") == "True":
+        elif not self.observed.refusals and \
+                (get_condition(self.conditions, names.COND_REPLICA_FAILURE) or {}).get("status") == "True":
             self.cond(names.COND_REPLICA_FAILURE, False, names.REASON_CHILDREN_CREATED,
                       "every child was created")
+
+    # --- pods that cannot start (failurePolicy.startupTimeoutSeconds) --------------------------------
+    def create_refusals(self) -> None:
+        """ReplicaFailure=True, reason FailedCreate, while the API server refuses a child (child_conflicts owns the
+        condition while a foreign object holds a child's name). The condition's Event reports the first refusals;
+        a refusal not yet named in the condition gets an Event of its own, so retries post nothing."""
+        if self.observed.conflicts:
+            return
+        refusals = self.observed.refusals
+        prev = get_condition(self.conditions, names.COND_REPLICA_FAILURE) or {}
+        was_refused = prev.get("status") == "True" and prev.get("reason") == names.REASON_CREATE_FAILED
+        if refusals:
+            shown = sorted(refusals)[:REFUSALS_SHOWN]
+            text = "; ".join(refusals[n] for n in shown)
+            if len(refusals) > len(shown):
+                text += f"; and {len(refusals) - len(shown)} more"
+            if was_refused:
+                self.extra_events += [Event("Warning", names.REASON_CREATE_FAILED, refusals[n]) for n in shown
+                                      if refusals[n] not in (prev.get("message") or "")]
+            self.cond(names.COND_REPLICA_FAILURE, True, names.REASON_CREATE_FAILED, text)
+            self.reason, self.message = names.REASON_CREATE_FAILED, f"{self.message}; {text}"
+        elif was_refused:
+            self.cond(names.COND_REPLICA_FAILURE, False, names.REASON_CHILDREN_CREATED, "every child was created")
+
+    def blocked(self, *, unschedulable: bool) -> list[PodState]:
+        """Current pods that cannot start (PodState.startup_error), by name; Unschedulable ones only if asked."""
+        return sorted((p for p in self.live if p.startup_error and not p.deleting and p.group == self.group
+                       and (p.role == names.ROLE_RDZV or self.current(p))
+                       and (unschedulable or p.startup_error[0] != names.REASON_UNSCHEDULABLE)),
+                      key=lambda p: p.name)
+
+    def startup_problems(self) -> None:
+        """PodsNotStarting=True while a current pod cannot start, with the kubelet's reason. A pod waiting for room
+        (Unschedulable) is not one: a cluster autoscaler may be adding a node; the startup timeout names it."""
+        blocked = self.blocked(unschedulable=False)
+        prev = get_condition(self.conditions, names.COND_PODS_NOT_STARTING) or {}
+        if blocked:
+            first = blocked[0]
+            reason, detail = first.startup_error
+            text = f"{reason}: pod {first.name}" + (f", {detail}" if detail else "")
+            if len(blocked) > 1:
+                text += f" (and {len(blocked) - 1} more pod{'s' if len(blocked) > 2 else ''})"
+            # The kubelet alternates ErrImagePull and ImagePullBackOff while it retries: one Event, not one a flip.
+            kept = prev.get("reason") if prev.get("status") == "True" else None
+            cond_reason = kept if kept in names.IMAGE_PULL_REASONS and reason in names.IMAGE_PULL_REASONS else reason
+            self.cond(names.COND_PODS_NOT_STARTING, True, cond_reason, text)
+            self.reason, self.message = reason, f"{self.message}; {text}"
+        elif prev.get("status") == "True":
+            self.cond(names.COND_PODS_NOT_STARTING, False, names.REASON_PODS_STARTED, "no pod is blocked from starting")
+
+    def startup_timeout(self) -> bool:
+        """Track since when the job cannot train (fewer than minNodes trainers or no store pod running); True if
+        that lasted failurePolicy.startupTimeoutSeconds and the job failed."""
+        job = self.job
+        trainers = sum(1 for p in self.live if self.current(p) and p.running)
+        store = any(p.role == names.ROLE_RDZV and p.group == self.group and p.running for p in self.live)
+        if trainers >= job.spec.min_nodes and store:
+            self.pods_pending_since = None
+            return False
+        if self.pods_pending_since is None:
+            self.pods_pending_since = self.now
+        timeout = job.spec.failure_policy.startup_timeout_seconds
+        if not timeout:
+            return False
+        due = self.pods_pending_since + timedelta(seconds=timeout)
+        if self.now < due:
+            self.due_in(due)
+            return False
+        why = [c["message"] for c in self.conditions if c.get("status") == "True" and c.get("message")
+               and c["type"] in (names.COND_PODS_NOT_STARTING, names.COND_REPLICA_FAILURE)]
+        waiting = self.blocked(unschedulable=True)
+        if not why and waiting:
+            why = [f"{waiting[0].startup_error[0]}: pod {waiting[0].name}, {waiting[0].startup_error[1]}"]
+        self.actions = [a for a in self.actions if a.verb != CREATE]  # nothing more is started for a failed job
+        self.finish(names.PHASE_FAILED, names.REASON_STARTUP_TIMEOUT,
+                    f"{trainers}/{job.spec.nodes} training pods (at least {job.spec.min_nodes} needed) and "
+                    f"{'the' if store else 'no'} rendezvous store running for "
+                    f"spec.failurePolicy.startupTimeoutSeconds={timeout}"
+                    + (": " + "; ".join(why) if why else ""))
+        return True
+
+    # --- node loss (failurePolicy.nodeLostTimeoutSeconds) -------------------------------------------
+    def node_lost(self) -> None:
+        """Force-delete current pods on a node NotReady past the timeout (or gone); the failure rules then see
+        them as ended disruptions (reason NodeLost): recorded, counted per countDisruptions, recreated once the
+        object is gone (a store pod as the store-loss rule says). Nodes of unknown state are left alone."""
+        timeout = self.job.spec.failure_policy.node_lost_timeout_seconds
+        if not timeout or not self.observed.nodes:
+            return
+        pods = []
+        for p in self.observed.pods:
+            node = self.observed.nodes.get(p.node) if p.node else None
+            if (p not in node_lost_candidates((p,)) or p.group != self.group or node is None or node.ready
+                    or (node.since is None and not node.gone)):
+                pods.append(p)
+                continue
+            due = node.since + timedelta(seconds=timeout) if node.since else self.now
+            if self.now < due:
+                self.due_in(due)
+                pods.append(p)
+                continue
+            state = "no longer exists" if node.gone else f"has been NotReady since {format_time(node.since)}"
+            message = f"node {p.node} {state} (spec.failurePolicy.nodeLostTimeoutSeconds={timeout})"
+            self.actions.append(Action(FORCE_DELETE, "Pod", p.name, uid=p.uid))
+            if not self.recorded(p):  # a repeated pass (the DELETED event not seen yet) posts nothing again
+                self.extra_events.append(Event("Warning", names.REASON_NODE_LOST,
+                                               f"pod {p.name}: {message}; force-deleted, to be recreated"))
+            pods.append(replace(p, phase="Failed", deleting=True, disruption=names.REASON_NODE_LOST,
+                                reason=names.REASON_NODE_LOST, message=message))
+        self.observed = replace(self.observed, pods=tuple(pods))
 
     def success(self) -> bool:
         """Apply the success rule; True if the job succeeded or is finishing successfully."""
@@ -462,6 +601,7 @@ class _Pass:
             self.finished()
             return
         self.stuck()
+        self.node_lost()
         if self.success():
             if self.phase in names.FINISHED_PHASES:
                 self.finished()
@@ -477,6 +617,11 @@ class _Pass:
         self.create_missing()
         self.active_phase()
         self.child_conflicts()
+        self.create_refusals()
+        self.startup_problems()
+        if self.startup_timeout():
+            self.finished()
+            return
         # The deadline clock starts with the first pods.
         if job.spec.run_policy.active_deadline_seconds and self.start_time:
             self.due_in(self.start_time + timedelta(seconds=job.spec.run_policy.active_deadline_seconds))
@@ -504,6 +649,8 @@ class _Pass:
             "completionTime": format_time(self.completion_time) if self.completion_time else None,
             "lastFailureTime": format_time(self.last_incident) if self.last_incident else None,
             "recoveryStartTime": format_time(self.recovery_start) if self.recovery_start else None,
+            "podsPendingSince": format_time(self.pods_pending_since) if self.pods_pending_since and self.phase
+            not in (*names.FINISHED_PHASES, names.PHASE_SUSPENDED) else None,
             "attempts": self.attempts or None,
             "recordedPods": self.recorded_pods or None,
             "progress": self.progress,

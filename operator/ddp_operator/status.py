@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 from ddp_operator import names
 from ddp_operator.observed import PodState, format_time, parse_time
 
-WARNING_CONDITIONS = {names.COND_FAILED, names.COND_RESTARTING, names.COND_REPLICA_FAILURE}
+WARNING_CONDITIONS = {names.COND_FAILED, names.COND_RESTARTING, names.COND_REPLICA_FAILURE, names.COND_PODS_NOT_STARTING}
 
 
 @dataclass(frozen=True)

@@ -308,6 +308,80 @@ def test_gracefully_deleted_pod_is_replaced_when_it_is_gone(k):
     assert not any(e.reason == "StuckPodForceDeleted" for e in k.events())
 
 
+def test_running_pod_on_a_node_that_no_longer_exists_is_lost_and_replaced(k):
+    """failurePolicy.nodeLostTimeoutSeconds: a Running pod on a node the API server does not know (deleted with
+    its machine) and that the node controller marked not Ready is force-deleted at once and recreated, as a
+    disruption: not counted."""
+    _running(k)
+    k.core.create_namespaced_pod_binding("job-1", k.ns, {
+        "apiVersion": "v1", "kind": "Binding", "metadata": {"name": "job-1"},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": "ddp-it-vanished-node"}}, _preload_content=False)
+    old = _uid(k, "job-1")
+    k.core.patch_namespaced_pod_status("job-1", k.ns, {"status": {"conditions": [
+        {"type": "Ready", "status": "False", "reason": "NodeLost"}]}})
+    wait_for(lambda: "job-1" in k.pods() and _uid(k, "job-1") != old, timeout=20, what="lost pod replaced")
+    lost = [e for e in k.events() if e.reason == "NodeLost"]
+    assert lost and "ddp-it-vanished-node no longer exists" in lost[0].message, [e.message for e in lost]
+    k.set_phase("job-1", "Running")
+    status = k.wait_phase("Running")
+    assert status["restarts"] == 0 and status["disruptions"] == 1
+    assert status["attempts"][-1]["reason"] == "NodeLost" and status["attempts"][-1]["counted"] is False
+
+
+def test_running_pod_on_a_notready_node_is_lost_when_the_timeout_is_due(k):
+    """A Node object with no kubelet behind it (unschedulable and tainted: nothing else lands there), Ready=False
+    from now: the operator reads it for the pod the node controller marked not Ready, wakes up when
+    nodeLostTimeoutSeconds is due, force-deletes the pod and recreates it."""
+    import secrets
+    from datetime import datetime, timezone
+    node = f"ddp-it-notready-{secrets.token_hex(3)}"
+    k.core.create_node({"metadata": {"name": node, "labels": {"ddpjob.dev/test": "true"}},
+                        "spec": {"unschedulable": True, "taints": [
+                            {"key": "ddp.dev/test-node", "value": "fake", "effect": "NoSchedule"}]}})
+    try:
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        k.core.patch_node_status(node, {"status": {"conditions": [
+            {"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "fake",
+             "lastHeartbeatTime": now, "lastTransitionTime": now}]}})
+        _running(k, failurePolicy={"nodeLostTimeoutSeconds": 4})
+        k.core.create_namespaced_pod_binding("job-1", k.ns, {
+            "apiVersion": "v1", "kind": "Binding", "metadata": {"name": "job-1"},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node}}, _preload_content=False)
+        old = _uid(k, "job-1")
+        k.core.patch_namespaced_pod_status("job-1", k.ns, {"status": {"conditions": [
+            {"type": "Ready", "status": "False", "reason": "NodeNotReady"}]}})
+        started = time.monotonic()
+        wait_for(lambda: "job-1" in k.pods() and _uid(k, "job-1") != old, timeout=30, what="lost pod replaced")
+        lost = [e for e in k.events() if e.reason == "NodeLost"]
+        assert lost and f"node {node} has been NotReady since {now}" in lost[0].message, [e.message for e in lost]
+        assert time.monotonic() - started < 15
+        status = k.status()
+        assert status["attempts"][-1]["reason"] == "NodeLost" and status["restarts"] == 0
+    finally:
+        k.core.delete_node(node)
+
+
+def test_quota_refusal_is_a_condition_backs_off_and_clears_when_the_quota_goes(k):
+    k.core.create_namespaced_resource_quota(k.ns, {"metadata": {"name": "one-pod"}, "spec": {"hard": {"pods": "1"}}})
+    wait_for(lambda: k.core.read_namespaced_resource_quota("one-pod", k.ns).status.hard, what="quota status")
+    job = k.create_job()
+
+    def refused():
+        cond = [c for c in k.status().get("conditions", []) if c["type"] == "ReplicaFailure"]
+        return cond[0] if cond and cond[0]["status"] == "True" else None
+    cond = wait_for(refused, 15, what="ReplicaFailure=True")
+    assert cond["reason"] == "FailedCreate" and "exceeded quota: one-pod" in cond["message"], cond
+    assert "exceeded quota" in k.status()["message"]
+    time.sleep(8)  # retries at 1, 2, 4 s... post no Event each
+    refusals = [e for e in k.events() if e.reason == "FailedCreate"]
+    assert len(refusals) == 1, [e.message for e in refusals]
+    k.core.delete_namespaced_resource_quota("one-pod", k.ns)
+    k.wait_pods(PODS, timeout=30)
+    wait_for(lambda: not refused() and [c for c in k.status()["conditions"] if c["type"] == "ReplicaFailure"],
+             15, what="ReplicaFailure False")
+    assert k.job()["metadata"]["uid"] == job["metadata"]["uid"]
+
+
 def test_network_policy_follows_the_spec_and_comes_back_when_deleted(k):
     job = k.create_job()
     net = client.NetworkingV1Api(k.core.api_client)

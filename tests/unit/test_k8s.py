@@ -126,3 +126,14 @@ def test_409_on_a_foreign_object_is_a_conflict_naming_it(kind, refs):
     assert f"{kind.lower()} ns/job-0 already exists and is not owned by this DDPJob" in text
     assert "delete or rename it" in text
     assert ("ReplicaSet web-1" in text) if refs else ("owned by nothing" in text)
+
+
+def test_node_state_carries_since_when():
+    from datetime import datetime, timezone
+    since = datetime(2025, 1, 1, tzinfo=timezone.utc)
+    node = SimpleNamespace(status=SimpleNamespace(conditions=[
+        SimpleNamespace(type="Ready", status="Unknown", last_transition_time=since)]))
+    state = _api(node).node_state("n")
+    assert state.ready is False and state.since == since and not state.gone
+    assert _api(ApiException(status=404, reason="Not Found")).node_state("n").gone
+    assert _api(ApiException(status=403, reason="Forbidden")).node_state("n") is None

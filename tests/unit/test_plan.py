@@ -304,7 +304,7 @@ def test_attempts_history_is_bounded():
 def test_gracefully_deleted_pod_is_recreated_on_its_deleted_event():
     # `kubectl delete pod`: Terminating with a grace period, torchrun exits 1 on SIGTERM (phase Failed), then the
     # object goes. Its tombstone is Failed, yet the pod is gone: recreate at once, not at the stuck timeout.
-    job, status = _running()
+    job, status = _running(failurePolicy={"startupTimeoutSeconds": 0})  # no startup-timeout wake-up either
     deleting = trainer(1, phase="Failed", exit_code=1, deleting_since=later(30), node="node-2")
     failed = plan(job, status, observed(rdzv(), trainer(0), deleting), later(5))
     assert failed.actions == () and failed.status["restarts"] == 1
@@ -315,7 +315,7 @@ def test_gracefully_deleted_pod_is_recreated_on_its_deleted_event():
 
 
 def test_pod_terminating_on_a_ready_or_unknown_node_is_waited_for():
-    job, status = _running()
+    job, status = _running(failurePolicy={"startupTimeoutSeconds": 0})  # no startup-timeout wake-up either
     stuck = trainer(1, deleting_since=later(0), node="node-2")
     for ready in (True, None):  # None: Nodes may not be read (namespace-scoped RBAC)
         p = plan(job, status, observed(rdzv(), trainer(0), stuck, node_ready={"node-2": ready}), later(121))
