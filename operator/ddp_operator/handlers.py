@@ -447,7 +447,7 @@ class Reconciler:
                 self.api.delete_network_policy(namespace, action.name, action.uid)
             elif action.verb == DELETE:
                 log.info("[%s/%s] deleting pod %s", *key, action.name)
-                self.api.delete_pod(namespace, action.name, action.uid)
+                self.api.delete_pod(namespace, action.name, action.uid, grace_seconds=action.grace_seconds)
             elif action.verb == FORCE_DELETE:
                 log.warning("[%s/%s] force-deleting pod %s on a NotReady or lost node", *key, action.name)
                 self.api.delete_pod(namespace, action.name, action.uid, force=True)

@@ -46,6 +46,9 @@ MANAGED_BY = "ddp-operator"
 # torchrun exits 0 only when every worker finished, so a trainer still running this long after a peer
 # exited 0 is an agent waiting for a rendezvous that will never complete; it is stopped.
 SUCCESS_GRACE_SECONDS = 60
+# The grace period of a hung pod's deletion: its stuck process cannot act on SIGTERM anyway (1, not 0: 0 is a
+# force deletion, which frees the name before the kubelet has stopped the old containers).
+HANG_DELETE_GRACE_SECONDS = 1
 
 # --- Ports ----------------------------------------------------------------------------------------
 DEFAULT_RDZV_PORT = 29400

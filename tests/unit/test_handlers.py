@@ -36,7 +36,7 @@ class FakeApi:
             self.index["services_by_job"].setdefault(key, []).append(True)
         return obj
 
-    def delete_pod(self, namespace, name, uid, force=False):
+    def delete_pod(self, namespace, name, uid, force=False, grace_seconds=None):
         self.deleted.append(name)
 
     def delete_job(self, namespace, name, uid):

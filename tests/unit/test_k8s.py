@@ -88,6 +88,7 @@ def test_every_call_has_a_request_timeout():
     api.create(_child("Service"))
     api.delete_pod("ns", "p", "uid")
     api.delete_pod("ns", "p", "uid", force=True)
+    api.delete_pod("ns", "p", "uid", grace_seconds=1)
     api.delete_job("ns", "job", "uid")
     api.patch_status("ns", "job", {"phase": "Running"})
     api.post_event({"metadata": {"name": "job", "namespace": "ns"}}, "Normal", "R", "m", "c")
@@ -95,7 +96,7 @@ def test_every_call_has_a_request_timeout():
     api.read_lease("ns", "l")
     api.write_lease("ns", {"metadata": {"name": "l"}}, create=True)
     api.write_lease("ns", {"metadata": {"name": "l"}}, create=False)
-    assert len(calls) == 11
+    assert len(calls) == 12
     for name, kwargs in calls:
         assert 0 < kwargs.get("_request_timeout", 0) <= k8s.REQUEST_TIMEOUT_SECONDS, name
     api.read_lease("ns", "l", timeout=1.5)

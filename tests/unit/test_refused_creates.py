@@ -44,7 +44,7 @@ class QuotaApi:
             self.index["services_by_job"].setdefault(key, []).append(True)
         return obj
 
-    def delete_pod(self, namespace, name, uid, force=False):
+    def delete_pod(self, namespace, name, uid, force=False, grace_seconds=None):
         pass
 
     def patch_status(self, namespace, name, status):
