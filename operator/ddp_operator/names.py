@@ -16,6 +16,8 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 
 # --- Children -------------------------------------------------------------------------------------
 TRAINER_CONTAINER = "trainer"
+# restartPolicy of the training pods: the kubelet restarts a failed trainer container in the same pod.
+TRAINER_RESTART_POLICY = "OnFailure"
 RDZV_CONTAINER = "rdzv-store"
 RDZV_POD_SUFFIX = "rdzv"
 SHM_VOLUME = "dshm"
@@ -117,6 +119,7 @@ REASON_NODE_FAILED = "NodeFailed"
 REASON_NODE_DISRUPTED = "NodeDisrupted"
 REASON_NODE_MISSING = "NodeMissing"
 REASON_RDZV_LOST = "RendezvousStoreLost"
+REASON_RESTARTED_IN_PLACE = "TrainerRestarted"
 REASON_SUSPENDED = "JobSuspended"
 REASON_RESUMED = "JobResumed"
 REASON_SUCCEEDED = "TrainingSucceeded"
