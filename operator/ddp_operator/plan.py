@@ -35,8 +35,8 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
   (cleanPodPolicy once the job finished, replacement after a failure).
 - Events: every phase change carries one (the changed conditions', else one with the new status reason), as
   do a change of spec.nodes (Scaled), a TTL deletion (TTLExpired), a force-deleted pod, every in-place restart
-  (TrainerRestarted) and a lost store (RendezvousStoreLost), unless a condition Event already says the same. The shell adds
-  FailedCreate when the API server refuses a child.
+  (TrainerRestarted) and a lost store (RendezvousStoreLost), unless a condition Event already says the same.
+  The shell adds FailedCreate when the API server refuses a child.
 - The job's NetworkPolicy (netpol.py) exists while the job is active exactly when it is wanted
   (spec.networkPolicy.enabled, else the operator's default): created before any pod, deleted when disabled.
 - Pods of an older group (or with a group label that is not a number), or with an index >= spec.nodes (scale

@@ -151,7 +151,8 @@ def test_rdzv_loss_recreates_the_store_and_leaves_the_trainers_alone():
     assert p3.status["phase"] == "Restarting"  # the recovery ends when the new store is up and trainers run
     # The trainers' agents fail on the lost store: their containers restart in place, the same incident.
     store_new = rdzv(phase="Pending", uid="store-2")
-    p4 = plan(job, p3.status, observed(store_new, trainer(0, restart_count=1, last_exit_code=1, waiting="PodInitializing"),
+    p4 = plan(job, p3.status, observed(store_new,
+                                       trainer(0, restart_count=1, last_exit_code=1, waiting="PodInitializing"),
                                        trainer(1, phase="Running", exit_code=1)), later(9))
     assert p4.status["restarts"] == 1 and p4.actions == ()
     assert [a.get("restartCount") for a in p4.status["attempts"]] == [None, 1, 1]
