@@ -414,11 +414,13 @@ class _Pass:
         """Record each training pod that is missing although the job was training and its end is not on record:
         it ended unseen (e.g. deleted while the operator was down). Counted like a deleted pod. False if that
         failed the job."""
-        # Only a job that was training can lose a pod unseen (after suspend or at start, pods are just missing).
-        if self.prev.get("phase") not in (names.PHASE_RUNNING, names.PHASE_RESTARTING):
+        # Only pods that existed can vanish: the last status written showed every desired pod running (after
+        # suspend, at start, after a scale-up or a refused create, pods are just not there yet).
+        prev_nodes = self.prev.get("nodes") or {}
+        prev_desired = int(prev_nodes.get("desired") or 0)
+        if self.prev.get("phase") != names.PHASE_RUNNING or int(prev_nodes.get("running") or 0) < prev_desired:
             return True
         occupied = {p.name for p in self.live}
-        prev_desired = int((self.prev.get("nodes") or {}).get("desired") or 0)
         for index in range(min(prev_desired, self.job.spec.nodes)):
             name = trainer_pod_name(self.job, index)
             if name in occupied or self.end_recorded(name):

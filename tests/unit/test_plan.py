@@ -524,3 +524,14 @@ def test_huge_deadline_and_ttl_never_overflow():
     done = plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0),
                                       trainer(1, phase="Succeeded", exit_code=0)), later(50))
     assert done.status["phase"] == "Succeeded" and done.requeue_after > 0
+
+
+def test_pod_never_created_is_not_a_vanished_pod():
+    """After a scale-up whose create was refused, the new pod is just not there yet: nothing recorded."""
+    job, status = _running()
+    bigger = make_job(nodes=3)
+    p1 = plan(bigger, status, observed(rdzv(), trainer(0), trainer(1)), later(1))
+    assert (CREATE, "mnist-2") in _acts(p1)
+    p2 = plan(bigger, p1.status, observed(rdzv(), trainer(0), trainer(1)), later(40))
+    assert (CREATE, "mnist-2") in _acts(p2)
+    assert p2.status["restarts"] == 0 and not p2.status.get("attempts")
