@@ -276,6 +276,38 @@ class Recorder:
                     if kind in ("Pod", "Service", "NetworkPolicy") and type_ == "ADDED"})
 
 
+def test_operator_killed_mid_recovery_records_everything_once(k, operator):
+    """While the operator is down a pod vanishes (no tombstone will ever be seen) and another's trainer container
+    is restarted in place: the restarted operator puts both on record, counts one incident, recreates only the
+    missing pod; a second restart changes nothing."""
+    _running(k)
+    old = {n: p.metadata.uid for n, p in k.pods().items()}
+    operator.stop()
+    try:
+        k.core.delete_namespaced_pod("job-1", k.ns, grace_period_seconds=0)
+        wait_for(lambda: "job-1" not in k.pods(), what="job-1 gone")
+        k.restart_in_place("job-0", exit_code=137, restart_count=1)
+    finally:
+        operator.start()
+    wait_for(lambda: "job-1" in k.pods() and _uid(k, "job-1") != old["job-1"], what="job-1 recreated")
+    status = wait_for(lambda: (lambda s: s if len(s.get("attempts") or []) == 2 else None)(k.status()),
+                      what="both on record")
+    by_pod = {a["pod"]: a for a in status["attempts"]}
+    assert by_pod["job-1"]["reason"] == "NodeMissing" and by_pod["job-0"]["restartCount"] == 1
+    assert status["restarts"] == 1
+    assert _uid(k, "job-0") == old["job-0"]
+    k.set_phase("job-1", "Running")
+    status = k.wait_phase("Running")
+    operator.restart()
+    wait_for(lambda: (operator.metrics() or {}).get('ddpjob_reconcile_total{result="ok"}', 0) >= 1,
+             what="a reconcile pass by the restarted operator")
+    time.sleep(1)  # asserting that nothing happens
+    after = k.status()
+    assert after["restarts"] == 1 and after["attempts"] == status["attempts"]
+    assert {n: p.metadata.uid for n, p in k.pods().items() if n != "job-1"} == \
+        {n: old[n] for n in ("job-0", "job-rdzv")}
+
+
 def test_api_writes_for_a_clean_job(k):
     """bench-api's budget, observed on the API server: N+3 creates, <= 6 status writes, none while healthy."""
     nodes = 3
