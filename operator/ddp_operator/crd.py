@@ -478,7 +478,8 @@ def _status_schema() -> dict:
         {
             "desired": _int("spec.nodes at the last reconcile."),
             "active": _int("Pods not finished (pending or running)."),
-            "running": _int("Pods whose phase is Running."),
+            "running": _int("Pods whose phase is Running and whose trainer container is up (not being "
+                            "restarted in place)."),
             "ready": _int("Pods with condition Ready."),
             "succeeded": _int("Pods whose trainer exited 0."),
             "failed": _int("Pods failed and not yet replaced."),
