@@ -344,8 +344,8 @@ def _spec_schema() -> dict:
                 "incidentWindowSeconds": _int(
                     "Pods failing (or trainer containers restarted in place) within this many seconds of a "
                     "counted failure are the same incident (survivors crash when a peer dies) and do not count "
-                    "again. Trainer restarts while the rendezvous store pod is not up (after its loss) are part "
-                    "of the store's incident whenever they happen.",
+                    "again. Trainers failing while the rendezvous store pod is not Ready (after its loss, or "
+                    "at start) are recorded and never counted: they cannot run without it.",
                     minimum=0, maximum=MAXIMA["incidentWindowSeconds"], default=f["incidentWindowSeconds"]),
                 "stuckTerminatingTimeoutSeconds": _int(
                     "A pod still Terminating this long after its grace period, on a node that is NotReady or "

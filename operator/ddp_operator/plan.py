@@ -24,8 +24,10 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
 - Losing the rendezvous-store pod (it ended or is being deleted) is recorded once (reason RendezvousStoreLost, a
   Warning Event), is one incident, and the pod is recreated under the same name. The group and the rendezvous id
   stay and no trainer pod is touched: the agents fail on the lost store, their containers restart in place and
-  rejoin the new store. Trainer restarts seen while the store pod is not Ready are part of that incident
-  (recorded, never counted), and the recovery ends only when the store is Ready and every trainer runs.
+  rejoin the new store. Trainer restarts (and, with restartPolicy Never, trainer pods failing with an exit
+  code) seen while the store pod is not Ready — after its loss or at start — are recorded and never counted:
+  the trainers cannot run without it, as a trainer pod stuck Pending never fails the job either. The
+  recovery ends only when the store is Ready and every trainer runs.
   status.group stays for compatibility: pods of another group are stale (below); it no longer changes.
 - Succeeded: some trainer exited 0 and no trainer is still running. Failures after a success are not replaced
   nor counted, a trainer container restarting in place then is stopped at once; trainers still running
@@ -312,8 +314,11 @@ class _Pass:
         return True
 
     def trainer_failures(self) -> bool:
-        """Handle ended trainer pods of the current group; False if the job failed."""
+        """Handle ended trainer pods of the current group; False if the job failed. A trainer that failed on
+        its own (an exit code, no disruption, not deleted) while the store is not up is not counted (a template
+        with restartPolicy Never: the store's loss ends every trainer pod)."""
         fp = self.job.spec.failure_policy
+        store_down = not self.store_up()
         ended = sorted((p for p in self.trainers if self.current(p) and p.terminal and not p.succeeded
                         and not self.recorded(p)), key=lambda p: (p.index, p.name))
         for p in ended:
@@ -323,7 +328,8 @@ class _Pass:
                 self.record(p, counted=True)
                 self.permanent(what)
                 return False
-            counts = self.incident(p.disruption)
+            caused = store_down and p.disruption is None and not p.gone and p.exit_code is not None
+            counts = self.incident(p.disruption, caused=caused)
             if counts and self.over_budget(what):
                 self.record(p, counted=True)
                 return False

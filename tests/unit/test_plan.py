@@ -535,3 +535,13 @@ def test_pod_never_created_is_not_a_vanished_pod():
     p2 = plan(bigger, p1.status, observed(rdzv(), trainer(0), trainer(1)), later(40))
     assert (CREATE, "mnist-2") in _acts(p2)
     assert p2.status["restarts"] == 0 and not p2.status.get("attempts")
+
+
+def test_store_loss_with_restart_policy_never_replaces_the_trainers_counting_once():
+    job, status = _running(failurePolicy={"incidentWindowSeconds": 0})
+    p = plan(job, status, observed(trainer(0), trainer(1), gone=[rdzv()]), later(1))
+    assert p.status["restarts"] == 1 and _acts(p) == [(CREATE, "mnist-rdzv")]
+    failed = [trainer(i, phase="Failed", exit_code=1, restart_policy="Never") for i in range(2)]
+    p2 = plan(job, p.status, observed(rdzv(phase="Pending", uid="s2"), *failed), later(30))
+    assert p2.status["restarts"] == 1 and _acts(p2) == [(DELETE, "mnist-0"), (DELETE, "mnist-1")]
+    assert p2.status["group"] == 0
