@@ -16,6 +16,8 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 
 # --- Children -------------------------------------------------------------------------------------
 TRAINER_CONTAINER = "trainer"
+# restartPolicy of the training pods: the kubelet restarts a failed trainer container in the same pod.
+TRAINER_RESTART_POLICY = "OnFailure"
 RDZV_CONTAINER = "rdzv-store"
 RDZV_POD_SUFFIX = "rdzv"
 SHM_VOLUME = "dshm"
@@ -130,6 +132,7 @@ FAULT_WORKER_RESTART = "WorkerRestart"
 FAULT_UNKNOWN = "Unknown"
 # status.lastRecovery.resumedFrom (the trainer's progress `recovery.resumedFrom`)
 RESUMED_FROM = ("peer", "local", "disk", "start")
+REASON_RESTARTED_IN_PLACE = "TrainerRestarted"
 REASON_SUSPENDED = "JobSuspended"
 REASON_RESUMED = "JobResumed"
 REASON_SUCCEEDED = "TrainingSucceeded"

@@ -180,9 +180,9 @@ def _template(spec: Mapping) -> dict:
                         "must contain a container named 'trainer' (the one that runs torchrun)")
     if len(set(seen)) != len(seen):
         raise SpecError("spec.template.spec.containers", "container names must be unique")
-    if pod.get("restartPolicy") not in (None, "Never"):
+    if pod.get("restartPolicy") not in (None, "OnFailure", "Never"):
         raise SpecError("spec.template.spec.restartPolicy",
-                        "must be Never or unset: the operator replaces failed pods itself")
+                        "must be OnFailure, Never or unset: a pod that ends is replaced by the operator")
     for key in ("hostname", "subdomain"):
         if pod.get(key):
             raise SpecError(f"spec.template.spec.{key}", "is set by the operator (<job>-<index>.<job>); remove it")
