@@ -41,6 +41,14 @@ def test_two_node_digits_job_succeeds_with_accuracy(kubectl, ns):
     assert ((st.get("progress") or {}).get("worldSize")) == 2, st.get("progress")
 
 
+def _assert_last_recovery(st: dict, rec) -> None:
+    """status.lastRecovery tells the user what the logs say: where the state came from and the steps lost."""
+    last = st.get("lastRecovery") or {}
+    assert last.get("resumedFrom") == rec.source, (last, rec)
+    assert last.get("stepsLost") == rec.steps_lost, (last, rec)
+    assert last.get("fault") in ("NodeFailed", "NodeDisrupted"), last
+
+
 def test_killed_worker_pod_is_replaced_and_training_resumes(kubectl, ns):
     h.apply(kubectl, ns, h.digits_job("kw", nodes=2, step_delay=STEP_DELAY))
     rank0, prog = h.wait_rank0_step(kubectl, ns, "kw", KILL_AT_STEP, 240)
@@ -59,6 +67,7 @@ def test_killed_worker_pod_is_replaced_and_training_resumes(kubectl, ns):
 
     st = h.wait_phase(kubectl, ns, "kw", "Succeeded", SUCCEED_TIMEOUT)
     assert st.get("restarts") == 1, f"expected exactly one counted restart: {st}"
+    _assert_last_recovery(st, rec)
     _assert_accuracy(kubectl, ns, "kw")
     print(f"worker kill at step {prog['step']}: {rec}")
 
@@ -73,7 +82,11 @@ def test_killed_rank0_pod_job_still_succeeds(kubectl, ns):
     rec = h.recovery_after(kubectl, ns, "k0", killed_at, prog["step"], 180)
     # the group re-formed around the survivor's state: resumed, not started over
     assert rec.source != "fresh" and rec.resumed_from > 0, f"training started over instead of resuming: {rec}"
+    # pod 1 survived with its snapshot and handed it to the new rank 0's pod
+    assert rec.source == "peer", rec
+    assert rec.steps_lost is not None and rec.steps_lost <= 1, rec
     st = h.wait_phase(kubectl, ns, "k0", "Succeeded", SUCCEED_TIMEOUT)
+    _assert_last_recovery(st, rec)
     _assert_accuracy(kubectl, ns, "k0")
     assert st.get("restarts", 0) >= 1, st
     print(f"rank-0 kill at step {prog['step']}: {rec}")
