@@ -388,8 +388,11 @@ class Bench:
         survived = succeeded and not d.get("violations") and not d.get("error") and steps_ok
         self.results[fault] = {"survived": survived, "recovery_s": m["recovery_s"], "steps_lost": m["steps_lost"],
                                "resumed_from": m["resumed_from"]}
-        h.log(f"{fault}: {json.dumps(self.results[fault])}" + (f" ({d.get('error') or d.get('violations')})"
-                                                               if not survived else ""))
+        why = [x for x in (d.get("error"), *(d.get("violations") or []),
+                           None if steps_ok else f"steps lost {m['steps_lost']} (at most 1 allowed)") if x]
+        if why:
+            d["why_not_survived"] = why
+        h.log(f"{fault}: {json.dumps(self.results[fault])}" + (f" -- {'; '.join(why)}" if why else ""))
         h.delete_namespace(self.k, ns)
 
     def run(self) -> None:
