@@ -69,6 +69,7 @@ STEPS_PER_EPOCH = 20  # 2 nodes x batch 32 over the 1258 training samples
 HANG_TIMEOUT_S = 20
 SOURCES = {"peer": "peer", "local": "local", "checkpoint": "disk", "fresh": "start"}
 LABEL_INDEX = "ddp.dev/node-index"
+POD_LOGS = Path("/var/log/pods")
 
 
 def parse_args() -> argparse.Namespace:
@@ -145,15 +146,31 @@ def signal_process(namespace: str, job: str, index: int, kind: str, sig: int) ->
 class LogBook:
     """Trainer logs of every pod (by UID) and container run (restartCount) seen at any poll."""
 
-    def __init__(self, k: h.Kubectl, namespace: str, job: str):
+    def __init__(self, k: h.Kubectl, namespace: str, job: str, host: bool = False):
         self.k, self.ns, self.job = k, namespace, job
         self.texts: dict[tuple[str, str, int], str] = {}  # (pod name, uid, container restartCount) -> text
+        # The embedded cluster's kubelet writes container logs to /var/log/pods on this host: readable while the
+        # kubelet is stopped and for a while after a pod was deleted, when `kubectl logs` cannot reach them.
+        self.host = host and POD_LOGS.is_dir()
+
+    def collect_host(self) -> None:
+        for d in POD_LOGS.glob(f"{self.ns}_{self.job}-*_*"):
+            _, name, uid = d.name.split("_", 2)
+            if name == f"{self.job}-rdzv":
+                continue
+            for f in (d / "trainer").glob("*.log"):
+                try:
+                    self._keep((name, uid, int(f.stem)), cri_text(f.read_text(errors="replace")))
+                except (OSError, ValueError):
+                    continue
 
     def _keep(self, key: tuple[str, str, int], text: str) -> None:
         if len(text) > len(self.texts.get(key, "")):
             self.texts[key] = text
 
     def collect(self, pods: list[dict] | None = None) -> None:
+        if self.host:
+            self.collect_host()
         try:
             pods = pods if pods is not None else h.trainer_pods(self.k, self.ns, self.job)
         except AssertionError:
@@ -177,6 +194,21 @@ class LogBook:
         for (name, _uid, run), text in self.texts.items():
             found += h.events(text, f"{name}#{run}")
         return sorted(found, key=lambda e: e.time)
+
+
+def cri_text(text: str) -> str:
+    """The container's own output from a CRI log file (`<time> stdout|stderr F|P <text>`; P: partial line)."""
+    out, partial = [], ""
+    for line in text.splitlines():
+        parts = line.split(" ", 3)
+        if len(parts) < 4:
+            continue
+        if parts[2] == "P":
+            partial += parts[3]
+        else:
+            out.append(partial + parts[3])
+            partial = ""
+    return "\n".join(out) + ("\n" if out else "")
 
 
 def measure(evs: list[h.Event], injected_at: float, succeeded: bool) -> dict:
@@ -292,6 +324,8 @@ class Bench:
         epochs = self.a.epochs
         if fault == "node_notready":  # training must outlast the outage (the containers keep running)
             epochs = max(epochs, int(self.a.notready_s / max(self.a.step_delay, 0.05) / STEPS_PER_EPOCH) + 6)
+        if fault in ("apiserver_restart", "operator_kill"):  # still training once the control plane is back
+            epochs += 4
         policy: dict = {"backoffLimit": 6}
         if fault == "hang":
             policy["hangTimeoutSeconds"] = HANG_TIMEOUT_S
@@ -322,7 +356,7 @@ class Bench:
         name = "f-" + fault.replace("_", "-")
         d: dict = {"namespace": ns, "job": name}
         self.detail[fault] = d
-        self.book = LogBook(self.k, ns, name)
+        self.book = LogBook(self.k, ns, name, host=self.cluster.embedded)
         self.stopped_pid = None
         injected_at = None
         phase = None
@@ -389,7 +423,7 @@ class Bench:
         self.results[fault] = {"survived": survived, "recovery_s": m["recovery_s"], "steps_lost": m["steps_lost"],
                                "resumed_from": m["resumed_from"]}
         why = [x for x in (d.get("error"), *(d.get("violations") or []),
-                           None if steps_ok else f"steps lost {m['steps_lost']} (at most 1 allowed)") if x]
+                           None if steps_ok or d.get("error") else f"steps lost {m['steps_lost']} (at most 1 allowed)") if x]
         if why:
             d["why_not_survived"] = why
         h.log(f"{fault}: {json.dumps(self.results[fault])}" + (f" -- {'; '.join(why)}" if why else ""))
