@@ -388,6 +388,8 @@ class Bench:
             d.update(phase=phase, restarts=st.get("restarts"), reason=st.get("reason"),
                      attempts=[{k: a.get(k) for k in ("pod", "reason", "exitCode", "counted")}
                                for a in st.get("attempts") or []])
+            # did the operator act (an attempt recorded)? node_notready: NotReady ~40 s after the kubelet stopped
+            d["operator_acted"] = bool(st.get("attempts"))
             if st.get("lastRecovery") is not None:
                 d["lastRecovery"] = st["lastRecovery"]
             if phase != "Succeeded":
