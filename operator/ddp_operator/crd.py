@@ -41,6 +41,9 @@ DEFAULTS: dict[str, Any] = {
         "countDisruptions": False,
         "incidentWindowSeconds": 20,
         "stuckTerminatingTimeoutSeconds": 120,
+        # Off in practice for normal runs: as long as torch's default collective timeout (30 min), so an
+        # evaluation phase (rank 0's step does not move while it validates) never looks like a hang.
+        "hangTimeoutSeconds": 1800,
     },
     "runPolicy": {"suspend": False, "cleanPodPolicy": "Running"},
     "shm": {"medium": "Memory"},
@@ -57,6 +60,7 @@ MAXIMA: dict[str, int] = {
     "keepAliveIntervalSeconds": 600,
     "incidentWindowSeconds": 3600,
     "stuckTerminatingTimeoutSeconds": 86400,
+    "hangTimeoutSeconds": 7 * 86400,
     "activeDeadlineSeconds": MAX_DURATION_SECONDS,
     "ttlSecondsAfterFinished": MAX_DURATION_SECONDS,
 }
@@ -342,6 +346,18 @@ def _spec_schema() -> dict:
                     "A pod still Terminating this long after its grace period, on a node that is NotReady or "
                     "gone, is force-deleted so its replacement can start.",
                     minimum=1, maximum=MAXIMA["stuckTerminatingTimeoutSeconds"], default=f["stuckTerminatingTimeoutSeconds"]),
+                "hangTimeoutSeconds": _int(
+                    "Hang detection; 0 turns it off. While the job is Running with every pod running, if global "
+                    "rank 0's reported step (progress channel, docs/contract.md) has not changed for this long "
+                    "since the trainer last reported after a (re)start (a rank-0 probe that fails counts as not "
+                    "changed), the operator asks every trainer pod and deletes the stuck one(s): pods whose "
+                    "progress endpoint does not answer, else those reporting the lowest step, else the highest "
+                    "index. That breaks the blocked collective; the others restore from peer snapshots. "
+                    "Recorded as an attempt with reason Hang. The default (1800, torch's default collective "
+                    "timeout) never fires during a normal evaluation phase, when the step does not move; set "
+                    "it above your longest evaluation. Needs progress polling: progressPeriodSeconds: 0 turns "
+                    "it off too; jobs that report no progress are never considered hung.",
+                    minimum=0, maximum=MAXIMA["hangTimeoutSeconds"], default=f["hangTimeoutSeconds"]),
             },
             default={},
             rules=[_rule("!(has(self.permanentExitCodes) && has(self.retryableExitCodes))",
@@ -485,7 +501,37 @@ def _status_schema() -> dict:
                         "x-kubernetes-preserve-unknown-fields": True},
             "time": {"type": "number", "description": "Trainer's Unix time of the report."},
             "final": _bool("Written by rank 0 at exit (from the termination log)."),
+            "workerRestarts": _int("torchrun's in-pod worker restarts in rank 0's pod "
+                                   "(TORCHELASTIC_RESTART_COUNT) when it reported."),
             "summary": _str("One-line form for `kubectl get`."),
+        },
+    )
+    last_recovery = _obj(
+        "The most recent recovery, from the trainer's report (progress channel `recovery`) and the incident the "
+        "operator recorded for it. Absent for scripts that report no recovery; a figure the trainer could not "
+        "measure (no high-water mark survived: every pod was replaced) is left out.",
+        {
+            "fault": _str("What the recovery was from: the reason of the incident the operator recorded ("
+                          "NodeFailed, NodeDisrupted, RendezvousStoreLost, Hang, NodeMissing, ...), or "
+                          "WorkerRestart when torchrun restarted the workers in place without an incident "
+                          "the operator saw, or Unknown."),
+            "startedAt": _str("When it started: the incident time the operator recorded, else the trainer's last "
+                              "step before the fault.", format="date-time"),
+            "seconds": {"type": "number", "description": "From the last step completed before the fault to the "
+                        "first step completed after the resume (trainer clock)."},
+            "stepsLost": _int("The highest step any rank completed before the fault minus the restored step "
+                              "(never clamped)."),
+            "resumedFrom": _str("Where the state came from: peer (another pod's snapshot), local (the pod's own "
+                                "snapshot), disk (a checkpoint) or start (nothing: from step 0).",
+                                enum=list(names.RESUMED_FROM)),
+            "restoredFromPod": _str("The pod whose snapshot was used (peer/local)."),
+        },
+    )
+    last_incident = _obj(
+        "The operator's last incident (a pod lost, a hang, the store lost): its reason and when it was seen.",
+        {
+            "reason": _str("Condition reason of the incident, e.g. NodeFailed or Hang."),
+            "time": _str("When the operator recorded it.", format="date-time"),
         },
     )
     progress["properties"]["lastCheckpointStep"]["nullable"] = True
@@ -533,6 +579,8 @@ def _status_schema() -> dict:
                 "items": {"type": "string", "maxLength": 64, "description": "A pod UID."},
             },
             "progress": progress,
+            "lastIncident": last_incident,
+            "lastRecovery": last_recovery,
         },
     )
 

@@ -11,6 +11,13 @@ an in-process ticker), kopf's handler state lives in two annotations under ddp.d
 changes are coalesced for STATUS_COALESCE_SECONDS, and progress polling writes at most once per
 spec.progressPeriodSeconds, only when the step moved forward.
 
+Hang detection (failurePolicy.hangTimeoutSeconds, hang.py) rides on the progress poll: rank 0 is probed more
+often while it is on (every hangTimeout/10, 1-5 s; status.progress is still written at most once per period), the
+poll keeps a watch of rank 0's last step, and once it has not changed for the timeout the same pool thread asks
+every trainer pod in parallel and runs a pass with their answers, which deletes the stuck pod(s). The ticker
+schedules that check at its due time (its own wake-up), so it acts within the timeout + the poll interval + two
+probe deadlines.
+
 One job's pods cannot stall the others: progress probes run on a small thread pool, each with one overall
 deadline (progress.py), so the ticker that serves every job's wake-ups (deadlines, TTL, force-deletes) never
 waits on a pod; an error in one job's probe or pass is logged and re-armed for that job alone. Every per-job
@@ -33,13 +40,15 @@ from typing import Any, Mapping
 import kopf
 from kubernetes.client.exceptions import ApiException
 
+from ddp_operator import hang as hangmod
 from ddp_operator import metrics, names, progress
+from ddp_operator import crd as crd_defaults
 from ddp_operator.k8s import ChildConflict, describe_error
 from ddp_operator.netpol import NetworkPolicyConfig
 from ddp_operator.observed import PodState, observe_pod
 from ddp_operator.plan import CREATE, DELETE, DELETE_JOB, FORCE_DELETE, Observed, Plan, invalid, plan, stuck_pods
 from ddp_operator.spec import SpecError, parse_job
-from ddp_operator.status import newer_progress, progress_status
+from ddp_operator.status import last_recovery, newer_progress, progress_status
 
 log = logging.getLogger("ddp_operator")
 
@@ -90,6 +99,8 @@ class Reconciler:
         self._last_pass: dict[tuple[str, str], float] = {}
         self._progress_at: dict[str, float] = {}
         self._progress_ip: dict[str, str] = {}
+        self._progress_written_at: dict[str, float] = {}
+        self._hang_watch: dict[str, hangmod.Watch] = {}
         self._phases: dict[str, str] = {}
         self._create_failed: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)  # last refusal per child
         # child name -> (why it cannot be created, when that was last checked)
@@ -146,7 +157,8 @@ class Reconciler:
                           self._create_failed, self._policies_created):
                 store.pop(key, None)
             for uid in uids:
-                for by_uid in (self._written, self._written_at, self._progress_at, self._progress_ip, self._phases):
+                for by_uid in (self._written, self._written_at, self._progress_at, self._progress_ip, self._phases,
+                               self._progress_written_at, self._hang_watch):
                     by_uid.pop(uid, None)
         with self._locks_guard:
             lock = self._locks.get(key)
@@ -165,7 +177,8 @@ class Reconciler:
                                           self._conflicts, self._create_failed, self._policies_created)
                           for k in store if k not in keys}
             stale_uids = {u for store in (self._written, self._written_at, self._progress_at, self._progress_ip,
-                                          self._phases) for u in store if u not in uids}
+                                          self._phases, self._progress_written_at, self._hang_watch)
+                          for u in store if u not in uids}
         with self._locks_guard:
             stale_keys |= {k for k in self._locks if k not in keys}
         for k in stale_keys:
@@ -185,6 +198,7 @@ class Reconciler:
                      "policies_created": len(self._policies_created), "written": len(self._written),
                      "written_at": len(self._written_at), "progress_at": len(self._progress_at),
                      "progress_ip": len(self._progress_ip), "phases": len(self._phases),
+                     "progress_written_at": len(self._progress_written_at), "hang_watch": len(self._hang_watch),
                      "probing": len(self._probing)}
         with self._locks_guard:
             sizes["locks"] = len(self._locks)
@@ -259,12 +273,14 @@ class Reconciler:
         return states, set(tombstones)
 
     # --- the pass ---------------------------------------------------------------------------------
-    def reconcile(self, namespace: str, name: str, body: Mapping[str, Any] | None = None) -> Plan | None:
+    def reconcile(self, namespace: str, name: str, body: Mapping[str, Any] | None = None, *,
+                  hang_reports: Mapping[str, Mapping[str, Any] | None] | None = None) -> Plan | None:
         key = (namespace, name)
         with self._lock(key):
             started = time.monotonic()
             try:
-                result = self._reconcile(key, body)
+                result = (self._reconcile(key, body) if hang_reports is None
+                          else self._reconcile(key, body, hang_reports))
             except Exception as e:
                 metrics.RECONCILES.labels("error").inc()
                 log.warning("[%s/%s] reconcile failed, retrying in %.0fs: %s", namespace, name, RETRY_SECONDS,
@@ -284,7 +300,8 @@ class Reconciler:
         values = self._values("ddpjobs_by_key", key)
         return values[0] if values else None
 
-    def _reconcile(self, key: tuple[str, str], body: Mapping[str, Any] | None) -> Plan | None:
+    def _reconcile(self, key: tuple[str, str], body: Mapping[str, Any] | None,
+                   hang_reports: Mapping[str, Mapping[str, Any] | None] | None = None) -> Plan | None:
         body = self._job_body(key, body)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return None
@@ -319,7 +336,8 @@ class Reconciler:
             conflicts = {name: why for name, (why, _) in (self._conflicts.get(key) or {}).items()}
         observed = Observed(pods=pods, service_exists=bool(self._values("services_by_job", key)),
                             node_ready=node_ready, network_policy_exists=bool(policies),
-                            network_policy_uid=policies[0] if policies else None, conflicts=conflicts)
+                            network_policy_uid=policies[0] if policies else None, conflicts=conflicts,
+                            hang_reports=hang_reports)
         result = plan(job, prev, observed, now, self.network_policy)
         # Status first: a failure is on record (by pod UID) before the pod is deleted, so a crash between
         # the two never counts it twice.
@@ -448,14 +466,20 @@ class Reconciler:
 
     # --- progress ---------------------------------------------------------------------------------
     def _probe_due(self, key: tuple[str, str]) -> tuple[Mapping[str, Any], dict] | None:
-        """The job's body and last status if its progress is due for a poll (Running/Restarting, period up)."""
+        """The job's body and last status if its progress is due for a poll (Running/Restarting, and the poll
+        interval up or a hang check due)."""
         values = self._values("ddpjobs_by_key", key)
         if not values:
             return None
         body = values[0]
         uid = body["metadata"]["uid"]
-        period = (body.get("spec") or {}).get("progressPeriodSeconds", 30)
-        if not period or time.monotonic() - self._progress_at.get(uid, 0.0) < period:
+        spec = body.get("spec") or {}
+        period = spec.get("progressPeriodSeconds", 30)
+        interval = hangmod.poll_interval(period, self._hang_timeout(spec))
+        if interval is None:
+            return None
+        now = time.monotonic()
+        if now - self._progress_at.get(uid, 0.0) < interval and not self._hang_check_due(key, body, now):
             return None
         with self._guard:
             status = self._written.get(uid) or dict(body.get("status") or {})
@@ -494,32 +518,99 @@ class Reconciler:
         body, status = due
         uid = body["metadata"]["uid"]
         self._progress_at[uid] = time.monotonic()
-        # Only pods this job owns (by UID; labels alone can be put on any pod by anyone in the namespace).
-        ips = [p["status"].get("podIP") for p in self._values("pods_by_job", key)
-               if (p.get("status") or {}).get("phase") == "Running" and (p.get("status") or {}).get("podIP")
-               and p["metadata"].get("labels", {}).get(names.LABEL_ROLE) == names.ROLE_TRAINER
-               and _owned_by(p, uid)]
-        found = progress.probe(ips, self._progress_ip.get(uid))
-        if found is None:
-            return
-        self._progress_ip[uid], report = found
+        trainers = self._running_trainers(key, uid)
+        found = progress.probe([p["status"]["podIP"] for p in trainers], self._progress_ip.get(uid))
+        report = None
+        if found is not None:
+            self._progress_ip[uid], report = found
+        current = hangmod.incarnation(trainers)
+        with self._guard:
+            self._watch_update(uid, hangmod.watch(self._hang_watch.get(uid), current, report, time.monotonic()))
+        if report is not None:
+            self._write_progress(key, uid, body, status, report)
+        if self._hang_check_due(key, body, time.monotonic()):
+            self._hang_check(key, uid, trainers)
+
+    def _watch_update(self, uid: str, w: hangmod.Watch | None) -> None:
+        if w is None:
+            self._hang_watch.pop(uid, None)
+        else:
+            self._hang_watch[uid] = w
+
+    def _running_trainers(self, key: tuple[str, str], uid: str) -> list[Mapping[str, Any]]:
+        """The job's running trainer pods with an IP (only pods it owns: labels alone can be put on any pod)."""
+        return [p for p in self._values("pods_by_job", key)
+                if (p.get("status") or {}).get("phase") == "Running" and (p.get("status") or {}).get("podIP")
+                and not p["metadata"].get("deletionTimestamp")
+                and p["metadata"].get("labels", {}).get(names.LABEL_ROLE) == names.ROLE_TRAINER
+                and _owned_by(p, uid)]
+
+    def _write_progress(self, key: tuple[str, str], uid: str, body: Mapping[str, Any], status: Mapping[str, Any],
+                        report: Mapping[str, Any]) -> None:
+        """status.progress (when the step moved forward, at most once per progressPeriodSeconds) and
+        status.lastRecovery (when rank 0's recovery report changes it)."""
         new = progress_status(report)
+        spec = body.get("spec") or {}
+        period = spec.get("progressPeriodSeconds", 30) or 0
+        # Polled faster than the period for hang detection: the writes still keep to the period.
+        interval = hangmod.poll_interval(period, self._hang_timeout(spec)) or period
+        min_gap = period if interval < period else 0.0
         with self._lock(key):
             with self._guard:
                 written = self._written.get(uid)
-                current = (written or status).get("progress") or {}
-            if newer_progress(current, new) is not new:
-                return  # a resumed run replaying steps already shown: the column does not jump back
-            if new.get("step") == current.get("step") and new.get("final") == current.get("final"):
+                base = written or status
+                current = base.get("progress") or {}
+                recovery = last_recovery(base.get("lastRecovery"), base.get("lastIncident"), report)
+            patch: dict[str, Any] = {}
+            if (newer_progress(current, new) is new
+                    and (new.get("step") != current.get("step") or new.get("final") != current.get("final"))
+                    and time.monotonic() - self._progress_written_at.get(uid, 0.0) >= min_gap):
+                patch["progress"] = new
+            if recovery is not None and recovery != base.get("lastRecovery"):
+                patch["lastRecovery"] = recovery
+            if not patch or not self._job_exists(key):
                 return
-            if not self._job_exists(key):
-                return
-            self.api.patch_status(key[0], key[1], {"progress": new})
-            metrics.PROGRESS_WRITES.inc()
+            self.api.patch_status(key[0], key[1], patch)
+            if "progress" in patch:
+                metrics.PROGRESS_WRITES.inc()
+                self._progress_written_at[uid] = time.monotonic()
             with self._guard:
                 written = self._written.get(uid)
                 if written is not None:
-                    written["progress"] = new
+                    written.update(patch)
+
+    # --- hang detection ---------------------------------------------------------------------------
+    @staticmethod
+    def _hang_timeout(spec: Mapping[str, Any]) -> float:
+        fp = spec.get("failurePolicy") or {}
+        value = fp.get("hangTimeoutSeconds", crd_defaults.DEFAULTS["failurePolicy"]["hangTimeoutSeconds"])
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+    def _hang_check_due(self, key: tuple[str, str], body: Mapping[str, Any], now: float) -> bool:
+        uid = body["metadata"]["uid"]
+        spec = body.get("spec") or {}
+        if not spec.get("progressPeriodSeconds", 30):
+            return False
+        with self._guard:
+            w = self._hang_watch.get(uid)
+        if w is None:
+            return False
+        left = hangmod.due_in(w, w.incarnation, self._hang_timeout(spec), now)
+        return left is not None and left <= 0
+
+    def _hang_check(self, key: tuple[str, str], uid: str, trainers: list[Mapping[str, Any]]) -> None:
+        """Rank 0's step has not changed for the timeout: ask every trainer pod, then a pass decides."""
+        current = hangmod.incarnation(trainers)
+        with self._guard:
+            w = self._hang_watch.get(uid)
+            if w is None or w.incarnation != current:
+                return  # the pods changed since: the clock starts again with the next report
+            # Checked now: the next check is one timeout later, unless the pods or rank 0's step change first.
+            self._hang_watch[uid] = hangmod.Watch(w.incarnation, w.key, time.monotonic())
+        reports = progress.probe_each({p["metadata"]["name"]: p["status"]["podIP"] for p in trainers})
+        steps = {name: (r or {}).get("step") for name, r in reports.items()}
+        log.warning("[%s/%s] rank 0's step has not changed for the hang timeout; pods report %s", *key, steps)
+        self.reconcile(*key, hang_reports=reports)
 
 
 RECONCILER: Reconciler | None = None

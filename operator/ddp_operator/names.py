@@ -117,6 +117,12 @@ REASON_NODE_FAILED = "NodeFailed"
 REASON_NODE_DISRUPTED = "NodeDisrupted"
 REASON_NODE_MISSING = "NodeMissing"
 REASON_RDZV_LOST = "RendezvousStoreLost"
+REASON_HANG = "Hang"
+# status.lastRecovery.fault when the trainer recovered without an incident the operator saw
+FAULT_WORKER_RESTART = "WorkerRestart"
+FAULT_UNKNOWN = "Unknown"
+# status.lastRecovery.resumedFrom (the trainer's progress `recovery.resumedFrom`)
+RESUMED_FROM = ("peer", "local", "disk", "start")
 REASON_SUSPENDED = "JobSuspended"
 REASON_RESUMED = "JobResumed"
 REASON_SUCCEEDED = "TrainingSucceeded"

@@ -30,14 +30,20 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
   until the object is removed, then the condition turns False.
 - status.progress never goes back: a report (polled, or the final one) from a step before the one shown is not
   taken (status.newer_progress).
+- Hang (failurePolicy.hangTimeoutSeconds, hang.py): when the shell found rank 0's step unchanged for the timeout
+  and hands in every trainer pod's report (Observed.hang_reports), the stuck pod(s) are recorded with reason Hang,
+  deleted and replaced; the job is Restarting with reason Hang.
+- status.lastIncident keeps the last incident's reason and time (the first reason within the incident window);
+  status.lastRecovery combines it with the trainer's `recovery` report (status.last_recovery).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Mapping
 
+from ddp_operator import hang as hangmod
 from ddp_operator import names
 from ddp_operator.env import rdzv_endpoint, rdzv_id
 from ddp_operator.labels import selector_string, trainer_selector
@@ -48,8 +54,8 @@ from ddp_operator.rdzv import render_rdzv_pod
 from ddp_operator.service import render_service
 from ddp_operator.spec import Job
 from ddp_operator.status import (
-    Event, append_attempt, attempt, condition_events, get_condition, newer_progress, pod_counts, progress_status,
-    record_pod, set_condition,
+    Event, append_attempt, attempt, condition_events, get_condition, incident_record, last_recovery, newer_progress,
+    pod_counts, progress_status, record_pod, set_condition,
 )
 
 CREATE = "create"
@@ -78,6 +84,9 @@ class Observed:
     network_policy_uid: str | None = None
     # Children whose create met an object this job does not own: name -> what is in the way (k8s.ChildConflict).
     conflicts: Mapping[str, str] = field(default_factory=dict)
+    # Hang detection: every current trainer pod's own progress report (None: it did not answer), handed in only
+    # when the shell found rank 0's step unchanged for failurePolicy.hangTimeoutSeconds (hang.py).
+    hang_reports: Mapping[str, Mapping[str, Any] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -460,6 +469,9 @@ class _Pass:
         if not self.trainer_failures() or not self.rdzv_lost():
             self.finished()
             return
+        if not self.hang():
+            self.finished()
+            return
         self.scaled()
         self.stale()
         self.create_missing()
@@ -495,8 +507,70 @@ class _Pass:
             "attempts": self.attempts or None,
             "recordedPods": self.recorded_pods or None,
             "progress": self.progress,
+            "lastIncident": self.last_incident_record(),
+            "lastRecovery": self.last_recovery(),
         }
         return {k: v for k, v in status.items() if v is not None and v != ""}
+
+    # --- hang detection (failurePolicy.hangTimeoutSeconds) ------------------------------------------
+    def hang(self) -> bool:
+        """Delete the stuck pod(s) of a hung job (the shell hands in every pod's report); False if it failed.
+
+        Only while the job is Running with every current trainer pod running: the shell's finding may be a pass
+        old, so it is checked again against what is observed now."""
+        reports = self.observed.hang_reports
+        if reports is None or not self.job.spec.failure_policy.hang_timeout_seconds:
+            return True
+        if self.phase != names.PHASE_RUNNING or self.recovery_start is not None:
+            return True
+        current = [p for p in self.trainers if self.current(p) and not p.gone]
+        if len(current) < self.job.spec.nodes or not all(p.running for p in current):
+            return True
+        if any(p.name not in reports for p in current):
+            return True  # the reports are of another set of pods
+        stuck = set(hangmod.stuck_pods((p.name, p.index or 0, reports[p.name]) for p in current))
+        timeout = self.job.spec.failure_policy.hang_timeout_seconds
+        deleting = []
+        for p in sorted((p for p in current if p.name in stuck), key=lambda p: p.index or 0):
+            answer = reports[p.name]
+            why = ("its progress endpoint did not answer" if answer is None
+                   else f"it reports step {answer.get('step')}")
+            what = (f"pod {p.name}: global rank 0's step did not change for spec.failurePolicy.hangTimeoutSeconds="
+                    f"{timeout}; {why}")
+            counts = self.incident(p)
+            if counts and self.over_budget(p, what):
+                self.record(p, counted=True, reason=names.REASON_HANG)
+                return False
+            self.record(p, counted=counts, reason=names.REASON_HANG)
+            self.incident_reason = names.REASON_HANG
+            self.incident_message = f"{what}; deleting it" + ("" if counts else " (not counted)")
+            self.delete(p)
+            deleting.append(p.uid)
+        if deleting:
+            # The pods are going as of this pass: the phase below is Restarting, not Running.
+            self.observed = replace(self.observed, pods=tuple(
+                replace(p, deleting=True) if p.uid in deleting else p for p in self.observed.pods))
+        return True
+
+    # --- status.lastIncident / status.lastRecovery --------------------------------------------------
+    def last_incident_record(self) -> Mapping[str, Any] | None:
+        """The last incident's reason and time: set whenever a pass records one (the first within the window)."""
+        prev = self.prev.get("lastIncident")
+        if not self.incident_reason:
+            return prev
+        return incident_record(prev, self.incident_reason, self.now,
+                               self.job.spec.failure_policy.incident_window_seconds)
+
+    def last_recovery(self) -> Mapping[str, Any] | None:
+        """status.lastRecovery as last written (the poller fills it from rank 0's report), or from rank 0's final
+        report (termination log) once it exited."""
+        current = self.prev.get("lastRecovery")
+        for p in self.observed.pods:
+            report = p.final_report
+            if report and p.role == names.ROLE_TRAINER and p.group == self.group and isinstance(report, Mapping) \
+                    and (report.get("rank") in (None, 0)):
+                current = last_recovery(current, self.last_incident_record(), report)
+        return current
 
 
 def describe(p: PodState) -> str:

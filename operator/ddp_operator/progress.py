@@ -1,4 +1,8 @@
-"""The trainer's progress channel (docs/contract.md): probe rank 0's GET :29401/progress on the job's pods.
+"""The trainer's progress channel (docs/contract.md): probe GET :29401/progress on the job's pods.
+
+Every pod's local rank 0 answers for itself, naming its global `rank`; `probe` looks for global rank 0's report
+(a report without `rank`, from a trainer that serves on rank 0 alone, is rank 0's), `probe_each` asks every pod
+at once (hang detection: which pod is stuck).
 
 What a pod answers is untrusted, and the operator serves every job from one process, so a probe is bounded in
 every way: one overall deadline per probe (not per socket operation: a pod that trickles a byte at a time
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Mapping
 
 from ddp_operator import names
@@ -62,9 +67,15 @@ def fetch(ip: str, timeout: float = DEADLINE_SECONDS, *, deadline: float | None 
         return None
 
 
+def is_rank0(report: Mapping[str, Any]) -> bool:
+    """Whether a report is global rank 0's; one without `rank` (an older trainer, a plain script) counts."""
+    rank = report.get("rank", 0)
+    return rank is None or (isinstance(rank, int) and not isinstance(rank, bool) and rank == 0)
+
+
 def probe(ips: Iterable[str], preferred: str | None = None,
           timeout: float = DEADLINE_SECONDS) -> tuple[str, Mapping[str, Any]] | None:
-    """Ask the pods, the one that answered last time first; only global rank 0 serves progress.
+    """Global rank 0's report: ask the pods, the one that answered as rank 0 last time first.
 
     `timeout` bounds the whole probe, however many pods are asked."""
     deadline = time.monotonic() + timeout
@@ -73,6 +84,21 @@ def probe(ips: Iterable[str], preferred: str | None = None,
         if time.monotonic() >= deadline:
             break
         report = fetch(ip, deadline=deadline)
-        if report is not None:
+        if report is not None and is_rank0(report):
             return ip, report
     return None
+
+
+MAX_PARALLEL_PROBES = 32
+
+
+def probe_each(targets: Mapping[str, str], timeout: float = DEADLINE_SECONDS) -> dict[str, Mapping[str, Any] | None]:
+    """Every pod's own report (pod name -> report, None when it did not answer), asked in parallel, each
+    with its own deadline: a stuck pod costs one deadline, not one per pod after it."""
+    if not targets:
+        return {}
+    names_ = list(targets)
+    with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_PROBES, len(names_)),
+                            thread_name_prefix="ddp-probe-each") as pool:
+        answers = list(pool.map(lambda n: fetch(targets[n], timeout), names_))
+    return dict(zip(names_, answers))

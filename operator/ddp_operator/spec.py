@@ -45,6 +45,7 @@ class FailurePolicy:
     count_disruptions: bool
     incident_window_seconds: int
     stuck_terminating_timeout_seconds: int
+    hang_timeout_seconds: int = 0
 
     def is_permanent(self, exit_codes: tuple[int, ...]) -> bool:
         """Whether any of the exit codes (trainer container and workers) rules out a retry."""
@@ -319,6 +320,8 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
             f, "stuckTerminatingTimeoutSeconds", "spec.failurePolicy.stuckTerminatingTimeoutSeconds",
             default=fd["stuckTerminatingTimeoutSeconds"], minimum=1,
             maximum=crd.MAXIMA["stuckTerminatingTimeoutSeconds"]),
+        hang_timeout_seconds=_int(f, "hangTimeoutSeconds", "spec.failurePolicy.hangTimeoutSeconds",
+                                  default=fd["hangTimeoutSeconds"], maximum=crd.MAXIMA["hangTimeoutSeconds"]),
     )
 
     r = _section(spec, "runPolicy")

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Mapping
 
 from ddp_operator import names
-from ddp_operator.observed import PodState
+from ddp_operator.observed import PodState, format_time, parse_time
 
 WARNING_CONDITIONS = {names.COND_FAILED, names.COND_RESTARTING, names.COND_REPLICA_FAILURE}
 
@@ -160,7 +161,7 @@ def progress_summary(report: Mapping[str, Any]) -> str:
 
 
 _PROGRESS_KEYS = ("step", "epoch", "loss", "samplesPerSecond", "lastCheckpointStep", "worldSize", "metrics",
-                  "time", "final")
+                  "time", "final", "workerRestarts")
 
 
 def progress_status(report: Mapping[str, Any]) -> dict:
@@ -168,7 +169,7 @@ def progress_status(report: Mapping[str, Any]) -> dict:
     out: dict[str, Any] = {}
     for key in _PROGRESS_KEYS:
         value = report.get(key)
-        if key in ("step", "epoch", "worldSize", "lastCheckpointStep") and _number(value):
+        if key in ("step", "epoch", "worldSize", "lastCheckpointStep", "workerRestarts") and _number(value):
             out[key] = int(value)
         elif key in ("loss", "samplesPerSecond", "time") and _number(value):
             out[key] = float(value)
@@ -178,3 +179,67 @@ def progress_status(report: Mapping[str, Any]) -> dict:
             out[key] = value
     out["summary"] = progress_summary(report)
     return out
+
+
+# --- status.lastRecovery -----------------------------------------------------------------------------------------
+# Clocks of the operator and the pods differ a little: an incident this close outside the recovery still matches.
+RECOVERY_MATCH_SLACK_SECONDS = 5.0
+_MAX_POD_NAME = 253
+
+
+def incident_record(prev: Mapping[str, Any] | None, reason: str, now: datetime, window_seconds: float) -> dict:
+    """status.lastIncident after an incident with `reason` at `now`: a new one, unless the previous one is within
+    the incident window (the survivors failing after the first pod are the same incident: the first reason stays).
+    """
+    if prev:
+        t = parse_time(prev.get("time"))
+        if t is not None and prev.get("reason") and now - t < timedelta(seconds=window_seconds):
+            return dict(prev)
+    return {"reason": reason, "time": format_time(now)}
+
+
+def _unix(value: float) -> str:
+    return format_time(datetime.fromtimestamp(value, tz=timezone.utc))
+
+
+def last_recovery(prev: Mapping[str, Any] | None, incident: Mapping[str, Any] | None,
+                  report: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """status.lastRecovery from global rank 0's report and the operator's last incident; `prev` when the report
+    carries no complete `recovery` (plain scripts, an older trainer, a resume whose first step is not done yet).
+
+    The incident is this recovery's fault when the operator recorded it between the trainer's last step before
+    the fault and its first step after the resume (give or take RECOVERY_MATCH_SLACK_SECONDS of clock skew);
+    otherwise the fault is WorkerRestart when rank 0's torchrun restarted its workers, else Unknown. Level-based:
+    the same status and report always give the same value.
+    """
+    rec = (report or {}).get("recovery")
+    if not isinstance(rec, Mapping):
+        return prev
+    at, seconds = rec.get("at"), rec.get("seconds")
+    resumed = rec.get("resumedFrom")
+    if not _number(at) or resumed not in names.RESUMED_FROM:
+        return prev
+    seconds = float(seconds) if _number(seconds) and seconds >= 0 else None
+    last_step = at - seconds if seconds is not None else None
+    fault, started = None, None
+    t = parse_time((incident or {}).get("time"))
+    if t is not None and (incident or {}).get("reason"):
+        ts = t.timestamp()
+        if ts <= at + RECOVERY_MATCH_SLACK_SECONDS and (last_step is None or
+                                                         ts >= last_step - RECOVERY_MATCH_SLACK_SECONDS):
+            fault, started = str(incident["reason"]), format_time(t)  # type: ignore[index]
+    if fault is None:
+        restarts = (report or {}).get("workerRestarts")
+        fault = names.FAULT_WORKER_RESTART if _number(restarts) and restarts > 0 else names.FAULT_UNKNOWN
+        started = _unix(last_step) if last_step is not None else None
+    lost = rec.get("stepsLost")
+    pod = rec.get("restoredFromPod")
+    out: dict[str, Any] = {
+        "fault": fault,
+        "startedAt": started,
+        "seconds": round(seconds, 3) if seconds is not None else None,
+        "stepsLost": int(lost) if _number(lost) else None,
+        "resumedFrom": resumed,
+        "restoredFromPod": pod[:_MAX_POD_NAME] if isinstance(pod, str) and pod else None,
+    }
+    return {k: v for k, v in out.items() if v is not None}  # unknown figures are left out (merge patch: null deletes)

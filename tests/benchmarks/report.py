@@ -182,8 +182,8 @@ FAULT_ROWS: list[tuple[str, str, str]] = [
     ("worker_kill", "SIGKILL of one worker process of pod 1",
      "torchrun's agent restarts its workers (`--max-restarts`); every rank restores from its own snapshot"),
     ("hang", "SIGSTOP of one worker process of pod 1, `failurePolicy.hangTimeoutSeconds: 20`",
-     "no step for 20 s: the operator records an attempt with reason `Hang` and restarts the hung pod's "
-     "container; the group resumes from the snapshots"),
+     "rank 0's step unchanged for 20 s: the operator probes every pod, deletes the stuck one (attempt reason "
+     "`Hang`) and the others restore from peer snapshots"),
     ("operator_kill", "force-delete pod 1, 1 s later the operator's pod",
      "the Deployment starts a new operator; reconciliation is level-based, so it replaces pod 1 once, counts "
      "the failure once and never runs two pods for one index; the survivor's snapshot is broadcast"),

@@ -398,7 +398,8 @@ def running(pod: dict) -> bool:
 
 
 def progress(k: Kubectl, namespace: str, pod: str) -> dict | None:
-    """GET /progress of one pod through the API server's pod proxy; None unless it serves it (rank 0)."""
+    """GET /progress of one pod through the API server's pod proxy (every pod's local rank 0 serves its own
+    report, naming its global `rank`); None unless it answers."""
     p = k("get", "--raw", f"/api/v1/namespaces/{namespace}/pods/{pod}:{PROGRESS_PORT}/proxy/progress",
           "--request-timeout=3s", check=False, timeout=10)
     if p.returncode != 0:
@@ -410,11 +411,12 @@ def progress(k: Kubectl, namespace: str, pod: str) -> dict | None:
 
 
 def rank0(k: Kubectl, namespace: str, name: str, min_step: int = 1) -> tuple[str, dict] | None:
-    """(pod, progress) of the pod whose trainer serves rank 0's progress, once it reached `min_step`."""
+    """(pod, progress) of the pod whose trainer serves global rank 0's progress, once it reached `min_step`
+    (a report without `rank`, from an image where rank 0 alone serves, is rank 0's)."""
     for pod in trainer_pods(k, namespace, name):
         if running(pod):
             prog = progress(k, namespace, pod["metadata"]["name"])
-            if prog is not None and (prog.get("step") or 0) >= min_step:
+            if prog is not None and prog.get("rank", 0) == 0 and (prog.get("step") or 0) >= min_step:
                 return pod["metadata"]["name"], prog
     return None
 

@@ -18,25 +18,27 @@ from tests.trainer.digits_job import DIGITS_ARGS, JOB_TIMEOUT, final_event
 def reference(tmp_path_factory):
     """An uninterrupted 2-node run; also polls the progress endpoint while it trains."""
     work = tmp_path_factory.mktemp("reference")
-    port = free_port()
-    env = {"DDPJOB_PROGRESS_PORT": str(port), "DDPJOB_TERMINATION_LOG": str(work / "termination-log")}
+    # Every pod's local rank 0 serves its own report: one port per simulated pod (they share the host).
+    ports = [free_port(), free_port()]
+    env = {"DDPJOB_TERMINATION_LOG": str(work / "termination-log")}
     seen: list[dict] = []
     stop = threading.Event()
 
     def poll() -> None:
         while not stop.is_set():
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/progress", timeout=1) as resp:
-                    seen.append(json.loads(resp.read()))
-            except OSError:
-                pass
+            for port in ports:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/progress", timeout=1) as resp:
+                        seen.append(json.loads(resp.read()))
+                except OSError:
+                    pass
             time.sleep(0.05)
 
     poller = threading.Thread(target=poll, daemon=True)
     with LocalCluster(work, args=[*DIGITS_ARGS, "--step-delay", "0.01"], env=env, rdzv_id="reference") as cluster:
         poller.start()
-        cluster.start_node()
-        cluster.start_node()
+        for port in ports:
+            cluster.start_node(env={"DDPJOB_PROGRESS_PORT": str(port)})
         rcs = cluster.wait_exit(timeout=JOB_TIMEOUT)
         stop.set()
         poller.join()
@@ -47,6 +49,7 @@ def reference(tmp_path_factory):
             "digest": final["weights_sha256"],
             "test_accuracy": float(final["test_accuracy"]),
             "steps": final.int("step"),
-            "progress": seen,
+            "progress": [p for p in seen if p.get("rank") == 0],
+            "progress_all": seen,
             "termination": termination,
         }

@@ -6,13 +6,16 @@ dies. All waits poll the logs with generous deadlines: the CI machine has two bu
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
-from ddp_trainer.testing import REPO_TRAINER_DIR, LocalCluster, recovery_after_kill
+from ddp_trainer.testing import REPO_TRAINER_DIR, LocalCluster, descendants, recovery_after_kill
 from tests.trainer.digits_job import DIGITS_ARGS, JOB_TIMEOUT, SLOW, final_event
 
 pytestmark = pytest.mark.slow
@@ -26,7 +29,10 @@ def test_two_nodes_reach_accuracy_and_report_progress(reference):
     assert {"step", "epoch", "loss", "samplesPerSecond", "lastCheckpointStep", "worldSize", "metrics", "time"} <= set(
         sample
     )
-    assert sample["worldSize"] == 2
+    assert sample["worldSize"] == 2 and sample["workerRestarts"] == 0
+    # every pod's local rank 0 answers for itself, naming its global rank
+    assert {p["rank"] for p in reference["progress_all"] if p["step"] > 0} == {0, 1}
+    assert "recovery" not in sample  # an uninterrupted run recovered nothing
     term = reference["termination"]
     assert term["final"] is True and term["metrics"]["testAccuracy"] >= 0.90 and term["step"] == reference["steps"]
 
@@ -52,6 +58,51 @@ def test_kill_non_host_node_resumes_bitwise(tmp_path, reference, with_disk_check
         assert final_event(cluster)["weights_sha256"] == reference["digest"], cluster.dump()
         if not with_disk_checkpoints:
             assert not any(e["event"] == "checkpoint" for e in cluster.events())
+
+
+def _worker_pids(node) -> list[int]:
+    """The node's torchrun workers (their environment has LOCAL_RANK; the agent's does not)."""
+    out = []
+    for pid in descendants(node.proc.pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(v.startswith(b"LOCAL_RANK=") for v in environ):
+            out.append(pid)
+    return out
+
+
+def test_worker_kill_is_reported_as_a_recovery(tmp_path, reference):
+    """A SIGKILLed worker (torchrun restarts the pod's workers in place): the progress channel's recovery
+    object says where the state came from and how many steps were lost, the same number as the logs give
+    (ddp_trainer.testing.steps_lost), and workerRestarts rises."""
+    term = tmp_path / "termination-log"
+    env = {"DDPJOB_TERMINATION_LOG": str(term)}
+    with LocalCluster(tmp_path, args=[*DIGITS_ARGS, *SLOW], env=env, rdzv_id="worker-kill") as cluster:
+        cluster.start_node()
+        victim = cluster.start_node()
+        cluster.wait_for_step(25, timeout=JOB_TIMEOUT)
+        pids = _worker_pids(victim)
+        assert pids, cluster.dump()
+        killed_at = time.time()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        rec = recovery_after_kill(cluster, killed_at, timeout=JOB_TIMEOUT)
+        rcs = cluster.wait_exit(timeout=JOB_TIMEOUT)
+        assert set(rcs.values()) == {0}, cluster.dump()
+        final = json.loads(term.read_text())
+        recovery = final["recovery"]
+        print("worker kill:", rec, recovery)
+        assert recovery["resumedFrom"] in ("peer", "local"), recovery
+        assert recovery["step"] == rec["resumed_from"], (recovery, rec)
+        assert recovery["stepsLost"] == rec["steps_lost"] == recovery["highestStep"] - recovery["step"], (recovery, rec)
+        assert 0 <= recovery["stepsLost"] <= 1, recovery
+        assert recovery["restoredFromPod"] == socket.gethostname()
+        assert 0 < recovery["seconds"] < JOB_TIMEOUT and recovery["at"] >= killed_at, recovery
+        assert final["workerRestarts"] >= 1, final
+        assert final_event(cluster)["weights_sha256"] == reference["digest"], cluster.dump()
 
 
 def test_kill_with_snapshot_interval_above_one_replays_bitwise(tmp_path, reference):

@@ -320,3 +320,98 @@ def test_a_foreign_pod_holding_a_childs_name_is_a_condition_and_an_event(monkeyp
     cond = [c for c in status["conditions"] if c["type"] == names.COND_REPLICA_FAILURE][0]
     assert cond["status"] == "False"
     assert any(p["metadata"]["name"] == "mnist-0" for p in r.indexes["pods_by_job"][key])
+
+
+# --- hang detection and lastRecovery ------------------------------------------------------------------------------
+def _hung_job(r, monkeypatch, **spec):
+    port = _free_port()
+    monkeypatch.setattr(names, "PROGRESS_PORT", port)
+    key, body = _add_job(r, "hung", failurePolicy={"hangTimeoutSeconds": 20}, **spec)
+    r.reconcile(*key)
+    trainers = sorted((p for p in r.indexes["pods_by_job"][key]
+                       if p["metadata"]["labels"][names.LABEL_ROLE] == names.ROLE_TRAINER),
+                      key=lambda p: p["metadata"]["name"])
+    _run_pods(r, key)
+    for i, p in enumerate(trainers):  # hung-0 on 127.0.0.2 (global rank 0), hung-1 on 127.0.0.3
+        p["status"]["podIP"] = f"127.0.0.{i + 2}"
+    r.reconcile(*key)
+    assert r._written[body["metadata"]["uid"]]["phase"] == names.PHASE_RUNNING
+    return key, body, port
+
+
+def test_a_hung_job_loses_its_silent_pod_within_the_timeout(monkeypatch):
+    from ddp_operator import hang
+
+    r = _reconciler()
+    key, body, port = _hung_job(r, monkeypatch)
+    uid = body["metadata"]["uid"]
+    rank0 = _Serve("127.0.0.2", port, {"rank": 0, "step": 40, "workerRestarts": 0})  # hung-1 answers nothing
+    try:
+        r.poll_progress(key)
+        w = r._hang_watch[uid]
+        assert w.key == (40, 0) and not r._hang_check_due(key, body, time.monotonic())
+        assert r.api.deleted == []
+        # the step has not changed for the timeout: the next tick's poll asks every pod, the silent one goes
+        r._hang_watch[uid] = hang.Watch(w.incarnation, w.key, time.monotonic() - 21)
+        assert r._hang_check_due(key, body, time.monotonic())  # its own wake-up, whatever the poll interval
+        assert r._probe_due(key) is not None
+        r.poll_progress(key)
+    finally:
+        rank0.close()
+    assert r.api.deleted == ["hung-1"]
+    status = r._written[uid]
+    assert status["phase"] == names.PHASE_RESTARTING and status["reason"] == names.REASON_HANG
+    assert status["attempts"][-1]["reason"] == names.REASON_HANG and status["attempts"][-1]["pod"] == "hung-1"
+    assert status["lastIncident"]["reason"] == names.REASON_HANG
+    assert [e for e in r.api.events if e[1] == "Warning" and e[2] == names.REASON_HANG]
+
+
+def test_a_step_that_moves_is_no_hang_and_detection_needs_a_report(monkeypatch):
+    from ddp_operator import hang
+
+    r = _reconciler()
+    key, body, port = _hung_job(r, monkeypatch)
+    uid = body["metadata"]["uid"]
+    # nothing ever answered (a plain script): never hung
+    r.poll_progress(key)
+    assert uid not in r._hang_watch and not r._hang_check_due(key, body, time.monotonic() + 10_000)
+    rank0 = _Serve("127.0.0.2", port, {"rank": 0, "step": 40})
+    try:
+        r._progress_at.clear()
+        r.poll_progress(key)
+    finally:
+        rank0.close()
+    w = r._hang_watch[uid]
+    r._hang_watch[uid] = hang.Watch(w.incarnation, w.key, time.monotonic() - 21)
+    rank0 = _Serve("127.0.0.2", port, {"rank": 0, "step": 41})  # it moved after all
+    try:
+        r._progress_at.clear()
+        r.poll_progress(key)
+    finally:
+        rank0.close()
+    assert r.api.deleted == [] and not r._hang_check_due(key, body, time.monotonic())
+
+
+def test_last_recovery_is_written_from_rank0s_report(monkeypatch):
+    r = _reconciler()
+    key, body, port = _hung_job(r, monkeypatch)
+    uid = body["metadata"]["uid"]
+    report = {"rank": 0, "step": 60, "workerRestarts": 1,
+              "recovery": {"resumedFrom": "peer", "step": 50, "highestStep": 51, "stepsLost": 1,
+                           "restoredFromPod": "hung-0", "seconds": 8.5, "at": 1735732900.0}}
+    # pod 1 answers too, for itself: the status is global rank 0's
+    servers = [_Serve("127.0.0.3", port, {"rank": 1, "step": 60, "recovery": {**report["recovery"], "stepsLost": 7}}),
+               _Serve("127.0.0.2", port, report)]
+    try:
+        r.poll_progress(key)
+    finally:
+        for s in servers:
+            s.close()
+    status = r._written[uid]
+    assert status["progress"]["step"] == 60 and status["progress"]["workerRestarts"] == 1
+    assert status["lastRecovery"] == {"fault": names.FAULT_WORKER_RESTART, "startedAt": "2025-01-01T12:01:31Z",
+                                      "seconds": 8.5, "stepsLost": 1, "resumedFrom": "peer",
+                                      "restoredFromPod": "hung-0"}
+    # the next ordinary pass keeps it (level-based)
+    r.reconcile(*key)
+    assert r._written[uid]["lastRecovery"]["stepsLost"] == 1

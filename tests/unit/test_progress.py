@@ -172,3 +172,69 @@ def test_redirects_are_not_followed(monkeypatch):
     finally:
         good.close()
         redirect.close()
+
+
+# --- every pod answers for itself ---------------------------------------------------------------------------------
+def _serve(ip, port, report):
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = json.dumps(report).encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_):
+            pass
+
+    server = http.server.HTTPServer((ip, port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_probe_takes_global_rank_0s_report_and_one_without_rank_is_rank_0(monkeypatch):
+    port = _port()
+    monkeypatch.setattr(names, "PROGRESS_PORT", port)
+    servers = [_serve("127.0.0.3", port, {"rank": 1, "step": 9}), _serve("127.0.0.4", port, {"rank": 0, "step": 8})]
+    try:
+        # the pod asked first answers as rank 1: not the one the status shows
+        assert progress.probe(["127.0.0.3", "127.0.0.4"], preferred="127.0.0.3") == (
+            "127.0.0.4", {"rank": 0, "step": 8})
+        assert progress.probe(["127.0.0.3"]) is None
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+    legacy = _serve("127.0.0.5", port, {"step": 7})  # an older trainer / a plain script: rank 0 alone serves
+    try:
+        assert progress.probe(["127.0.0.5"]) == ("127.0.0.5", {"step": 7})
+    finally:
+        legacy.shutdown()
+        legacy.server_close()
+    assert progress.is_rank0({"rank": 0}) and progress.is_rank0({}) and not progress.is_rank0({"rank": True})
+
+
+def test_probe_each_asks_every_pod_in_parallel_a_stuck_one_costs_one_deadline(monkeypatch):
+    # a stopped process: the kernel accepts the connection, nobody ever answers
+    stuck = socket.socket()
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    stuck.bind(("127.0.0.6", 0))
+    stuck.listen(16)
+    port = stuck.getsockname()[1]
+    monkeypatch.setattr(names, "PROGRESS_PORT", port)
+    ok = _serve("127.0.0.7", port, {"rank": 1, "step": 4})
+    try:
+        started = time.monotonic()
+        got = progress.probe_each({"j-0": "127.0.0.6", "j-1": "127.0.0.7", "j-2": "127.0.0.8"}, timeout=0.5)
+        assert time.monotonic() - started < 1.5
+        assert got == {"j-0": None, "j-1": {"rank": 1, "step": 4}, "j-2": None}
+        assert progress.probe_each({}) == {}
+    finally:
+        ok.shutdown()
+        ok.server_close()
+        stuck.close()

@@ -101,3 +101,62 @@ def test_newer_progress_never_goes_backwards():
     assert newer_progress(None, {"step": 1}) == {"step": 1}
     assert newer_progress({"step": 5}, {"step": 5, "loss": 0.1}) == {"step": 5, "loss": 0.1}
     assert newer_progress({"step": 5}, {"summary": "final", "final": True})["step"] == 5
+
+
+# --- status.lastRecovery / status.lastIncident ------------------------------------------------------------------
+def _report(**recovery):
+    rec = {"resumedFrom": "peer", "step": 50, "highestStep": 51, "stepsLost": 1, "restoredFromPod": "job-0",
+           "seconds": 10.0, "at": 1735732900.0}  # 12:01:40Z; the last step before the fault at 12:01:30Z
+    rec.update(recovery)
+    return {"rank": 0, "step": 55, "workerRestarts": 0, "recovery": rec}
+
+
+def test_last_recovery_takes_the_fault_from_the_incident_the_operator_recorded_for_it():
+    from ddp_operator.status import last_recovery
+
+    incident = {"reason": names.REASON_HANG, "time": "2025-01-01T12:01:35Z"}
+    assert last_recovery(None, incident, _report()) == {
+        "fault": names.REASON_HANG, "startedAt": "2025-01-01T12:01:35Z", "seconds": 10.0, "stepsLost": 1,
+        "resumedFrom": "peer", "restoredFromPod": "job-0"}
+    # an older incident is another recovery's: torchrun restarted the workers in place
+    old = {"reason": names.REASON_NODE_FAILED, "time": "2025-01-01T11:00:00Z"}
+    worker = last_recovery(None, old, {**_report(), "workerRestarts": 2})
+    assert worker["fault"] == names.FAULT_WORKER_RESTART and worker["startedAt"] == "2025-01-01T12:01:30Z"
+    assert last_recovery(None, old, _report())["fault"] == names.FAULT_UNKNOWN
+    # never clamped
+    assert last_recovery(None, incident, _report(stepsLost=-1))["stepsLost"] == -1
+
+
+def test_last_recovery_is_left_alone_without_a_complete_recovery_report():
+    from ddp_operator.status import last_recovery
+
+    prev = {"fault": "NodeFailed", "resumedFrom": "peer"}
+    assert last_recovery(prev, None, {"step": 5}) is prev  # a plain script / an older trainer
+    assert last_recovery(None, None, None) is None
+    assert last_recovery(prev, None, _report(at=None, seconds=None)) is prev  # first resumed step not done yet
+    assert last_recovery(prev, None, _report(resumedFrom="elsewhere")) is prev
+    # unknown figures (no high-water mark survived) are left out
+    out = last_recovery(None, None, _report(seconds=None, stepsLost=None, highestStep=None, resumedFrom="disk",
+                                            restoredFromPod=None))
+    assert out == {"fault": names.FAULT_UNKNOWN, "resumedFrom": "disk"}
+    # idempotent
+    assert last_recovery(out, None, _report(seconds=None, stepsLost=None, highestStep=None, resumedFrom="disk",
+                                            restoredFromPod=None)) == out
+
+
+def test_incident_record_keeps_the_first_reason_within_the_window():
+    from datetime import datetime, timezone
+
+    from ddp_operator.status import incident_record
+
+    t0 = datetime(2025, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+    first = incident_record(None, names.REASON_HANG, t0, 20)
+    assert first == {"reason": names.REASON_HANG, "time": "2025-01-01T12:00:00Z"}
+    same = incident_record(first, names.REASON_NODE_FAILED, t0.replace(second=10), 20)
+    assert same == first
+    later = incident_record(first, names.REASON_NODE_FAILED, t0.replace(minute=5), 20)
+    assert later == {"reason": names.REASON_NODE_FAILED, "time": "2025-01-01T12:05:00Z"}
+
+
+def test_progress_status_keeps_worker_restarts():
+    assert progress_status({"step": 3, "workerRestarts": 2, "rank": 0})["workerRestarts"] == 2

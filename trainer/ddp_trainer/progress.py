@@ -1,8 +1,8 @@
-"""Progress for the operator: an HTTP endpoint on global rank 0 and the final termination-log JSON.
+"""Progress for the operator: an HTTP endpoint on every pod's local rank 0 and the final termination-log JSON.
 
 ``GET /progress`` on ``DDPJOB_PROGRESS_PORT`` (29401) answers the contract's JSON (docs/contract.md)::
 
-    {"step": 120, "epoch": 5, "loss": 0.08, "samplesPerSecond": 2210.5, "lastCheckpointStep": 100,
+    {"rank": 0, "workerRestarts": 0, "step": 120, "epoch": 5, "loss": 0.08, "samplesPerSecond": 2210.5, "lastCheckpointStep": 100,
      "worldSize": 2, "metrics": {"valAccuracy": 0.97}, "time": 1735732800.0}
 
 The training loop only replaces a dict (no locks, no I/O per step); the server thread serialises it on
@@ -44,8 +44,10 @@ def dumps(record: dict[str, Any], **kwargs: Any) -> str:
 class Progress:
     """The latest progress record; updated by the training loop, read by the server thread."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, *, rank: int = 0, worker_restarts: int = 0) -> None:
         self._record: dict[str, Any] = {
+            "rank": rank,
+            "workerRestarts": worker_restarts,
             "step": 0,
             "epoch": 0,
             "loss": None,

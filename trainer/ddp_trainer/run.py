@@ -30,6 +30,7 @@ snapshot interval in force) and no storage reads; the resume line says which K b
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -42,6 +43,7 @@ from . import env as envmod
 from . import rng
 from .checkpoint import CheckpointStore
 from .progress import Progress, ProgressServer, termination_log_path, write_termination_log
+from .recovery import HighWaterMark, complete, recovery_record
 from .sampler import ResumableDistributedSampler
 from .session import Session
 from .snapshot import PeerSnapshots, choose_interval, default_dir
@@ -137,9 +139,20 @@ class Run:
             # optimizer step (the first thing that changes them) waits until it has read them.
             self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
 
-        self.progress = Progress(session.world_size)
+        # The high-water mark of the last completed step (recovery.py): next to the pod's snapshots.
+        self._mark: HighWaterMark | None = None
+        if snapshot_dir:
+            try:
+                self._mark = HighWaterMark(snapshot_dir, session.run_key, session.local_rank)
+            except OSError as exc:  # the recovery report is best effort; training must not die for it
+                self._warn("highwater_unavailable", dir=snapshot_dir, error=exc.strerror)
+        self._recovery_pending: tuple[dict[str, Any], float | None] | None = None
+
+        # Every pod's local rank 0 serves its own report (to tell which pod is stuck); the operator shows
+        # global rank 0's.
+        self.progress = Progress(session.world_size, rank=session.rank, worker_restarts=session.restart_count)
         self._server: ProgressServer | None = None
-        if session.is_main and progress_port:
+        if session.local_rank == 0 and progress_port:
             try:
                 self._server = ProgressServer(self.progress, progress_port)
             except OSError as exc:  # progress is best effort; training must not die for it
@@ -190,8 +203,9 @@ class Run:
         local_every = local.every if local is not None else None
         disk_steps = self.checkpoints.steps() if self.checkpoints is not None else []
         disk_step = disk_steps[0] if disk_steps else -1
+        mark = self._mark.read() if self._mark is not None else None
         gathered: list[Any] = [None] * s.world_size
-        dist.all_gather_object(gathered, (local_step, disk_step, local_every))
+        dist.all_gather_object(gathered, (local_step, disk_step, local_every, mark, socket.gethostname()))
         snap_steps = [int(g[0]) for g in gathered]
         disk_step = int(gathered[0][1])
         best_snap = max(snap_steps)
@@ -251,9 +265,16 @@ class Run:
         if self.checkpoints is not None and disk_step >= 0:
             self.checkpoints.last_saved_step = disk_step
         self.restored_from = source
+        pod = gathered[src_rank][4] if source in ("peer", "local") and src_rank is not None else None
+        record, last_time = recovery_record(
+            source, self.position.step, [g[3] for g in gathered], restart_count=s.restart_count,
+            restored_from_pod=pod,
+        )
+        self._recovery_pending = (record, last_time) if record is not None else None
         self._save_point(checkpoint=False)
         self.progress.update(
             step=self.position.step, epoch=self.position.epoch, lastCheckpointStep=self._ckpt_step(),
+            **({"recovery": record} if record is not None else {}),
             **self._snapshot_progress(),
         )
         return source
@@ -309,6 +330,13 @@ class Run:
             rate = samples * self.session.world_size / dt
             self._sps = rate if self._sps is None else 0.9 * self._sps + 0.1 * rate
         self._last_step_time = now
+        recovered: dict[str, Any] = {}
+        if self._recovery_pending is not None:
+            record, last_time = self._recovery_pending
+            self._recovery_pending = None
+            recovered = {"recovery": complete(record, last_time, time.time())}
+            if self.session.is_main:
+                self.log("recovered", **{k: v for k, v in recovered["recovery"].items()})
         if isinstance(loss, torch.Tensor):
             loss = float(loss.detach().item())
         if loss is not None:
@@ -334,17 +362,20 @@ class Run:
                 )
             elif self.session.local_rank == 0:
                 self.log("step", all_ranks=True, step=pos.step, epoch=pos.epoch, batch=pos.batch)
+        if self._mark is not None:
+            # After the step line: the mark is never ahead of the logged steps (one definition of steps lost).
+            self._mark.write(pos.step)
         if self._epoch_len is None or pos.batch < self._epoch_len:
             self._save_point()
-        if self.session.is_main:
-            self.progress.update(
-                step=pos.step,
-                epoch=pos.epoch,
-                loss=self._last_loss,
-                samplesPerSecond=round(self._sps or 0.0, 2),
-                lastCheckpointStep=self._ckpt_step(),
-                **self._snapshot_progress(),
-            )
+        self.progress.update(
+            step=pos.step,
+            epoch=pos.epoch,
+            loss=self._last_loss,
+            samplesPerSecond=round(self._sps or 0.0, 2),
+            lastCheckpointStep=self._ckpt_step(),
+            **recovered,
+            **self._snapshot_progress(),
+        )
 
     def epoch_done(self, metrics: dict[str, Any] | None = None, *, stop: bool = False) -> None:
         """Close the epoch (after validation); ``stop=True`` (agreed by all ranks) ends :meth:`epochs`."""
@@ -355,8 +386,8 @@ class Run:
         pos.stopped = pos.stopped or stop
         self._epoch_len = None
         self._save_point()
+        self.progress.update(epoch=pos.epoch, metrics=metrics or {}, lastCheckpointStep=self._ckpt_step())
         if self.session.is_main:
-            self.progress.update(epoch=pos.epoch, metrics=metrics or {}, lastCheckpointStep=self._ckpt_step())
             self.log("epoch", epoch=finished, step=pos.step, stop=str(pos.stopped).lower(), **(metrics or {}))
 
     def _before_optimizer_step(self, *_: Any) -> None:
@@ -474,6 +505,9 @@ class Run:
         if self.snapshots is not None:
             # The run is over: nothing to recover any more, and /dev/shm is memory.
             self.snapshots.close(remove=self._writes_snapshots)
+        if self._mark is not None:
+            self._mark.close(remove=True)
+            self._mark = None
         return record
 
 

@@ -1,0 +1,85 @@
+"""A hung worker on a real cluster: failurePolicy.hangTimeoutSeconds finds the stuck pod and replaces it.
+
+The embedded cluster's containers are plain host processes, so the test freezes pod 1's torchrun *worker* (not
+the agent) with SIGSTOP: nothing fails, pod 0 waits in its all-reduce, and only the progress channel shows that
+global rank 0's step stopped. The operator must delete pod 1 within hangTimeout + 10 s (plus the probes'
+deadlines), record an attempt with reason Hang, and the job must finish, resumed from pod 0's peer snapshot.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.e2e import harness as h
+
+HANG_TIMEOUT = 20
+# hang.py: rank 0 polled every hangTimeout/10 (2 s here), then two probe deadlines (2 s each) and a pass
+ACT_WITHIN = HANG_TIMEOUT + 10 + 5
+STOP_AT_STEP = 15
+STEP_DELAY = 0.15
+SUCCEED_TIMEOUT = 400
+
+
+def _worker_pids(namespace: str, job: str, index: int) -> list[int]:
+    """Host PIDs of the torchrun workers (environ has LOCAL_RANK; the agent's has not) of pod `index`."""
+    want = {b"DDPJOB_NAMESPACE=" + namespace.encode(), b"DDPJOB_NAME=" + job.encode(),
+            b"DDPJOB_POD_INDEX=" + str(index).encode()}
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = set(f.read().split(b"\0"))
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"python" in cmdline and want <= environ and any(v.startswith(b"LOCAL_RANK=") for v in environ):
+            found.append(int(entry))
+    return found
+
+
+def _hang_attempt(st: dict) -> dict | None:
+    return next((a for a in st.get("attempts") or [] if a.get("reason") == "Hang"), None)
+
+
+def test_stopped_worker_is_detected_as_a_hang_and_replaced(kubectl, ns, cluster):
+    if not cluster.embedded:
+        pytest.skip("needs the embedded cluster: the test stops a container's process from the host")
+    name = "hang"
+    h.apply(kubectl, ns, h.digits_job(name, nodes=2, step_delay=STEP_DELAY,
+                                      spec={"failurePolicy": {"hangTimeoutSeconds": HANG_TIMEOUT}}))
+    h.wait_rank0_step(kubectl, ns, name, STOP_AT_STEP, 240)
+    pids = h.wait_for(lambda: _worker_pids(ns, name, 1), 30, f"the worker process of {name}-1")
+    stopped_at = time.time()
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        st = h.wait_for(lambda: (lambda s: s if _hang_attempt(s) else None)(h.status(kubectl, ns, name)),
+                        ACT_WITHIN + 30, "an attempt with reason Hang")
+        detected_s = time.time() - stopped_at
+        attempt = _hang_attempt(st)
+        print(f"hang detected {detected_s:.1f} s after SIGSTOP (timeout {HANG_TIMEOUT} s): {attempt}")
+        assert attempt["pod"] == f"{name}-1", attempt
+        assert detected_s <= ACT_WITHIN, f"acted after {detected_s:.1f} s, more than {ACT_WITHIN} s"
+        assert st.get("lastIncident", {}).get("reason") == "Hang", st
+        final = h.wait_phase(kubectl, ns, name, "Succeeded", SUCCEED_TIMEOUT)
+    finally:
+        for pid in pids:  # normally gone with its pod; never leave a stopped process behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    rec = final.get("lastRecovery")
+    print(f"status.lastRecovery: {rec}; restarts {final.get('restarts')}")
+    assert rec is not None, final
+    assert rec["fault"] == "Hang" and rec["resumedFrom"] == "peer", rec
+    assert rec["stepsLost"] <= 1, rec
+    assert rec.get("restoredFromPod") == f"{name}-0", rec
+    conditions = {c["type"]: c for c in final.get("conditions", [])}
+    assert conditions["Succeeded"]["status"] == "True", final
