@@ -223,6 +223,12 @@ def faults_table(bench_dir: Path) -> str:
                  f"cluster. Survived: the job Succeeded, the fault's checks held and at most one step was lost "
                  f"(node_notready on one node: Succeeded alone). \"not restarted\": training was never "
                  f"interrupted, nothing was lost.")
+    nr = (r.get("detail") or {}).get("node_notready") or {}
+    if "kubelet_stopped_s" in nr:
+        lines[-1] += (f" node_notready: the node was marked NotReady {_n(nr.get('notready_after_s'), ' s')} after the "
+                      f"kubelet stopped, the kubelet ran again after {_n(nr.get('kubelet_stopped_s'), ' s')}; the "
+                      f"operator {'recorded' if nr.get('operator_acted') else 'recorded no'} failure "
+                      f"(status.attempts) for the job.")
     return "\n".join(lines)
 
 
