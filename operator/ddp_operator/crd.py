@@ -44,6 +44,8 @@ DEFAULTS: dict[str, Any] = {
         # Off in practice for normal runs: as long as torch's default collective timeout (30 min), so an
         # evaluation phase (rank 0's step does not move while it validates) never looks like a hang.
         "hangTimeoutSeconds": 1800,
+        "startupTimeoutSeconds": 600,
+        "nodeLostTimeoutSeconds": 60,
     },
     "runPolicy": {"suspend": False, "cleanPodPolicy": "Running"},
     "shm": {"medium": "Memory"},
@@ -61,6 +63,8 @@ MAXIMA: dict[str, int] = {
     "incidentWindowSeconds": 3600,
     "stuckTerminatingTimeoutSeconds": 86400,
     "hangTimeoutSeconds": 7 * 86400,
+    "startupTimeoutSeconds": 86400,
+    "nodeLostTimeoutSeconds": 86400,
     "activeDeadlineSeconds": MAX_DURATION_SECONDS,
     "ttlSecondsAfterFinished": MAX_DURATION_SECONDS,
 }
@@ -199,7 +203,8 @@ def _template_schema() -> dict:
     pod_spec = _obj(
         "Pod spec (core/v1 PodSpec) of every training pod. The operator adds the torchrun environment "
         "to the `trainer` container, a memory-backed /dev/shm, the checkpoint volume, hostname/subdomain "
-        "and restartPolicy Never (the operator, not the kubelet, restarts training pods).",
+        "and restartPolicy OnFailure (the kubelet restarts a failed trainer container in the same pod, "
+        "keeping its /dev/shm snapshots; the operator replaces pods that end).",
         {
             "containers": {
                 "type": "array",
@@ -209,8 +214,12 @@ def _template_schema() -> dict:
                 "items": container,
             },
             "restartPolicy": _str(
-                "Must be Never or unset: a failed training pod is replaced by the operator, which "
-                "keeps the restart budget and the rendezvous consistent.", enum=["Never"]),
+                "OnFailure or unset (the default: OnFailure): a trainer container that exits non-zero is "
+                "restarted in place by the kubelet (CrashLoopBackOff: the first restart at once, then after "
+                "10 s, 20 s, ... up to 5 min, reset after 10 min running) and the operator records and counts "
+                "each restart like a failed pod. Never: every container failure ends the pod, which the "
+                "operator replaces (the pod's /dev/shm snapshots are lost with it).",
+                enum=["OnFailure", "Never"]),
             "volumes": {
                 "type": "array",
                 "description": "Volumes of each training pod; the operator adds "
@@ -324,10 +333,12 @@ def _spec_schema() -> dict:
             default={},
         ),
         "failurePolicy": _obj(
-            "When a training pod fails: replace it (counting against backoffLimit) or fail the job.",
+            "When a training pod fails or its trainer container is restarted in place: count it against "
+            "backoffLimit (replacing a pod that ended) or fail the job.",
             {
                 "backoffLimit": _int("Restarts allowed before the job fails. A restart is one incident: "
-                                     "pods failing within incidentWindowSeconds of each other count once.",
+                                     "pods failing, trainer containers restarted in place and rendezvous-store "
+                                     "losses within incidentWindowSeconds of each other count once.",
                                      minimum=0, maximum=10000, default=f["backoffLimit"]),
                 "permanentExitCodes": _exit_codes(
                     "Exit codes (of the trainer container, or of a worker as reported by torchrun) that fail "
@@ -339,8 +350,10 @@ def _spec_schema() -> dict:
                     "Whether evictions, preemptions and node loss (pod condition DisruptionTarget, reason "
                     "Evicted/Preempting/...) count against backoffLimit.", f["countDisruptions"]),
                 "incidentWindowSeconds": _int(
-                    "Pods failing within this many seconds of a counted failure are the same incident "
-                    "(survivors crash when a peer dies) and do not count again.",
+                    "Pods failing (or trainer containers restarted in place) within this many seconds of a "
+                    "counted failure are the same incident (survivors crash when a peer dies) and do not count "
+                    "again. Trainers failing while the rendezvous store pod is not Ready (after its loss, or "
+                    "at start) are recorded and never counted: they cannot run without it.",
                     minimum=0, maximum=MAXIMA["incidentWindowSeconds"], default=f["incidentWindowSeconds"]),
                 "stuckTerminatingTimeoutSeconds": _int(
                     "A pod still Terminating this long after its grace period, on a node that is NotReady or "
@@ -358,6 +371,21 @@ def _spec_schema() -> dict:
                     "it above your longest evaluation. Needs progress polling: progressPeriodSeconds: 0 turns "
                     "it off too; jobs that report no progress are never considered hung.",
                     minimum=0, maximum=MAXIMA["hangTimeoutSeconds"], default=f["hangTimeoutSeconds"]),
+                "startupTimeoutSeconds": _int(
+                    "Fail the job (reason StartupTimeoutExceeded) when, for this many seconds in a row, fewer than "
+                    "minNodes training pods or no rendezvous store pod are running: an image that cannot be "
+                    "pulled, a missing ConfigMap or Secret key, an unschedulable pod, or a pod the API server "
+                    "refuses (quota, PodSecurity). The blocking reason is shown meanwhile in the PodsNotStarting "
+                    "and ReplicaFailure conditions and in status.message; fixing it (e.g. deleting the quota, "
+                    "creating the ConfigMap) lets the job start. Counts from status.podsPendingSince. 0: never.",
+                    minimum=0, maximum=MAXIMA["startupTimeoutSeconds"], default=f["startupTimeoutSeconds"]),
+                "nodeLostTimeoutSeconds": _int(
+                    "A training or rendezvous-store pod on a node whose Ready condition has been False or Unknown "
+                    "this long is treated as lost: force-deleted, recorded in status.attempts as a disruption "
+                    "(reason NodeLost; counted only with countDisruptions) and recreated (a store pod as any lost "
+                    "store pod). Needs permission to get Nodes; without it such pods are waited "
+                    "for. 0: never.",
+                    minimum=0, maximum=MAXIMA["nodeLostTimeoutSeconds"], default=f["nodeLostTimeoutSeconds"]),
             },
             default={},
             rules=[_rule("!(has(self.permanentExitCodes) && has(self.retryableExitCodes))",
@@ -463,13 +491,16 @@ def _status_schema() -> dict:
         required=["type", "status"],
     )
     attempt = _obj(
-        "One ended training pod.",
+        "One ended training pod, an in-place restart of its trainer container (restartCount set), a lost "
+        "rendezvous store pod (reason RendezvousStoreLost) or a pod that vanished unseen (reason NodeMissing).",
         {
             "pod": _str("Pod name."),
             "uid": _str("Pod UID."),
             "index": _int("Node index."),
             "node": _str("Kubernetes node the pod ran on."),
             "exitCode": _int("Exit code of the trainer container, if it terminated."),
+            "restartCount": _int("Set for an in-place restart of the trainer container (the pod kept running): "
+                                 "the container's restartCount after it."),
             "reason": _str("Why it ended (container reason, pod reason, or disruption)."),
             "message": _str("Tail of the termination message."),
             "counted": _bool("Whether it consumed the restart budget."),
@@ -482,7 +513,8 @@ def _status_schema() -> dict:
         {
             "desired": _int("spec.nodes at the last reconcile."),
             "active": _int("Pods not finished (pending or running)."),
-            "running": _int("Pods whose phase is Running."),
+            "running": _int("Pods whose phase is Running and whose trainer container is up (not being "
+                            "restarted in place)."),
             "ready": _int("Pods with condition Ready."),
             "succeeded": _int("Pods whose trainer exited 0."),
             "failed": _int("Pods failed and not yet replaced."),
@@ -552,8 +584,9 @@ def _status_schema() -> dict:
             "observedGeneration": _int("metadata.generation last reconciled."),
             "restarts": _int("Restarts counted against failurePolicy.backoffLimit."),
             "disruptions": _int("Pod losses from evictions, preemptions and node loss."),
-            "group": _int("Whole-group restart generation (rendezvous id suffix); bumps when the rendezvous "
-                          "store pod is lost."),
+            "group": _int("Rendezvous generation (rendezvous id suffix, pod label ddp.dev/group). Kept for "
+                          "compatibility: a lost rendezvous store is recreated under the same id, so it no longer "
+                          "changes."),
             "nodes": nodes,
             "nodesReady": _str("ready/desired, for `kubectl get`."),
             "selector": _str("Label selector of the training pods (scale subresource)."),
@@ -565,6 +598,9 @@ def _status_schema() -> dict:
             "lastFailureTime": _str("When the last counted failure was observed.", format="date-time"),
             "recoveryStartTime": _str("When the current recovery started (unset while healthy).",
                                       format="date-time"),
+            "podsPendingSince": _str("Since when fewer than minNodes training pods, or no rendezvous store pod, "
+                                     "have been running (unset while they run); "
+                                     "failurePolicy.startupTimeoutSeconds counts from here.", format="date-time"),
             "attempts": {
                 "type": "array",
                 "description": f"The last {names.ATTEMPTS_HISTORY} ended training pods, newest last.",
@@ -573,10 +609,11 @@ def _status_schema() -> dict:
             },
             "recordedPods": {
                 "type": "array",
-                "description": "UIDs of ended pods already recorded (in attempts, and counted or not), kept while "
-                               "the pod exists so that no pod is counted twice however many end at once.",
+                "description": "UIDs of ended pods already recorded (in attempts, and counted or not), and "
+                               "`<uid>/<restartCount>` of the newest in-place restart recorded per pod, kept while "
+                               "the pod exists so that nothing is counted twice however many end at once.",
                 "maxItems": names.MAX_RECORDED_PODS,
-                "items": {"type": "string", "maxLength": 64, "description": "A pod UID."},
+                "items": {"type": "string", "maxLength": 64, "description": "A pod UID, or <uid>/<restartCount>."},
             },
             "progress": progress,
             "lastIncident": last_incident,

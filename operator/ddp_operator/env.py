@@ -23,7 +23,8 @@ def rdzv_endpoint(job: Job) -> str:
 
 
 def rdzv_id(job: Job, group: int) -> str:
-    """torchrun rendezvous id; a whole-group restart bumps `group` so nobody rejoins a dead round."""
+    """torchrun rendezvous id: `<job uid>-<group>`. The group no longer changes (a lost store is recreated and
+    rejoined under the same id, plan.py); it stays in the id for compatibility with running jobs."""
     return f"{job.uid}-{group}"
 
 

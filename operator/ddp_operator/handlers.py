@@ -17,6 +17,12 @@ poll keeps a watch of rank 0's last step, and once it has not changed for the ti
 every trainer pod in parallel and runs a pass with their answers, which deletes the stuck pod(s). The ticker
 schedules that check at its due time (its own wake-up), so it acts within the timeout + the poll interval + two
 probe deadlines.
+A child the API server refuses (quota, PodSecurity, a webhook, an invalid field) is retried with a per-child
+exponential backoff (CREATE_BACKOFF_INITIAL_SECONDS doubling up to CREATE_BACKOFF_MAX_SECONDS, reset by a success)
+while the rest of the pass goes on; the refusals are handed to the plan (Observed.refusals), which reports them
+(condition ReplicaFailure, reason FailedCreate, one Event per distinct refusal). A refused NetworkPolicy holds back
+the pods it protects. Node states for the node-loss rule are read for the pods plan.node_lost_candidates names,
+each node at most once per NODE_CACHE_SECONDS.
 
 One job's pods cannot stall the others: progress probes run on a small thread pool, each with one overall
 deadline (progress.py), so the ticker that serves every job's wake-ups (deadlines, TTL, force-deletes) never
@@ -45,8 +51,10 @@ from ddp_operator import metrics, names, progress
 from ddp_operator import crd as crd_defaults
 from ddp_operator.k8s import ChildConflict, describe_error
 from ddp_operator.netpol import NetworkPolicyConfig
-from ddp_operator.observed import PodState, observe_pod
-from ddp_operator.plan import CREATE, DELETE, DELETE_JOB, FORCE_DELETE, Observed, Plan, invalid, plan, stuck_pods
+from ddp_operator.observed import NodeState, PodState, observe_pod
+from ddp_operator.plan import (
+    CREATE, DELETE, DELETE_JOB, FORCE_DELETE, Observed, Plan, invalid, node_lost_candidates, plan, stuck_pods,
+)
 from ddp_operator.spec import SpecError, parse_job
 from ddp_operator.status import last_recovery, newer_progress, progress_status
 
@@ -62,6 +70,11 @@ SWEEP_SECONDS = 10.0
 PROBE_WORKERS = 8
 # A foreign object holding a child's name is looked at again this often (one create, one read).
 CONFLICT_RETRY_SECONDS = 30.0
+# A refused create is retried after 1 s, 2 s, 4 s, ... per child, at most this far apart; a success resets it.
+CREATE_BACKOFF_INITIAL_SECONDS = 1.0
+CREATE_BACKOFF_MAX_SECONDS = 60.0
+# How long a node's state read for the node-loss rule is reused (one read per node, not per pod or pass).
+NODE_CACHE_SECONDS = 5.0
 # Status fields that only count pods: a change in them alone may wait a moment to be batched.
 _COUNT_FIELDS = frozenset({"nodes", "nodesReady", "message"})
 
@@ -79,6 +92,19 @@ def _owned_by(obj: Mapping[str, Any], uid: str) -> bool:
 class _Created:
     body: dict
     at: float
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """The last refusal of a child's create: what the API server said, how many in a row, when to retry."""
+    message: str
+    attempts: int
+    retry_at: float  # time.monotonic()
+
+
+def create_backoff(attempts: int) -> float:
+    """Seconds before the next try after `attempts` refusals in a row: 1, 2, 4, ... capped."""
+    return min(CREATE_BACKOFF_MAX_SECONDS, CREATE_BACKOFF_INITIAL_SECONDS * 2 ** min(attempts - 1, 30))
 
 
 class Reconciler:
@@ -102,7 +128,8 @@ class Reconciler:
         self._progress_written_at: dict[str, float] = {}
         self._hang_watch: dict[str, hangmod.Watch] = {}
         self._phases: dict[str, str] = {}
-        self._create_failed: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)  # last refusal per child
+        self._create_failed: dict[tuple[str, str], dict[str, _Refusal]] = defaultdict(dict)  # last refusal per child
+        self._nodes: dict[str, tuple[NodeState | None, float]] = {}  # node -> (state, when read)
         # child name -> (why it cannot be created, when that was last checked)
         self._conflicts: dict[tuple[str, str], dict[str, tuple[str, float]]] = {}
         self._probing: set[tuple[str, str]] = set()
@@ -181,6 +208,10 @@ class Reconciler:
                           for u in store if u not in uids}
         with self._locks_guard:
             stale_keys |= {k for k in self._locks if k not in keys}
+        with self._guard:
+            now = time.monotonic()
+            for node in [n for n, (_, at) in self._nodes.items() if now - at >= NODE_CACHE_SECONDS]:
+                del self._nodes[node]
         for k in stale_keys:
             if not self._job_exists(k):  # looked up again: a job created since the listing keeps its state
                 self.forget(k)
@@ -326,6 +357,8 @@ class Reconciler:
             return result
         pods, seen_tombstones = self._observe(key, uid)
         node_ready = {p.node: self.api.node_ready(p.node) for p in stuck_pods(job, pods, now)}
+        nodes = ({p.node: self._node_state(p.node) for p in node_lost_candidates(pods)}
+                 if job.spec.failure_policy.node_lost_timeout_seconds else {})
         policies = [uid_ for uid_, owners in self._values("network_policies_by_job", key) if uid in owners]
         with self._guard:
             created = self._policies_created.get(key)
@@ -334,10 +367,11 @@ class Reconciler:
             elif created:
                 policies = [created[0]]
             conflicts = {name: why for name, (why, _) in (self._conflicts.get(key) or {}).items()}
+            refusals = {name: r.message for name, r in (self._create_failed.get(key) or {}).items()}
         observed = Observed(pods=pods, service_exists=bool(self._values("services_by_job", key)),
                             node_ready=node_ready, network_policy_exists=bool(policies),
                             network_policy_uid=policies[0] if policies else None, conflicts=conflicts,
-                            hang_reports=hang_reports)
+                            hang_reports=hang_reports, refusals=refusals, nodes=nodes)
         result = plan(job, prev, observed, now, self.network_policy)
         # Status first: a failure is on record (by pod UID) before the pod is deleted, so a crash between
         # the two never counts it twice.
@@ -379,14 +413,25 @@ class Reconciler:
             log.info("[%s/%s] phase %s -> %s: %s", *key, prev.get("phase"), new.get("phase"), new.get("message", ""))
 
     def _execute(self, namespace: str, key: tuple[str, str], body: Mapping, result: Plan) -> None:
+        self._forget_refusals(key, {a.name for a in result.actions if a.verb == CREATE})
+        policy_missing = False  # pods are never created before the NetworkPolicy that protects them
         for action in result.actions:
             if action.verb == CREATE:
+                if action.kind == "Pod" and policy_missing:
+                    continue
                 if self._conflict_checked_recently(key, action.name):
                     continue  # looked at again when its retry is due, not on every pass (two requests each)
+                if self._backing_off(key, action.name):
+                    policy_missing = policy_missing or action.kind == "NetworkPolicy"
+                    continue
                 try:
                     created = self._create(key, body, action)
                 except ChildConflict as e:
                     self._conflict(key, action.name, str(e))
+                    continue
+                except ApiException as e:
+                    self._refused(key, action, e)
+                    policy_missing = policy_missing or action.kind == "NetworkPolicy"
                     continue
                 self._resolved(key, action.name)
                 if created is not None:
@@ -402,31 +447,75 @@ class Reconciler:
                 self.api.delete_network_policy(namespace, action.name, action.uid)
             elif action.verb == DELETE:
                 log.info("[%s/%s] deleting pod %s", *key, action.name)
-                self.api.delete_pod(namespace, action.name, action.uid)
+                self.api.delete_pod(namespace, action.name, action.uid, grace_seconds=action.grace_seconds)
             elif action.verb == FORCE_DELETE:
-                log.warning("[%s/%s] force-deleting pod %s stuck on a NotReady node", *key, action.name)
+                log.warning("[%s/%s] force-deleting pod %s on a NotReady or lost node", *key, action.name)
                 self.api.delete_pod(namespace, action.name, action.uid, force=True)
             elif action.verb == DELETE_JOB:
                 log.info("[%s/%s] ttlSecondsAfterFinished expired; deleting the job", *key)
                 self.api.delete_job(namespace, action.name, body["metadata"]["uid"])
 
     def _create(self, key: tuple[str, str], body: Mapping, action: Any) -> dict | None:
-        """Create a child; a refusal (PodSecurity, quota, a webhook) becomes a FailedCreate Warning on the job,
-        posted again only when the reason changes, then the pass fails and is retried."""
-        try:
-            created = self.api.create(action.body)
-        except ApiException as e:
-            reason = describe_error(e)
-            with self._guard:
-                new = self._create_failed[key].get(action.name) != reason
-                self._create_failed[key][action.name] = reason
-            if new:
-                self.api.post_event(body, "Warning", names.REASON_CREATE_FAILED,
-                                    f"cannot create {action.kind} {action.name}: {reason}", COMPONENT)
-            raise
+        """Create a child; a success ends its refusal backoff (and the next pass clears the condition)."""
+        created = self.api.create(action.body)
         with self._guard:
-            self._create_failed.get(key, {}).pop(action.name, None)
+            refused = self._create_failed.get(key, {}).pop(action.name, None)
+        if refused is not None:
+            log.info("[%s/%s] created %s %s after %d refusal(s)", *key, action.kind, action.name, refused.attempts)
+            self.wake(key, 0.0)
         return created
+
+    # --- refused creates ------------------------------------------------------------------------------
+    def _refused(self, key: tuple[str, str], action: Any, error: ApiException) -> None:
+        """The API server refused a child: retry it after the next backoff step; a refusal that differs from the
+        last one is reported at once (a pass right away hands it to the plan), a repeated one only retried."""
+        message = f"cannot create {action.kind} {action.name}: {describe_error(error)}"
+        with self._guard:
+            known = self._create_failed[key].get(action.name)
+            attempts = known.attempts + 1 if known else 1
+            delay = create_backoff(attempts)
+            self._create_failed[key][action.name] = _Refusal(message, attempts, time.monotonic() + delay)
+        new = known is None or known.message != message
+        if new:
+            log.warning("[%s/%s] %s; retrying in %.0fs", *key, message, delay)
+        else:
+            log.debug("[%s/%s] %s (refusal %d); retrying in %.0fs", *key, message, attempts, delay)
+        self.wake(key, 0.0 if new else delay)
+
+    def _backing_off(self, key: tuple[str, str], name: str) -> bool:
+        """True while a refused child's retry is not due yet (the retry's wake-up stays armed)."""
+        with self._guard:
+            refused = (self._create_failed.get(key) or {}).get(name)
+        if refused is None:
+            return False
+        left = refused.retry_at - time.monotonic()
+        if left <= 0:
+            return False
+        self.wake(key, left)
+        return True
+
+    def _forget_refusals(self, key: tuple[str, str], wanted: set[str]) -> None:
+        """Drop the refusals of children the plan no longer creates (scaled down, the job finished)."""
+        with self._guard:
+            known = self._create_failed.get(key) or {}
+            stale = [name for name in known if name not in wanted]
+            for name in stale:
+                del known[name]
+        if stale:
+            self.wake(key, 0.0)
+
+    # --- nodes ----------------------------------------------------------------------------------------
+    def _node_state(self, name: str) -> NodeState | None:
+        """A node's state for the node-loss rule, read at most once per NODE_CACHE_SECONDS."""
+        now = time.monotonic()
+        with self._guard:
+            cached = self._nodes.get(name)
+        if cached is not None and now - cached[1] < NODE_CACHE_SECONDS:
+            return cached[0]
+        state = self.api.node_state(name)
+        with self._guard:
+            self._nodes[name] = (state, now)
+        return state
 
     def _conflict(self, key: tuple[str, str], name: str, message: str) -> None:
         """A foreign object holds a child's name: the next pass reports it (condition + Event); the create is

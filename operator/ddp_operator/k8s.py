@@ -21,6 +21,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from ddp_operator import metrics, names
+from ddp_operator.observed import NodeState, observe_node
 
 log = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"
@@ -118,13 +119,18 @@ class Api:
             namespace, field_selector=f"metadata.name={name}", _request_timeout=t).items
         return items[0] if items else None
 
-    def delete_pod(self, namespace: str, name: str, uid: str | None, *, force: bool = False) -> None:
+    def delete_pod(self, namespace: str, name: str, uid: str | None, *, force: bool = False,
+                   grace_seconds: int | None = None) -> None:
+        """Delete a pod (only this UID); `force`: at once, without waiting for the kubelet; `grace_seconds`: a
+        grace period shorter than the pod's own."""
         metrics.API_WRITES.labels("force-delete" if force else "delete", "Pod").inc()
         body: dict[str, Any] = {}
         if uid:
             body["preconditions"] = {"uid": uid}
         if force:
             body["gracePeriodSeconds"] = 0
+        elif grace_seconds is not None:
+            body["gracePeriodSeconds"] = grace_seconds
         try:
             self.core.delete_namespaced_pod(name, namespace, body=body, _request_timeout=REQUEST_TIMEOUT_SECONDS)
         except ApiException as e:
@@ -193,7 +199,12 @@ class Api:
 
     # --- nodes ------------------------------------------------------------------------------------
     def node_ready(self, name: str) -> bool | None:
-        """False if the node is gone or its Ready condition is not True; None if Nodes may not be read.
+        """False if the node is gone or its Ready condition is not True; None if Nodes may not be read."""
+        state = self.node_state(name)
+        return None if state is None else state.ready
+
+    def node_state(self, name: str) -> NodeState | None:
+        """The node's readiness and since when (observed.observe_node); None if Nodes may not be read.
 
         Namespace-scoped RBAC (the chart's rbac.scope=namespace) grants no Node read. The node's state is then
         unknown, which the plan treats as "do not force-delete"; after the first 403 no more reads are tried,
@@ -205,14 +216,17 @@ class Api:
             node = self.core.read_node(name, _request_timeout=REQUEST_TIMEOUT_SECONDS)
         except ApiException as e:
             if e.status == 404:
-                return False
+                return observe_node(None)
             if e.status == 403:
                 self._nodes_forbidden = True
-                log.info("no permission to read Nodes (%s): pods stuck Terminating are waited for, never "
-                         "force-deleted", describe_error(e))
+                log.info("no permission to read Nodes (%s): pods on NotReady nodes and pods stuck Terminating "
+                         "are waited for, never force-deleted", describe_error(e))
                 return None
             raise
-        return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
+        conditions = [{"type": c.type, "status": c.status,
+                       "lastTransitionTime": getattr(c, "last_transition_time", None)}
+                      for c in (node.status.conditions or [])]
+        return observe_node({"status": {"conditions": conditions}})
 
     # --- leader election --------------------------------------------------------------------------
     def read_lease(self, namespace: str, name: str, *, timeout: float = REQUEST_TIMEOUT_SECONDS) -> dict | None:

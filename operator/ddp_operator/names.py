@@ -16,6 +16,8 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 
 # --- Children -------------------------------------------------------------------------------------
 TRAINER_CONTAINER = "trainer"
+# restartPolicy of the training pods: the kubelet restarts a failed trainer container in the same pod.
+TRAINER_RESTART_POLICY = "OnFailure"
 RDZV_CONTAINER = "rdzv-store"
 RDZV_POD_SUFFIX = "rdzv"
 SHM_VOLUME = "dshm"
@@ -46,6 +48,9 @@ MANAGED_BY = "ddp-operator"
 # torchrun exits 0 only when every worker finished, so a trainer still running this long after a peer
 # exited 0 is an agent waiting for a rendezvous that will never complete; it is stopped.
 SUCCESS_GRACE_SECONDS = 60
+# The grace period of a hung pod's deletion: its stuck process cannot act on SIGTERM anyway (1, not 0: 0 is a
+# force deletion, which frees the name before the kubelet has stopped the old containers).
+HANG_DELETE_GRACE_SECONDS = 1
 
 # --- Ports ----------------------------------------------------------------------------------------
 DEFAULT_RDZV_PORT = 29400
@@ -105,9 +110,13 @@ COND_SUSPENDED = "Suspended"
 COND_SUCCEEDED = "Succeeded"
 COND_FAILED = "Failed"
 # True while a child (Pod, Service) cannot be created: an object the job does not own holds its name.
+# Also True while the API server refuses to create a child (reason FailedCreate: quota, PodSecurity, a webhook).
 COND_REPLICA_FAILURE = "ReplicaFailure"
+# True while a pod of the job exists but the kubelet cannot start it: the kubelet's reason (ErrImagePull,
+# ImagePullBackOff, CreateContainerConfigError, ...) and message.
+COND_PODS_NOT_STARTING = "PodsNotStarting"
 CONDITION_TYPES = (COND_CREATED, COND_RUNNING, COND_RESTARTING, COND_SUSPENDED, COND_SUCCEEDED, COND_FAILED,
-                   COND_REPLICA_FAILURE)
+                   COND_REPLICA_FAILURE, COND_PODS_NOT_STARTING)
 
 # Condition reasons double as Event reasons.
 REASON_CREATED = "JobCreated"
@@ -123,6 +132,7 @@ FAULT_WORKER_RESTART = "WorkerRestart"
 FAULT_UNKNOWN = "Unknown"
 # status.lastRecovery.resumedFrom (the trainer's progress `recovery.resumedFrom`)
 RESUMED_FROM = ("peer", "local", "disk", "start")
+REASON_RESTARTED_IN_PLACE = "TrainerRestarted"
 REASON_SUSPENDED = "JobSuspended"
 REASON_RESUMED = "JobResumed"
 REASON_SUCCEEDED = "TrainingSucceeded"
@@ -137,6 +147,22 @@ REASON_TTL_EXPIRED = "TTLExpired"
 REASON_CREATE_FAILED = "FailedCreate"
 REASON_CHILD_CONFLICT = "ChildConflict"
 REASON_CHILDREN_CREATED = "ChildrenCreated"
+REASON_PODS_STARTED = "PodsStarted"
+REASON_STARTUP_TIMEOUT = "StartupTimeoutExceeded"
+# A pod on a node NotReady for longer than failurePolicy.nodeLostTimeoutSeconds: a disruption (attempt reason,
+# and the Event of its force-deletion).
+REASON_NODE_LOST = "NodeLost"
+
+# Why a pod that exists cannot start. Container waiting reasons set by the kubelet (CrashLoopBackOff is not
+# one: that container did start), and the scheduler's PodScheduled=False reason.
+STARTUP_WAITING_REASONS = (
+    "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull", "RegistryUnavailable",
+    "SignatureValidationFailed", "CreateContainerConfigError", "CreateContainerError", "PreCreateHookError",
+    "PreStartHookError",
+)
+# The kubelet alternates these while it retries a pull: one condition reason (the first seen) for all of them.
+IMAGE_PULL_REASONS = ("ErrImagePull", "ImagePullBackOff")
+REASON_UNSCHEDULABLE = "Unschedulable"
 
 # Pod condition / status reasons that mark a disruption (not the training's fault).
 DISRUPTION_CONDITION = "DisruptionTarget"

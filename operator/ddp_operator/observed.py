@@ -1,4 +1,12 @@
-"""What an observed pod means to the operator: `observe_pod(pod)` reduces a Pod object to a frozen PodState."""
+"""What an observed pod means to the operator: `observe_pod(pod)` reduces a Pod object to a frozen PodState.
+
+Training pods run with restartPolicy OnFailure (pod.py): a trainer container that exits non-zero is restarted
+by the kubelet inside the same pod, which stays Running. Such a failure is not an end of the pod: it shows as
+`restarts` (how many times the trainer container failed and was, or is about to be, restarted in place: its
+`restartCount`, plus one while the failed container waits for its restart) and `restart_*` (the newest such
+failure, from `state.terminated` before the restart and `lastState.terminated` after it), and `restarting`
+while the trainer container is down for it (terminated, or waiting out the kubelet's CrashLoopBackOff).
+"""
 
 from __future__ import annotations
 
@@ -45,6 +53,9 @@ class PodState:
     disruption: str | None         # disruption reason (eviction, preemption, node loss), or None
     final_report: Mapping[str, Any] | None  # rank 0's termination-log JSON, when present
     finished_at: datetime | None = None     # when the main container terminated
+    # Why the pod cannot start, while it cannot: (reason, message) of a container the kubelet cannot create or
+    # pull (names.STARTUP_WAITING_REASONS), or of the scheduler's PodScheduled=False. None otherwise.
+    startup_error: tuple[str, str] | None = None
     # A tombstone: the pod's last state from its DELETED watch event. The object no longer exists, whatever
     # its last phase says (a pod deleted gracefully usually ends Failed first: torchrun exits on SIGTERM).
     gone: bool = False
@@ -52,6 +63,14 @@ class PodState:
     # trainer's outcome (Succeeded/Failed); the pod itself still needs stopping (cleanPodPolicy). Native sidecars
     # (init containers with restartPolicy Always) are stopped by the kubelet, so they never make a pod linger.
     lingering: bool = False
+    # In-place restarts of the trainer container (restartPolicy OnFailure): see the module docstring.
+    restarts: int = 0
+    restart_exit_code: int | None = None
+    restart_worker_exit_codes: tuple[int, ...] = ()
+    restart_reason: str = ""
+    restart_message: str = ""
+    restart_finished_at: datetime | None = None
+    restarting: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -63,7 +82,8 @@ class PodState:
 
     @property
     def running(self) -> bool:
-        return self.phase == "Running" and not self.deleting
+        """Running, and its trainer container is up (not down for an in-place restart)."""
+        return self.phase == "Running" and not self.deleting and not self.restarting
 
     @property
     def succeeded(self) -> bool:
@@ -72,6 +92,12 @@ class PodState:
     @property
     def exit_codes(self) -> tuple[int, ...]:
         return ((self.exit_code,) if self.exit_code is not None else ()) + self.worker_exit_codes
+
+    @property
+    def restart_exit_codes(self) -> tuple[int, ...]:
+        """Exit codes of the newest in-place restart: the trainer container's and its workers'."""
+        return ((self.restart_exit_code,) if self.restart_exit_code is not None else ()) + \
+            self.restart_worker_exit_codes
 
 
 def _main_container_status(pod: Mapping, container_name: str) -> Mapping:
@@ -99,6 +125,23 @@ def _disruption(pod: Mapping) -> str | None:
     return None
 
 
+def _startup_error(pod: Mapping) -> tuple[str, str] | None:
+    """The first reason the pod cannot start: a container (init containers first) waiting for a reason in
+    names.STARTUP_WAITING_REASONS, else the scheduler's Unschedulable."""
+    status = pod.get("status") or {}
+    for cs in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in names.STARTUP_WAITING_REASONS:
+            message = (waiting.get("message") or "").strip()
+            return waiting["reason"], f"container {cs.get('name')}: {message}"[:MESSAGE_TAIL] if message \
+                else f"container {cs.get('name')}"
+    for cond in status.get("conditions") or []:
+        if (cond.get("type") == "PodScheduled" and cond.get("status") == "False"
+                and cond.get("reason") == names.REASON_UNSCHEDULABLE):
+            return names.REASON_UNSCHEDULABLE, (cond.get("message") or "").strip()[:MESSAGE_TAIL]
+    return None
+
+
 def _group(label: Any) -> int:
     """The pod's group label; one that is not a number (edited by hand, or a foreign pod) reads as STALE_GROUP,
     which matches no group the operator runs, so the pod is deleted as stale and never counted."""
@@ -119,17 +162,32 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
     index = labels.get(names.LABEL_NODE_INDEX)
     container = names.TRAINER_CONTAINER if role == names.ROLE_TRAINER else names.RDZV_CONTAINER
     cs = _main_container_status(pod, container)
-    terminated = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated") or {}
+    state = cs.get("state") or {}
+    phase = status.get("phase") or "Pending"
+    deleting = bool(meta.get("deletionTimestamp"))
+    restart_count = int(cs.get("restartCount") or 0)
+    # The kubelet restarts a failed container of a pod that is not being deleted when the pod's policy says so.
+    in_place = ((pod.get("spec") or {}).get("restartPolicy") or "Always") in ("OnFailure", "Always")
+    current = state.get("terminated") or {}
+    last = (cs.get("lastState") or {}).get("terminated") or {}
+    restarting = False
+    if (role == names.ROLE_TRAINER and in_place and not gone and not deleting and phase in ("Pending", "Running")
+            and current and current.get("exitCode") != 0):
+        # Failed, and the kubelet restarts it (restartCount moves when the new container is created).
+        restart_count, last, current, restarting = restart_count + 1, current, {}, True
+    elif restart_count and state.get("waiting"):
+        restarting = True  # CrashLoopBackOff, or the new container being created
+    terminated = current
     message = (terminated.get("message") or status.get("message") or "").strip()
     exit_code = terminated.get("exitCode")
     reason = terminated.get("reason") or status.get("reason") or ""
-    phase = status.get("phase") or "Pending"
     lingering = False
-    if role == names.ROLE_TRAINER and phase in ("Pending", "Running") and (cs.get("state") or {}).get("terminated"):
+    if role == names.ROLE_TRAINER and phase in ("Pending", "Running") and terminated:
         # Completion is the trainer container's, not the pod's: a sidecar may keep the pod Running for ever.
         phase = "Succeeded" if exit_code == 0 else "Failed"
         lingering = not gone and any(c.get("name") != container and not (c.get("state") or {}).get("terminated")
                                      for c in status.get("containerStatuses") or [])
+    last_message = (last.get("message") or "").strip()
     if gone:
         phase = "Gone" if phase not in ("Succeeded", "Failed") else phase
         reason = reason or "Deleted"
@@ -141,7 +199,7 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
         index=int(index) if index is not None and str(index).isdigit() else None,
         group=_group(labels.get(names.LABEL_GROUP)),
         phase=phase,
-        deleting=bool(meta.get("deletionTimestamp")),
+        deleting=deleting,
         deletion_time=parse_time(meta.get("deletionTimestamp")),
         node=(pod.get("spec") or {}).get("nodeName") or "",
         ready=ready and phase == "Running",
@@ -152,6 +210,37 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
         disruption=_disruption(pod),
         final_report=_final_report(message),
         finished_at=parse_time(terminated.get("finishedAt")),
+        startup_error=None if gone or phase not in ("Pending", "Running") else _startup_error(pod),
         gone=gone,
         lingering=lingering,
+        restarts=restart_count if role == names.ROLE_TRAINER else 0,
+        restart_exit_code=last.get("exitCode"),
+        restart_worker_exit_codes=tuple(int(c) for c in _WORKER_EXIT.findall(last_message)),
+        restart_reason=last.get("reason") or "",
+        restart_message=last_message[-MESSAGE_TAIL:],
+        restart_finished_at=parse_time(last.get("finishedAt")),
+        restarting=restarting and role == names.ROLE_TRAINER,
     )
+
+
+# --- nodes (the node-loss rule) -------------------------------------------------------------------
+@dataclass(frozen=True)
+class NodeState:
+    """A node as the node-loss rule sees it: Ready or not, and since when (the Ready condition's
+    lastTransitionTime; None for a node that no longer exists, or when the API gave no time)."""
+    ready: bool
+    since: datetime | None = None
+    gone: bool = False
+
+
+def observe_node(node: Mapping[str, Any] | None) -> NodeState:
+    """A Node object (None: it does not exist) as a NodeState. Ready is the Ready condition being True; False
+    and Unknown (the node controller's mark for a kubelet that stopped reporting) are both NotReady."""
+    if node is None:
+        return NodeState(ready=False, gone=True)
+    for cond in (node.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Ready":
+            since = cond.get("lastTransitionTime")
+            return NodeState(ready=cond.get("status") == "True",
+                             since=since if isinstance(since, datetime) else parse_time(since))
+    return NodeState(ready=False)

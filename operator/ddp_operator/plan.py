@@ -5,22 +5,40 @@ now (plus tombstones of pods it saw deleted) and the clock value it is given. Ru
 input yields the same output, so an operator restart changes nothing.
 
 Rules (docs/contract.md and the CRD field descriptions say the same to users):
+- Training pods run with restartPolicy OnFailure (pod.py). A trainer container that exits non-zero is restarted
+  by the kubelet in the same pod (same IP, hostname and /dev/shm): each such restart is recorded once (key
+  `<uid>/<restartCount>` in status.recordedPods, details with `restartCount` in status.attempts; restarts the
+  operator did not see, e.g. while it was down, are recorded together with the newest) and is an incident like a
+  failed pod. The pod is left alone: the kubelet restarts the container (CrashLoopBackOff from the second
+  restart on), the trainer resumes from its own snapshot.
 - A failed, deleted or evicted training pod is recorded once (by UID, in status.recordedPods, with its details in
-  the bounded status.attempts history), deleted, and recreated under the same name once the old one is gone.
+  the bounded status.attempts history), deleted, and recreated under the same name once the old one is gone
+  (so there is never more than one pod per index). A pod missing while the job was training, whose end nobody
+  saw (deleted while the operator was down) and that is not already on record within the recovery under way, is
+  recorded too (reason NodeMissing, no UID) and counted like a deleted pod.
 - A failure counts against failurePolicy.backoffLimit unless it is a disruption (eviction, preemption, node
   loss) and countDisruptions is false, or it falls within incidentWindowSeconds of the incident that came
-  before (survivors crashing because a peer died). Exceeding the budget fails the job.
-- Exit codes listed as permanent (or not listed as retryable) fail the job at once.
-- Losing the rendezvous-store pod restarts the whole group: group += 1 (new rendezvous id), every trainer pod
-  is deleted and recreated. That is one incident.
-- Succeeded: some trainer exited 0 and no trainer is still running. Failures after a success are not replaced;
-  trainers still running SUCCESS_GRACE_SECONDS after the first success are stopped.
+  before (survivors crashing because a peer died). Exceeding the budget fails the job and stops the pods.
+- Exit codes listed as permanent (or not listed as retryable) fail the job at once, on a pod that ended as on an
+  in-place restart (the trainer container's exit code and its workers' from torchrun's summary).
+- Losing the rendezvous-store pod (it ended or is being deleted) is recorded once (reason RendezvousStoreLost, a
+  Warning Event), is one incident, and the pod is recreated under the same name. The group and the rendezvous id
+  stay and no trainer pod is touched: the agents fail on the lost store, their containers restart in place and
+  rejoin the new store. Trainer restarts (and, with restartPolicy Never, trainer pods failing with an exit
+  code) seen while the store pod is not Ready — after its loss or at start — are recorded and never counted:
+  the trainers cannot run without it, as a trainer pod stuck Pending never fails the job either. The
+  recovery ends only when the store is Ready and every trainer runs.
+  status.group stays for compatibility: pods of another group are stale (below); it no longer changes.
+- Succeeded: some trainer exited 0 and no trainer is still running. Failures after a success are not replaced
+  nor counted, a trainer container restarting in place then is stopped at once; trainers still running
+  SUCCESS_GRACE_SECONDS after the first success are stopped.
 - A trainer pod's outcome is its `trainer` container's: exit 0 is a success and any other exit a failure even
   while a sidecar container keeps the pod Running; such a pod is then stopped like a running one
   (cleanPodPolicy once the job finished, replacement after a failure).
 - Events: every phase change carries one (the changed conditions', else one with the new status reason), as
-  do a change of spec.nodes (Scaled), a TTL deletion (TTLExpired) and a force-deleted pod. The shell adds
-  FailedCreate when the API server refuses a child.
+  do a change of spec.nodes (Scaled), a TTL deletion (TTLExpired), a force-deleted pod, every in-place restart
+  (TrainerRestarted) and a lost store (RendezvousStoreLost), unless a condition Event already says the same.
+  The shell adds FailedCreate when the API server refuses a child.
 - The job's NetworkPolicy (netpol.py) exists while the job is active exactly when it is wanted
   (spec.networkPolicy.enabled, else the operator's default): created before any pod, deleted when disabled.
 - Pods of an older group (or with a group label that is not a number), or with an index >= spec.nodes (scale
@@ -35,6 +53,17 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
   deleted and replaced; the job is Restarting with reason Hang.
 - status.lastIncident keeps the last incident's reason and time (the first reason within the incident window);
   status.lastRecovery combines it with the trainer's `recovery` report (status.last_recovery).
+- Pods that cannot start (the section "pods that cannot start"): a current pod the kubelet cannot start
+  (image pull, container config) sets condition PodsNotStarting=True with the kubelet's reason and message (an
+  Unschedulable pod does not: an autoscaler may add room; the startup timeout's message names it); a child the
+  API server refuses (Observed.refusals, the shell backs off its retries) sets ReplicaFailure=True, reason
+  FailedCreate, with the refusal (one Event per distinct refusal). Both show in status.reason/message and turn False once the cause is gone. While fewer than minNodes trainers
+  or no store pod run, status.podsPendingSince says since when; failurePolicy.startupTimeoutSeconds after it the
+  job fails (StartupTimeoutExceeded) with the blocking reason.
+- Node loss (the section "node loss"): a live current trainer or store pod on a node NotReady (Ready False or
+  Unknown) for failurePolicy.nodeLostTimeoutSeconds, or on a node that no longer exists, is force-deleted and
+  handled as a disruption (reason NodeLost) by the ordinary failure rules; nodes of unknown state (no RBAC) are
+  left alone. The shell reads the nodes of the pods `node_lost_candidates` names.
 """
 
 from __future__ import annotations
@@ -48,14 +77,14 @@ from ddp_operator import names
 from ddp_operator.env import rdzv_endpoint, rdzv_id
 from ddp_operator.labels import selector_string, trainer_selector
 from ddp_operator.netpol import NetworkPolicyConfig, render_network_policy, wanted
-from ddp_operator.observed import PodState, format_time, parse_time
-from ddp_operator.pod import render_trainer_pod
+from ddp_operator.observed import NodeState, PodState, format_time, parse_time
+from ddp_operator.pod import render_trainer_pod, trainer_pod_name
 from ddp_operator.rdzv import render_rdzv_pod
 from ddp_operator.service import render_service
 from ddp_operator.spec import Job
 from ddp_operator.status import (
-    Event, append_attempt, attempt, condition_events, get_condition, incident_record, last_recovery, newer_progress,
-    pod_counts, progress_status, record_pod, set_condition,
+    Event, append_attempt, attempt, condition_events, get_condition, incident_record, last_recovery, missing_attempt,
+    newer_progress, pod_counts, progress_status, record_pod, restart_key, restart_number, set_condition,
 )
 
 CREATE = "create"
@@ -71,6 +100,7 @@ class Action:
     name: str
     body: Mapping[str, Any] | None = None
     uid: str | None = None  # precondition for deletes: never delete a newer pod of the same name
+    grace_seconds: int | None = None  # a delete's grace period; None: the pod's own
 
 
 @dataclass(frozen=True)
@@ -87,6 +117,11 @@ class Observed:
     # Hang detection: every current trainer pod's own progress report (None: it did not answer), handed in only
     # when the shell found rank 0's step unchanged for failurePolicy.hangTimeoutSeconds (hang.py).
     hang_reports: Mapping[str, Mapping[str, Any] | None] | None = None
+    # Children whose create the API server refused (quota, PodSecurity, a webhook, an invalid field):
+    # name -> "cannot create Pod <name>: <code> <reason>: <message>". The shell retries them with a backoff.
+    refusals: Mapping[str, str] = field(default_factory=dict)
+    # Nodes of node_lost_candidates: their state, or None when unknown (no permission to read Nodes).
+    nodes: Mapping[str, NodeState | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -104,6 +139,16 @@ def stuck_pods(job: Job, pods: tuple[PodState, ...], now: datetime) -> list[PodS
     timeout = timedelta(seconds=job.spec.failure_policy.stuck_terminating_timeout_seconds)
     return [p for p in pods if not p.gone and p.deleting and p.node and p.deletion_time
             and now >= p.deletion_time + timeout]
+
+
+def node_lost_candidates(pods: tuple[PodState, ...]) -> list[PodState]:
+    """Pods whose node the shell looks up for the node-loss rule: live, not ended nor deleting, on a node, and not
+    Ready (the node controller marks the pods of a NotReady node not Ready, so healthy pods cost no reads)."""
+    return [p for p in pods if not p.gone and not p.terminal and not p.deleting and p.node and not p.ready]
+
+
+# At most this many refused children are named in the ReplicaFailure condition (and get an Event each).
+REFUSALS_SHOWN = 3
 
 
 class _Pass:
@@ -136,6 +181,7 @@ class _Pass:
         self.recovery_seconds: float | None = None
         self.incident_reason = ""
         self.incident_message = ""
+        self.pods_pending_since = parse_time(self.prev.get("podsPendingSince"))
 
     # --- helpers ----------------------------------------------------------------------------------
     def cond(self, type_: str, status: bool, reason: str, message: str) -> None:
@@ -145,9 +191,9 @@ class _Pass:
     def due_in(self, when: datetime) -> None:
         self.requeue.append(max(0.0, (when - self.now).total_seconds()))
 
-    def delete(self, pod: PodState) -> None:
+    def delete(self, pod: PodState, grace_seconds: int | None = None) -> None:
         if not pod.gone and not pod.deleting:
-            self.actions.append(Action(DELETE, "Pod", pod.name, uid=pod.uid))
+            self.actions.append(Action(DELETE, "Pod", pod.name, uid=pod.uid, grace_seconds=grace_seconds))
 
     @property
     def live(self) -> list[PodState]:
@@ -165,12 +211,28 @@ class _Pass:
                 and p.index < self.job.spec.nodes)
 
     def recorded(self, p: PodState) -> bool:
-        return p.uid in self.recorded_pods or any(a.get("uid") == p.uid for a in self.attempts)
+        """Whether the end of pod p is on record (its in-place restarts are recorded apart, `restarts_recorded`)."""
+        return p.uid in self.recorded_pods or any(a.get("uid") == p.uid and not a.get("restartCount")
+                                                  for a in self.attempts)
 
-    def record(self, p: PodState, *, counted: bool, reason: str | None = None) -> None:
-        """Put an ended pod on record: its UID for as long as it exists, its details in the bounded history."""
-        self.attempts = append_attempt(self.attempts, attempt(p, counted=counted, now=self.now_s, reason=reason))
-        self.recorded_pods = record_pod(self.recorded_pods, p.uid, (q.uid for q in self.observed.pods))
+    def restarts_recorded(self, p: PodState) -> int:
+        """How many in-place restarts of pod p's trainer container are on record (keys `<uid>/<restartCount>`)."""
+        seen = [restart_number(key, p.uid) for key in self.recorded_pods]
+        seen += [int(a["restartCount"]) for a in self.attempts if a.get("uid") == p.uid and a.get("restartCount")]
+        return max(seen, default=0)
+
+    def record(self, p: PodState, *, counted: bool, reason: str | None = None, restart: int | None = None) -> None:
+        """Put an ended pod (or, with `restart`, an in-place restart of its trainer container) on record: its key
+        for as long as the pod exists, its details in the bounded history."""
+        self.attempts = append_attempt(self.attempts, attempt(p, counted=counted, now=self.now_s, reason=reason,
+                                                              restart=restart))
+        key = p.uid if restart is None else restart_key(p.uid, restart)
+        self.recorded_pods = record_pod(self.recorded_pods, key, (q.uid for q in self.observed.pods))
+
+    def store_up(self) -> bool:
+        """The rendezvous store pod of the current group is Ready (listening)."""
+        return any(p.role == names.ROLE_RDZV and p.group == self.group and p.ready and not p.deleting
+                   and not p.gone for p in self.observed.pods)
 
     def finish(self, phase: str, reason: str, message: str) -> None:
         self.phase, self.reason, self.message = phase, reason, message
@@ -230,21 +292,22 @@ class _Pass:
         self.due_in(due)
         return False
 
-    def incident(self, pod: PodState) -> bool:
-        """Record a pod loss; True if it counts against the budget. Updates the incident window."""
+    def incident(self, disruption: str | None, *, caused: bool = False) -> bool:
+        """Record a failure; True if it counts against the budget. Updates the incident window. `caused`: a
+        consequence of an incident already on record (never counted, and never opens a new window)."""
         fp = self.job.spec.failure_policy
         window = timedelta(seconds=fp.incident_window_seconds)
-        same_incident = self.last_incident is not None and self.now - self.last_incident < window
-        if pod.disruption:
+        same_incident = caused or (self.last_incident is not None and self.now - self.last_incident < window)
+        if disruption:
             self.disruptions += 1
-        counts = not same_incident and (pod.disruption is None or fp.count_disruptions)
+        counts = not same_incident and (disruption is None or fp.count_disruptions)
         if not same_incident:
             self.last_incident = self.now
         if self.recovery_start is None:
             self.recovery_start = self.now
         return counts
 
-    def over_budget(self, pod: PodState, what: str) -> bool:
+    def over_budget(self, what: str) -> bool:
         limit = self.job.spec.failure_policy.backoff_limit
         if self.restarts + 1 > limit:
             self.finish(names.PHASE_FAILED, names.REASON_BACKOFF_LIMIT,
@@ -254,9 +317,45 @@ class _Pass:
         self.counted += 1
         return False
 
-    def trainer_failures(self) -> bool:
-        """Handle ended trainer pods of the current group; False if the job failed."""
+    def permanent(self, what: str) -> None:
         fp = self.job.spec.failure_policy
+        field_name = ("spec.failurePolicy.permanentExitCodes" if fp.retryable_exit_codes is None
+                      else "spec.failurePolicy.retryableExitCodes")
+        self.finish(names.PHASE_FAILED, names.REASON_PERMANENT_EXIT, f"{what}: a permanent failure per {field_name}")
+
+    def in_place_restarts(self) -> bool:
+        """Record each in-place restart of a current trainer's container once; False if the job failed.
+
+        An incident under the same rules as a failed pod, except that restarts seen while the rendezvous store
+        is not up are consequences of its loss (or of its slow start): recorded, never counted. The pod is
+        left alone: the kubelet has restarted (or is restarting) the container in the same pod."""
+        store_down = not self.store_up()
+        for p in sorted((p for p in self.trainers if self.current(p) and p.restarts > self.restarts_recorded(p)),
+                        key=lambda p: (p.index, p.name)):
+            missed = p.restarts - self.restarts_recorded(p) - 1
+            what = f"trainer container of pod {p.name} {describe_restart(p)}" + (
+                f" ({missed} earlier restart(s) not observed)" if missed > 0 else "")
+            if self.job.spec.failure_policy.is_permanent(p.restart_exit_codes):
+                self.record(p, counted=True, restart=p.restarts)
+                self.permanent(what)
+                return False
+            counts = self.incident(None, caused=store_down)
+            if counts and self.over_budget(what):
+                self.record(p, counted=True, restart=p.restarts)
+                return False
+            self.record(p, counted=counts, restart=p.restarts)
+            self.incident_reason = names.REASON_RESTARTED_IN_PLACE
+            self.incident_message = what + ("" if counts else (
+                " (not counted: the rendezvous store was not up)" if store_down else " (not counted)"))
+            self.extra_events.append(Event("Warning", names.REASON_RESTARTED_IN_PLACE, self.incident_message))
+        return True
+
+    def trainer_failures(self) -> bool:
+        """Handle ended trainer pods of the current group; False if the job failed. A trainer that failed on
+        its own (an exit code, no disruption, not deleted) while the store is not up is not counted (a template
+        with restartPolicy Never: the store's loss ends every trainer pod)."""
+        fp = self.job.spec.failure_policy
+        store_down = not self.store_up()
         ended = sorted((p for p in self.trainers if self.current(p) and p.terminal and not p.succeeded
                         and not self.recorded(p)), key=lambda p: (p.index, p.name))
         for p in ended:
@@ -264,37 +363,40 @@ class _Pass:
             what = f"pod {p.name} {describe(p)}"
             if p.disruption is None and fp.is_permanent(codes):
                 self.record(p, counted=True)
-                field_name = ("spec.failurePolicy.permanentExitCodes" if fp.retryable_exit_codes is None
-                              else "spec.failurePolicy.retryableExitCodes")
-                self.finish(names.PHASE_FAILED, names.REASON_PERMANENT_EXIT,
-                            f"{what}: a permanent failure per {field_name}")
+                self.permanent(what)
                 return False
-            counts = self.incident(p)
-            if counts and self.over_budget(p, what):
+            caused = store_down and p.disruption is None and not p.gone and p.exit_code is not None
+            counts = self.incident(p.disruption, caused=caused)
+            if counts and self.over_budget(what):
                 self.record(p, counted=True)
                 return False
             self.record(p, counted=counts)
-            self.incident_reason = names.REASON_NODE_DISRUPTED if p.disruption else names.REASON_NODE_FAILED
+            self.incident_reason = (names.REASON_NODE_LOST if p.disruption == names.REASON_NODE_LOST
+                                    else names.REASON_NODE_DISRUPTED if p.disruption else names.REASON_NODE_FAILED)
             self.incident_message = f"{what}; replacing it" + ("" if counts else " (not counted)")
             self.delete(p)
         return True
 
     def rdzv_lost(self) -> bool:
-        """Whole-group restart when the store pod of the current group ended or was deleted; False if failed."""
+        """The store pod of the current group ended or is being deleted: record it once (an incident), delete
+        what is left of it and let create_missing recreate it. The group stays: the trainer pods keep running,
+        their torchrun agents fail on the lost store, the kubelet restarts their containers in place and they
+        rejoin the new, empty store under the same rendezvous id, resuming from their /dev/shm snapshots.
+        False if the job failed."""
         lost = [p for p in self.observed.pods if p.role == names.ROLE_RDZV and p.group == self.group
                 and (p.terminal or p.deleting) and not self.recorded(p)]
-        if not lost:
-            return True
-        p = lost[0]
-        what = f"rendezvous store pod {p.name} {describe(p)}"
-        counts = self.incident(p)
-        if counts and self.over_budget(p, what):
-            self.record(p, counted=True, reason=names.REASON_RDZV_LOST)
-            return False
-        self.record(p, counted=counts, reason=names.REASON_RDZV_LOST)
-        self.group += 1
-        self.incident_reason = names.REASON_RDZV_LOST
-        self.incident_message = f"{what}; restarting the whole group as rendezvous {rdzv_id(self.job, self.group)}"
+        for p in lost:
+            what = f"rendezvous store pod {p.name} {describe(p)}"
+            counts = self.incident(p.disruption)
+            if counts and self.over_budget(what):
+                self.record(p, counted=True, reason=names.REASON_RDZV_LOST)
+                return False
+            self.record(p, counted=counts, reason=names.REASON_RDZV_LOST)
+            self.delete(p)
+            self.incident_reason = names.REASON_RDZV_LOST
+            self.incident_message = (f"{what}; recreating it (the trainers restart in place and rejoin rendezvous "
+                                     f"{rdzv_id(self.job, self.group)})" + ("" if counts else " (not counted)"))
+            self.extra_events.append(Event("Warning", names.REASON_RDZV_LOST, self.incident_message))
         return True
 
     def stale(self) -> None:
@@ -342,6 +444,42 @@ class _Pass:
         elif obs.network_policy_exists and obs.network_policy_uid:
             self.actions.append(Action(DELETE, "NetworkPolicy", self.job.name, uid=obs.network_policy_uid))
 
+    def end_recorded(self, name: str) -> bool:
+        """Whether the end of the last pod named `name` is already on record: a recovery is under way and a pod
+        of that name ended since it started (recorded, then deleted, its replacement not created yet)."""
+        if self.recovery_start is None:
+            return False
+        since = [a for a in self.attempts if (parse_time(a.get("time")) or self.now) >= self.recovery_start]
+        if len(since) >= names.ATTEMPTS_HISTORY:
+            return True  # the bounded history may have dropped it: never count a pod twice
+        return any(a.get("pod") == name and not a.get("restartCount") for a in since)
+
+    def vanished(self) -> bool:
+        """Record each training pod that is missing although the job was training and its end is not on record:
+        it ended unseen (e.g. deleted while the operator was down). Counted like a deleted pod. False if that
+        failed the job."""
+        # Only pods that existed can vanish: the last status written showed every desired pod running (after
+        # suspend, at start, after a scale-up or a refused create, pods are just not there yet).
+        prev_nodes = self.prev.get("nodes") or {}
+        prev_desired = int(prev_nodes.get("desired") or 0)
+        if self.prev.get("phase") != names.PHASE_RUNNING or int(prev_nodes.get("running") or 0) < prev_desired:
+            return True
+        occupied = {p.name for p in self.live}
+        for index in range(min(prev_desired, self.job.spec.nodes)):
+            name = trainer_pod_name(self.job, index)
+            if name in occupied or self.end_recorded(name):
+                continue
+            what = f"pod {name} is missing (it ended while the operator was not watching)"
+            counts = self.incident(None)
+            over = counts and self.over_budget(what)
+            self.attempts = append_attempt(self.attempts, missing_attempt(name, index, counted=counts,
+                                                                          now=self.now_s))
+            if over:
+                return False
+            self.incident_reason = names.REASON_NODE_MISSING
+            self.incident_message = f"{what}; recreating it" + ("" if counts else " (not counted)")
+        return True
+
     def create_missing(self) -> None:
         job = self.job
         self.network_policy()
@@ -351,19 +489,11 @@ class _Pass:
         rdzv = render_rdzv_pod(job, self.group)
         if rdzv["metadata"]["name"] not in occupied:
             self.actions.append(Action(CREATE, "Pod", rdzv["metadata"]["name"], rdzv))
-        # Only a job that was training can lose a pod unseen (after suspend or at start, pods are just missing).
-        was_complete = self.prev.get("phase") in (names.PHASE_RUNNING, names.PHASE_RESTARTING)
-        prev_desired = int((self.prev.get("nodes") or {}).get("desired") or 0)
         for index in range(job.spec.nodes):
             pod = render_trainer_pod(job, index, self.group)
             if pod["metadata"]["name"] in occupied:
                 continue
             self.actions.append(Action(CREATE, "Pod", pod["metadata"]["name"], pod))
-            if was_complete and index < prev_desired and self.recovery_start is None:
-                # A pod vanished without us seeing its end (e.g. while the operator was down).
-                self.recovery_start = self.now
-                self.incident_reason = names.REASON_NODE_MISSING
-                self.incident_message = f"pod {pod['metadata']['name']} is missing; recreating it"
         if self.start_time is None:
             self.start_time = self.now
         if not get_condition(self.conditions, names.COND_CREATED):
@@ -376,7 +506,7 @@ class _Pass:
         running = sum(1 for p in current if p.running)
         ever_running = get_condition(self.conditions, names.COND_RUNNING) is not None
         was_training = self.prev.get("phase") in (names.PHASE_RUNNING, names.PHASE_RESTARTING)
-        if running >= job.spec.nodes:
+        if running >= job.spec.nodes and (self.recovery_start is None or self.store_up()):
             if self.recovery_start is not None:
                 self.recovery_seconds = (self.now - self.recovery_start).total_seconds()
                 self.recovery_start = None
@@ -409,9 +539,120 @@ class _Pass:
             message = "; ".join(conflicts[name] for name in sorted(conflicts))
             self.cond(names.COND_REPLICA_FAILURE, True, names.REASON_CHILD_CONFLICT, message)
             self.reason, self.message = names.REASON_CHILD_CONFLICT, f"{self.message}; {message}"
-        elif (get_condition(self.conditions, names.COND_REPLICA_FAILURE) or {}).get("status") == "True":
+        elif not self.observed.refusals and \
+                (get_condition(self.conditions, names.COND_REPLICA_FAILURE) or {}).get("status") == "True":
             self.cond(names.COND_REPLICA_FAILURE, False, names.REASON_CHILDREN_CREATED,
                       "every child was created")
+
+    # --- pods that cannot start (failurePolicy.startupTimeoutSeconds) --------------------------------
+    def create_refusals(self) -> None:
+        """ReplicaFailure=True, reason FailedCreate, while the API server refuses a child (child_conflicts owns the
+        condition while a foreign object holds a child's name). The condition's Event reports the first refusals;
+        a refusal not yet named in the condition gets an Event of its own, so retries post nothing."""
+        if self.observed.conflicts:
+            return
+        refusals = self.observed.refusals
+        prev = get_condition(self.conditions, names.COND_REPLICA_FAILURE) or {}
+        was_refused = prev.get("status") == "True" and prev.get("reason") == names.REASON_CREATE_FAILED
+        if refusals:
+            shown = sorted(refusals)[:REFUSALS_SHOWN]
+            text = "; ".join(refusals[n] for n in shown)
+            if len(refusals) > len(shown):
+                text += f"; and {len(refusals) - len(shown)} more"
+            if was_refused:
+                self.extra_events += [Event("Warning", names.REASON_CREATE_FAILED, refusals[n]) for n in shown
+                                      if refusals[n] not in (prev.get("message") or "")]
+            self.cond(names.COND_REPLICA_FAILURE, True, names.REASON_CREATE_FAILED, text)
+            self.reason, self.message = names.REASON_CREATE_FAILED, f"{self.message}; {text}"
+        elif was_refused:
+            self.cond(names.COND_REPLICA_FAILURE, False, names.REASON_CHILDREN_CREATED, "every child was created")
+
+    def blocked(self, *, unschedulable: bool) -> list[PodState]:
+        """Current pods that cannot start (PodState.startup_error), by name; Unschedulable ones only if asked."""
+        return sorted((p for p in self.live if p.startup_error and not p.deleting and p.group == self.group
+                       and (p.role == names.ROLE_RDZV or self.current(p))
+                       and (unschedulable or p.startup_error[0] != names.REASON_UNSCHEDULABLE)),
+                      key=lambda p: p.name)
+
+    def startup_problems(self) -> None:
+        """PodsNotStarting=True while a current pod cannot start, with the kubelet's reason. A pod waiting for room
+        (Unschedulable) is not one: a cluster autoscaler may be adding a node; the startup timeout names it."""
+        blocked = self.blocked(unschedulable=False)
+        prev = get_condition(self.conditions, names.COND_PODS_NOT_STARTING) or {}
+        if blocked:
+            first = blocked[0]
+            reason, detail = first.startup_error
+            text = f"{reason}: pod {first.name}" + (f", {detail}" if detail else "")
+            if len(blocked) > 1:
+                text += f" (and {len(blocked) - 1} more pod{'s' if len(blocked) > 2 else ''})"
+            # The kubelet alternates ErrImagePull and ImagePullBackOff while it retries: one Event, not one a flip.
+            kept = prev.get("reason") if prev.get("status") == "True" else None
+            cond_reason = kept if kept in names.IMAGE_PULL_REASONS and reason in names.IMAGE_PULL_REASONS else reason
+            self.cond(names.COND_PODS_NOT_STARTING, True, cond_reason, text)
+            self.reason, self.message = reason, f"{self.message}; {text}"
+        elif prev.get("status") == "True":
+            self.cond(names.COND_PODS_NOT_STARTING, False, names.REASON_PODS_STARTED, "no pod is blocked from starting")
+
+    def startup_timeout(self) -> bool:
+        """Track since when the job cannot train (fewer than minNodes trainers or no store pod running); True if
+        that lasted failurePolicy.startupTimeoutSeconds and the job failed."""
+        job = self.job
+        trainers = sum(1 for p in self.live if self.current(p) and p.running)
+        store = any(p.role == names.ROLE_RDZV and p.group == self.group and p.running for p in self.live)
+        if trainers >= job.spec.min_nodes and store:
+            self.pods_pending_since = None
+            return False
+        if self.pods_pending_since is None:
+            self.pods_pending_since = self.now
+        timeout = job.spec.failure_policy.startup_timeout_seconds
+        if not timeout:
+            return False
+        due = self.pods_pending_since + timedelta(seconds=timeout)
+        if self.now < due:
+            self.due_in(due)
+            return False
+        why = [c["message"] for c in self.conditions if c.get("status") == "True" and c.get("message")
+               and c["type"] in (names.COND_PODS_NOT_STARTING, names.COND_REPLICA_FAILURE)]
+        waiting = self.blocked(unschedulable=True)
+        if not why and waiting:
+            why = [f"{waiting[0].startup_error[0]}: pod {waiting[0].name}, {waiting[0].startup_error[1]}"]
+        self.actions = [a for a in self.actions if a.verb != CREATE]  # nothing more is started for a failed job
+        self.finish(names.PHASE_FAILED, names.REASON_STARTUP_TIMEOUT,
+                    f"{trainers}/{job.spec.nodes} training pods (at least {job.spec.min_nodes} needed) and "
+                    f"{'the' if store else 'no'} rendezvous store running for "
+                    f"spec.failurePolicy.startupTimeoutSeconds={timeout}"
+                    + (": " + "; ".join(why) if why else ""))
+        return True
+
+    # --- node loss (failurePolicy.nodeLostTimeoutSeconds) -------------------------------------------
+    def node_lost(self) -> None:
+        """Force-delete current pods on a node NotReady past the timeout (or gone); the failure rules then see
+        them as ended disruptions (reason NodeLost): recorded, counted per countDisruptions, recreated once the
+        object is gone (a store pod as the store-loss rule says). Nodes of unknown state are left alone."""
+        timeout = self.job.spec.failure_policy.node_lost_timeout_seconds
+        if not timeout or not self.observed.nodes:
+            return
+        pods = []
+        for p in self.observed.pods:
+            node = self.observed.nodes.get(p.node) if p.node else None
+            if (p not in node_lost_candidates((p,)) or p.group != self.group or node is None or node.ready
+                    or (node.since is None and not node.gone)):
+                pods.append(p)
+                continue
+            due = node.since + timedelta(seconds=timeout) if node.since else self.now
+            if self.now < due:
+                self.due_in(due)
+                pods.append(p)
+                continue
+            state = "no longer exists" if node.gone else f"has been NotReady since {format_time(node.since)}"
+            message = f"node {p.node} {state} (spec.failurePolicy.nodeLostTimeoutSeconds={timeout})"
+            self.actions.append(Action(FORCE_DELETE, "Pod", p.name, uid=p.uid))
+            if not self.recorded(p):  # a repeated pass (the DELETED event not seen yet) posts nothing again
+                self.extra_events.append(Event("Warning", names.REASON_NODE_LOST,
+                                               f"pod {p.name}: {message}; force-deleted, to be recreated"))
+            pods.append(replace(p, phase="Failed", deleting=True, disruption=names.REASON_NODE_LOST,
+                                reason=names.REASON_NODE_LOST, message=message))
+        self.observed = replace(self.observed, pods=tuple(pods))
 
     def success(self) -> bool:
         """Apply the success rule; True if the job succeeded or is finishing successfully."""
@@ -421,10 +662,10 @@ class _Pass:
         for p in self.observed.pods:
             if p.final_report:
                 self.progress = newer_progress(self.progress, progress_status(p.final_report))
-        still_running = [p for p in current if p.phase == "Running" and not p.deleting]
+        still_running = [p for p in current if p.phase == "Running" and not p.deleting and not p.restarting]
         for p in current:
-            if p.phase == "Pending" and not p.deleting:
-                self.delete(p)  # never started: it cannot join a finished training
+            if (p.phase == "Pending" or p.restarting) and not p.deleting:
+                self.delete(p)  # never started, or restarting in place: it cannot join a finished training
         finished = [p.finished_at for p in current if p.succeeded and p.finished_at]
         if still_running and finished:
             # torchrun exits 0 only after every worker finished, so a peer still running well after that is
@@ -462,11 +703,12 @@ class _Pass:
             self.finished()
             return
         self.stuck()
+        self.node_lost()
         if self.success():
             if self.phase in names.FINISHED_PHASES:
                 self.finished()
             return
-        if not self.trainer_failures() or not self.rdzv_lost():
+        if not (self.in_place_restarts() and self.trainer_failures() and self.rdzv_lost() and self.vanished()):
             self.finished()
             return
         if not self.hang():
@@ -477,6 +719,11 @@ class _Pass:
         self.create_missing()
         self.active_phase()
         self.child_conflicts()
+        self.create_refusals()
+        self.startup_problems()
+        if self.startup_timeout():
+            self.finished()
+            return
         # The deadline clock starts with the first pods.
         if job.spec.run_policy.active_deadline_seconds and self.start_time:
             self.due_in(self.start_time + timedelta(seconds=job.spec.run_policy.active_deadline_seconds))
@@ -504,6 +751,8 @@ class _Pass:
             "completionTime": format_time(self.completion_time) if self.completion_time else None,
             "lastFailureTime": format_time(self.last_incident) if self.last_incident else None,
             "recoveryStartTime": format_time(self.recovery_start) if self.recovery_start else None,
+            "podsPendingSince": format_time(self.pods_pending_since) if self.pods_pending_since and self.phase
+            not in (*names.FINISHED_PHASES, names.PHASE_SUSPENDED) else None,
             "attempts": self.attempts or None,
             "recordedPods": self.recorded_pods or None,
             "progress": self.progress,
@@ -537,14 +786,16 @@ class _Pass:
                    else f"it reports step {answer.get('step')}")
             what = (f"pod {p.name}: global rank 0's step did not change for spec.failurePolicy.hangTimeoutSeconds="
                     f"{timeout}; {why}")
-            counts = self.incident(p)
-            if counts and self.over_budget(p, what):
+            counts = self.incident(None)
+            if counts and self.over_budget(what):
                 self.record(p, counted=True, reason=names.REASON_HANG)
                 return False
             self.record(p, counted=counts, reason=names.REASON_HANG)
             self.incident_reason = names.REASON_HANG
             self.incident_message = f"{what}; deleting it" + ("" if counts else " (not counted)")
-            self.delete(p)
+            # A stopped or stuck process cannot act on SIGTERM: waiting out the pod's grace period would only
+            # delay the recovery (measured: ~30 s), so the kubelet kills it at once.
+            self.delete(p, grace_seconds=names.HANG_DELETE_GRACE_SECONDS)
             deleting.append(p.uid)
         if deleting:
             # The pods are going as of this pass: the phase below is Restarting, not Running.
@@ -571,6 +822,20 @@ class _Pass:
                     and (report.get("rank") in (None, 0)):
                 current = last_recovery(current, self.last_incident_record(), report)
         return current
+
+
+def describe_restart(p: PodState) -> str:
+    """'exited 137 (OOMKilled) and was restarted in place (restart 2)', for messages."""
+    details = []
+    workers = [c for c in p.restart_worker_exit_codes if c != p.restart_exit_code]
+    if workers:
+        details.append("worker exit codes " + ",".join(str(c) for c in workers))
+    if p.restart_reason and p.restart_reason not in ("Error",):
+        details.append(p.restart_reason)
+    code = f"exited {p.restart_exit_code}" if p.restart_exit_code is not None else "failed"
+    where = f" on node {p.node}" if p.node else ""
+    return (f"{code}{' (' + ', '.join(details) + ')' if details else ''} and was restarted in place"
+            f"{where} (restart {p.restarts})")
 
 
 def describe(p: PodState) -> str:
@@ -612,7 +877,7 @@ def plan(job: Job, status: Mapping[str, Any] | None, observed: Observed, now: da
     return Plan(
         status=new_status,
         actions=tuple(p.actions),
-        events=tuple(events) + tuple(p.extra_events),
+        events=tuple(events) + tuple(e for e in p.extra_events if e not in events),
         requeue_after=min(p.requeue) if p.requeue else None,
         counted_restarts=p.counted,
         recovery_seconds=p.recovery_seconds,

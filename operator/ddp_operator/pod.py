@@ -45,15 +45,20 @@ def _trainer_container(job: Job, container: dict, index: int, group: int) -> dic
 
 
 def render_trainer_pod(job: Job, index: int, group: int) -> dict:
-    """Pod `<job>-<index>` of whole-group generation `group`. restartPolicy Never: a failed pod is replaced
-    under the same name by the operator, which keeps the restart budget."""
+    """Pod `<job>-<index>` (label `group`: kept for compatibility, always the job's status.group).
+
+    restartPolicy OnFailure: a trainer container that exits non-zero (a worker failed, the rendezvous store was
+    lost, the agent was killed) is restarted by the kubelet inside the same pod, keeping its IP, hostname and
+    /dev/shm, so the trainer resumes from its own snapshot; the operator records and counts each restart
+    (plan.py). A pod that ends (deleted, evicted, node lost) is replaced under the same name by the operator. A
+    template that says restartPolicy Never keeps the older behaviour: every container failure replaces the pod."""
     template = copy.deepcopy(dict(job.spec.template))
     meta = template.get("metadata") or {}
     spec = template["spec"]
     name = trainer_pod_name(job, index)
     spec["hostname"] = name
     spec["subdomain"] = job.name
-    spec["restartPolicy"] = "Never"
+    spec["restartPolicy"] = spec.get("restartPolicy") or names.TRAINER_RESTART_POLICY
     # Training needs no API credentials; a template that does can say so.
     spec.setdefault("automountServiceAccountToken", False)
     spec["containers"] = [

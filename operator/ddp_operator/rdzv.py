@@ -1,8 +1,11 @@
 """The dedicated rendezvous-store pod `<job>-rdzv`.
 
 torchrun's c10d store normally lives inside one training agent, so losing that pod breaks every survivor's
-rendezvous. A tiny pod that only holds a TCPStore makes every trainer (rank 0 included) expendable; losing
-the store itself triggers a whole-group restart (plan.py).
+rendezvous. A tiny pod that only holds a TCPStore makes every trainer (rank 0 included) expendable. Losing
+the store itself is survived without a whole-group restart (plan.py): the operator recreates this pod, the
+trainers' torchrun agents fail on the lost store (torch's TCPStore client never reconnects), the kubelet restarts
+their containers in place (restartPolicy OnFailure) and they rejoin the new, empty store under the same
+rendezvous id, resuming from the snapshots in their own /dev/shm.
 """
 
 from __future__ import annotations

@@ -46,6 +46,9 @@ class FailurePolicy:
     incident_window_seconds: int
     stuck_terminating_timeout_seconds: int
     hang_timeout_seconds: int = 0
+    # 0: never. Defaults as in crd.DEFAULTS (keyword defaults only so that older callers still construct it).
+    startup_timeout_seconds: int = 600
+    node_lost_timeout_seconds: int = 60
 
     def is_permanent(self, exit_codes: tuple[int, ...]) -> bool:
         """Whether any of the exit codes (trainer container and workers) rules out a retry."""
@@ -177,9 +180,9 @@ def _template(spec: Mapping) -> dict:
                         "must contain a container named 'trainer' (the one that runs torchrun)")
     if len(set(seen)) != len(seen):
         raise SpecError("spec.template.spec.containers", "container names must be unique")
-    if pod.get("restartPolicy") not in (None, "Never"):
+    if pod.get("restartPolicy") not in (None, "OnFailure", "Never"):
         raise SpecError("spec.template.spec.restartPolicy",
-                        "must be Never or unset: the operator replaces failed pods itself")
+                        "must be OnFailure, Never or unset: a pod that ends is replaced by the operator")
     for key in ("hostname", "subdomain"):
         if pod.get(key):
             raise SpecError(f"spec.template.spec.{key}", "is set by the operator (<job>-<index>.<job>); remove it")
@@ -322,6 +325,11 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
             maximum=crd.MAXIMA["stuckTerminatingTimeoutSeconds"]),
         hang_timeout_seconds=_int(f, "hangTimeoutSeconds", "spec.failurePolicy.hangTimeoutSeconds",
                                   default=fd["hangTimeoutSeconds"], maximum=crd.MAXIMA["hangTimeoutSeconds"]),
+        startup_timeout_seconds=_int(f, "startupTimeoutSeconds", "spec.failurePolicy.startupTimeoutSeconds",
+                                     default=fd["startupTimeoutSeconds"], maximum=crd.MAXIMA["startupTimeoutSeconds"]),
+        node_lost_timeout_seconds=_int(f, "nodeLostTimeoutSeconds", "spec.failurePolicy.nodeLostTimeoutSeconds",
+                                       default=fd["nodeLostTimeoutSeconds"],
+                                       maximum=crd.MAXIMA["nodeLostTimeoutSeconds"]),
     )
 
     r = _section(spec, "runPolicy")

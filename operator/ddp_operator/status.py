@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 from ddp_operator import names
 from ddp_operator.observed import PodState, format_time, parse_time
 
-WARNING_CONDITIONS = {names.COND_FAILED, names.COND_RESTARTING, names.COND_REPLICA_FAILURE}
+WARNING_CONDITIONS = {names.COND_FAILED, names.COND_RESTARTING, names.COND_REPLICA_FAILURE, names.COND_PODS_NOT_STARTING}
 
 
 @dataclass(frozen=True)
@@ -77,33 +77,65 @@ def pod_counts(trainers: Iterable[PodState], desired: int) -> dict[str, int]:
     }
 
 
-def attempt(pod: PodState, *, counted: bool, now: str, reason: str | None = None) -> dict:
+def attempt(pod: PodState, *, counted: bool, now: str, reason: str | None = None,
+            restart: int | None = None) -> dict:
+    """The attempts entry of an ended pod, or with `restart` of an in-place restart of its trainer container
+    (the container's restartCount after it; the pod kept running)."""
+    if restart is None:
+        exit_code, why, message = pod.exit_code, reason or pod.disruption or pod.reason or pod.phase, pod.message
+    else:
+        exit_code, why, message = pod.restart_exit_code, reason or pod.restart_reason or "Error", pod.restart_message
     record: dict[str, Any] = {
         "pod": pod.name,
         "uid": pod.uid,
         "index": pod.index,
         "node": pod.node,
-        "exitCode": pod.exit_code,
-        "reason": reason or pod.disruption or pod.reason or pod.phase,
-        "message": pod.message[-200:],
+        "exitCode": exit_code,
+        "reason": why,
+        "message": message[-200:],
         "counted": counted,
-        "disruption": pod.disruption is not None,
+        "disruption": pod.disruption is not None and restart is None,
+        "restartCount": restart,
         "time": now,
     }
     return {k: v for k, v in record.items() if v is not None and v != ""}
+
+
+def missing_attempt(name: str, index: int, *, counted: bool, now: str) -> dict:
+    """The attempts entry of a training pod that vanished unseen (no UID, no exit code known)."""
+    return {"pod": name, "index": index, "reason": names.REASON_NODE_MISSING,
+            "message": "the pod no longer existed and its end was not seen (e.g. deleted while the operator was "
+                       "down)", "counted": counted, "disruption": False, "time": now}
 
 
 def append_attempt(attempts: list[dict], record: dict) -> list[dict]:
     return (list(attempts) + [record])[-names.ATTEMPTS_HISTORY:]
 
 
-def record_pod(recorded: Iterable[str], uid: str, existing: Iterable[str]) -> list[str]:
-    """status.recordedPods after recording `uid`: every ended pod already counted (or not) stays known for as
-    long as it exists, however many ended at once (the attempts history keeps only the last few). UIDs of pods
-    that no longer exist are dropped then: a deleted pod never comes back, so it can never be counted again."""
+def restart_key(uid: str, restart: int) -> str:
+    """status.recordedPods key of an in-place restart: `<pod uid>/<restartCount after it>`."""
+    return f"{uid}/{restart}"
+
+
+def restart_number(key: str, uid: str) -> int:
+    """The restart count a recordedPods key holds for pod `uid` (0 if it is another pod's, or a pod's end)."""
+    owner, _, count = key.partition("/")
+    return int(count) if owner == uid and count.isdigit() else 0
+
+
+def record_pod(recorded: Iterable[str], key: str, existing: Iterable[str]) -> list[str]:
+    """status.recordedPods after recording `key` (a pod UID: its end; `<uid>/<n>`: its trainer container's n-th
+    in-place restart, which stands for every earlier one too, so only the newest is kept per pod): every pod end
+    or restart already counted (or not) stays known for as long as the pod exists, however many end at once (the
+    attempts history keeps only the last few). Keys of pods that no longer exist are dropped then: a deleted pod
+    never comes back, so it can never be counted again."""
     existing = set(existing)
-    kept = [u for u in recorded if u in existing and u != uid]
-    return (kept + [uid])[-names.MAX_RECORDED_PODS:]
+    uid, _, restart = key.partition("/")
+
+    def keep(u: str) -> bool:
+        owner, _, n = u.partition("/")
+        return owner in existing and u != key and not (restart and n and owner == uid)
+    return ([u for u in recorded if keep(u)] + [key])[-names.MAX_RECORDED_PODS:]
 
 
 def finite(value: Any) -> Any:

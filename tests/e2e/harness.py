@@ -441,8 +441,10 @@ def kill_pod(k: Kubectl, namespace: str, pod: str) -> float:
     return t
 
 
-def pod_logs(k: Kubectl, namespace: str, pod: str, tail: int | None = None) -> str:
-    args = ["logs", "-n", namespace, pod, "-c", "trainer"] + ([f"--tail={tail}"] if tail else [])
+def pod_logs(k: Kubectl, namespace: str, pod: str, tail: int | None = None, previous: bool = False) -> str:
+    """The trainer container's log; `previous`: of the container before its last in-place restart ("" if none)."""
+    args = ["logs", "-n", namespace, pod, "-c", "trainer"] + ([f"--tail={tail}"] if tail else []) + \
+        (["--previous"] if previous else [])
     p = k(*args, check=False, timeout=30)
     return p.stdout if p.returncode == 0 else ""
 
@@ -480,12 +482,15 @@ def events(text: str, pod: str = "") -> list[Event]:
     return out
 
 
-def job_events(k: Kubectl, namespace: str, name: str) -> list[Event]:
-    """Trainer log events of every current training pod, in time order."""
+def job_events(k: Kubectl, namespace: str, name: str, previous: bool = False) -> list[Event]:
+    """Trainer log events of every current training pod, in time order; `previous`: those of each pod's trainer
+    container before its last in-place restart too (restartPolicy OnFailure keeps the pod, not the log)."""
     found: list[Event] = []
     for pod in trainer_pods(k, namespace, name):
         pname = pod["metadata"]["name"]
         found += events(pod_logs(k, namespace, pname), pname)
+        if previous:
+            found += events(pod_logs(k, namespace, pname, previous=True), pname)
     return sorted(found, key=lambda e: e.time)
 
 
@@ -501,15 +506,16 @@ class Recovery:
 
 
 def recovery_after(k: Kubectl, namespace: str, name: str, killed_at: float, step_at_kill: int | None = None,
-                   timeout: float = 180, *, since: float = float("-inf")) -> Recovery:
+                   timeout: float = 180, *, since: float = float("-inf"), previous: bool = False) -> Recovery:
     """Wait for the first step after a resume (or fresh start) logged after `killed_at`.
 
     Steps lost come from the trainer's own log lines in the job's current pods (the killed pod's are gone
     with it; the survivors' remain), never from `step_at_kill`, a progress reading taken before the kill
     (kept in the signature for callers that pass it). `since`: the previous restore of the same job.
+    `previous`: read the logs of trainer containers restarted in place too (job_events).
     """
     def check():
-        evs = job_events(k, namespace, name)
+        evs = job_events(k, namespace, name, previous)
         after = [e for e in evs if e.time >= killed_at]
         restart = next((e for e in after if e.event in ("resume", "start")), None)
         if restart is None:

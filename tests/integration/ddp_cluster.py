@@ -197,6 +197,27 @@ class JobNamespace:
         return self.core.patch_namespaced_pod_status(name, self.ns, {"status": status},
                                                      _content_type="application/merge-patch+json")
 
+    def restart_in_place(self, name, exit_code=137, restart_count=1, reason="Error"):
+        """Play the kubelet restarting pod `name`'s failed trainer container (restartPolicy OnFailure): the pod
+        stays Running, the container runs again with restartCount and lastState.terminated set."""
+        pod = self.core.read_namespaced_pod(name, self.ns)
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        container = pod.spec.containers[0]
+        status = {
+            "phase": "Running",
+            "podIP": "10.255.0.9",
+            "podIPs": [{"ip": "10.255.0.9"}],
+            "startTime": now,
+            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}],
+            "containerStatuses": [{"name": container.name, "image": container.image, "imageID": "",
+                                   "ready": True, "restartCount": restart_count, "started": True,
+                                   "state": {"running": {"startedAt": now}},
+                                   "lastState": {"terminated": {"exitCode": exit_code, "reason": reason,
+                                                                "startedAt": now, "finishedAt": now}}}],
+        }
+        return self.core.patch_namespaced_pod_status(name, self.ns, {"status": status},
+                                                     _content_type="application/merge-patch+json")
+
     def run_all(self, job="job"):
         for name in self.pods():
             self.set_phase(name, "Running")

@@ -178,18 +178,50 @@ def test_scale_up_and_down(k):
     assert status["restarts"] == 0 and status["phase"] == "Running"
 
 
-def test_rendezvous_store_loss_restarts_the_group(k):
+def test_rendezvous_store_loss_recreates_the_store_only(k):
     _running(k)
     old = {n: p.metadata.uid for n, p in k.pods().items()}
     k.set_phase("job-rdzv", "Failed", exit_code=137)
-    wait_for(lambda: (lambda ps: set(ps) == PODS and all(ps[n].metadata.uid != old[n] for n in PODS)
-                      and all(p.metadata.labels["ddp.dev/group"] == "1" for p in ps.values()))(k.pods()),
-             what="a new group of pods")
+    wait_for(lambda: (lambda ps: set(ps) == PODS and ps["job-rdzv"].metadata.uid != old["job-rdzv"])(k.pods()),
+             what="a new store pod")
+    pods = k.pods()
+    # The trainers are untouched: same pods, same group, same rendezvous id.
+    assert {n: pods[n].metadata.uid for n in ("job-0", "job-1")} == {n: old[n] for n in ("job-0", "job-1")}
+    assert all(p.metadata.labels["ddp.dev/group"] == "0" for p in pods.values())
     status = k.status()
-    assert status["group"] == 1 and status["rendezvousId"].endswith("-1")
+    assert status["group"] == 0 and status["rendezvousId"].endswith("-0")
     assert status["restarts"] == 1 and status["reason"] == "RendezvousStoreLost"
-    env = {e.name: e.value for e in k.pods()["job-0"].spec.containers[0].env}
-    assert env["PET_RDZV_ID"] == status["rendezvousId"]
+    assert "RendezvousStoreLost" in [e.reason for e in k.events() if e.type == "Warning"]
+    # The trainers' containers fail on the lost store and are restarted in place: the same incident.
+    for name in ("job-0", "job-1"):
+        k.restart_in_place(name, exit_code=1)
+    status = wait_for(lambda: (lambda s: s if len(s.get("attempts") or []) == 3 else None)(k.status()),
+                      what="the in-place restarts on record")
+    assert status["restarts"] == 1 and [a["counted"] for a in status["attempts"]] == [True, False, False]
+    k.set_phase("job-rdzv", "Running")
+    status = k.wait_phase("Running")
+    assert status["restarts"] == 1 and status["group"] == 0
+    assert {n: p.metadata.uid for n, p in k.pods().items() if n != "job-rdzv"} == \
+        {n: old[n] for n in ("job-0", "job-1")}
+
+
+def test_in_place_restart_is_counted_once_and_the_pod_kept(k):
+    _running(k, failurePolicy={"permanentExitCodes": [3]})
+    old = _uid(k, "job-1")
+    k.restart_in_place("job-1", exit_code=137, restart_count=1)
+    status = wait_for(lambda: (lambda s: s if s.get("restarts") == 1 else None)(k.status()),
+                      what="the restart counted")
+    att = status["attempts"][-1]
+    assert (att["pod"], att["exitCode"], att["restartCount"], att["counted"]) == ("job-1", 137, 1, True)
+    messages = [e.message for e in k.events() if e.reason == "TrainerRestarted"]
+    assert any("exited 137 and was restarted in place" in m for m in messages), messages
+    time.sleep(1)  # asserting that nothing more happens
+    assert _uid(k, "job-1") == old and k.status()["restarts"] == 1
+    # A permanent exit code on a later in-place restart fails the job and stops the pods.
+    k.restart_in_place("job-1", exit_code=3, restart_count=2)
+    status = k.wait_phase("Failed")
+    assert status["reason"] == "PermanentExitCode"
+    wait_for(lambda: not k.pods(), what="pods stopped")
 
 
 class Recorder:
@@ -242,6 +274,38 @@ class Recorder:
     def creates(self):
         return len({(kind, (obj.get("metadata") or {}).get("uid")) for kind, type_, obj in self.events
                     if kind in ("Pod", "Service", "NetworkPolicy") and type_ == "ADDED"})
+
+
+def test_operator_killed_mid_recovery_records_everything_once(k, operator):
+    """While the operator is down a pod vanishes (no tombstone will ever be seen) and another's trainer container
+    is restarted in place: the restarted operator puts both on record, counts one incident, recreates only the
+    missing pod; a second restart changes nothing."""
+    _running(k)
+    old = {n: p.metadata.uid for n, p in k.pods().items()}
+    operator.stop()
+    try:
+        k.core.delete_namespaced_pod("job-1", k.ns, grace_period_seconds=0)
+        wait_for(lambda: "job-1" not in k.pods(), what="job-1 gone")
+        k.restart_in_place("job-0", exit_code=137, restart_count=1)
+    finally:
+        operator.start()
+    wait_for(lambda: "job-1" in k.pods() and _uid(k, "job-1") != old["job-1"], what="job-1 recreated")
+    status = wait_for(lambda: (lambda s: s if len(s.get("attempts") or []) == 2 else None)(k.status()),
+                      what="both on record")
+    by_pod = {a["pod"]: a for a in status["attempts"]}
+    assert by_pod["job-1"]["reason"] == "NodeMissing" and by_pod["job-0"]["restartCount"] == 1
+    assert status["restarts"] == 1
+    assert _uid(k, "job-0") == old["job-0"]
+    k.set_phase("job-1", "Running")
+    status = k.wait_phase("Running")
+    operator.restart()
+    wait_for(lambda: (operator.metrics() or {}).get('ddpjob_reconcile_total{result="ok"}', 0) >= 1,
+             what="a reconcile pass by the restarted operator")
+    time.sleep(1)  # asserting that nothing happens
+    after = k.status()
+    assert after["restarts"] == 1 and after["attempts"] == status["attempts"]
+    assert {n: p.metadata.uid for n, p in k.pods().items() if n != "job-1"} == \
+        {n: old[n] for n in ("job-0", "job-rdzv")}
 
 
 def test_api_writes_for_a_clean_job(k):
@@ -306,6 +370,80 @@ def test_gracefully_deleted_pod_is_replaced_when_it_is_gone(k):
     status = k.wait_phase("Running")
     assert status["restarts"] == 1 and len(status["attempts"]) == 1
     assert not any(e.reason == "StuckPodForceDeleted" for e in k.events())
+
+
+def test_running_pod_on_a_node_that_no_longer_exists_is_lost_and_replaced(k):
+    """failurePolicy.nodeLostTimeoutSeconds: a Running pod on a node the API server does not know (deleted with
+    its machine) and that the node controller marked not Ready is force-deleted at once and recreated, as a
+    disruption: not counted."""
+    _running(k)
+    k.core.create_namespaced_pod_binding("job-1", k.ns, {
+        "apiVersion": "v1", "kind": "Binding", "metadata": {"name": "job-1"},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": "ddp-it-vanished-node"}}, _preload_content=False)
+    old = _uid(k, "job-1")
+    k.core.patch_namespaced_pod_status("job-1", k.ns, {"status": {"conditions": [
+        {"type": "Ready", "status": "False", "reason": "NodeLost"}]}})
+    wait_for(lambda: "job-1" in k.pods() and _uid(k, "job-1") != old, timeout=20, what="lost pod replaced")
+    lost = [e for e in k.events() if e.reason == "NodeLost"]
+    assert lost and "ddp-it-vanished-node no longer exists" in lost[0].message, [e.message for e in lost]
+    k.set_phase("job-1", "Running")
+    status = k.wait_phase("Running")
+    assert status["restarts"] == 0 and status["disruptions"] == 1
+    assert status["attempts"][-1]["reason"] == "NodeLost" and status["attempts"][-1]["counted"] is False
+
+
+def test_running_pod_on_a_notready_node_is_lost_when_the_timeout_is_due(k):
+    """A Node object with no kubelet behind it (unschedulable and tainted: nothing else lands there), Ready=False
+    from now: the operator reads it for the pod the node controller marked not Ready, wakes up when
+    nodeLostTimeoutSeconds is due, force-deletes the pod and recreates it."""
+    import secrets
+    from datetime import datetime, timezone
+    node = f"ddp-it-notready-{secrets.token_hex(3)}"
+    k.core.create_node({"metadata": {"name": node, "labels": {"ddpjob.dev/test": "true"}},
+                        "spec": {"unschedulable": True, "taints": [
+                            {"key": "ddp.dev/test-node", "value": "fake", "effect": "NoSchedule"}]}})
+    try:
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        k.core.patch_node_status(node, {"status": {"conditions": [
+            {"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "fake",
+             "lastHeartbeatTime": now, "lastTransitionTime": now}]}})
+        _running(k, failurePolicy={"nodeLostTimeoutSeconds": 4})
+        k.core.create_namespaced_pod_binding("job-1", k.ns, {
+            "apiVersion": "v1", "kind": "Binding", "metadata": {"name": "job-1"},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node}}, _preload_content=False)
+        old = _uid(k, "job-1")
+        k.core.patch_namespaced_pod_status("job-1", k.ns, {"status": {"conditions": [
+            {"type": "Ready", "status": "False", "reason": "NodeNotReady"}]}})
+        started = time.monotonic()
+        wait_for(lambda: "job-1" in k.pods() and _uid(k, "job-1") != old, timeout=30, what="lost pod replaced")
+        lost = [e for e in k.events() if e.reason == "NodeLost"]
+        assert lost and f"node {node} has been NotReady since {now}" in lost[0].message, [e.message for e in lost]
+        assert time.monotonic() - started < 15
+        status = k.status()
+        assert status["attempts"][-1]["reason"] == "NodeLost" and status["restarts"] == 0
+    finally:
+        k.core.delete_node(node)
+
+
+def test_quota_refusal_is_a_condition_backs_off_and_clears_when_the_quota_goes(k):
+    k.core.create_namespaced_resource_quota(k.ns, {"metadata": {"name": "one-pod"}, "spec": {"hard": {"pods": "1"}}})
+    wait_for(lambda: k.core.read_namespaced_resource_quota("one-pod", k.ns).status.hard, what="quota status")
+    job = k.create_job()
+
+    def refused():
+        cond = [c for c in k.status().get("conditions", []) if c["type"] == "ReplicaFailure"]
+        return cond[0] if cond and cond[0]["status"] == "True" else None
+    cond = wait_for(refused, 15, what="ReplicaFailure=True")
+    assert cond["reason"] == "FailedCreate" and "exceeded quota: one-pod" in cond["message"], cond
+    assert "exceeded quota" in k.status()["message"]
+    time.sleep(8)  # retries at 1, 2, 4 s... post no Event each
+    refusals = [e for e in k.events() if e.reason == "FailedCreate"]
+    assert len(refusals) == 1, [e.message for e in refusals]
+    k.core.delete_namespaced_resource_quota("one-pod", k.ns)
+    k.wait_pods(PODS, timeout=30)
+    wait_for(lambda: not refused() and [c for c in k.status()["conditions"] if c["type"] == "ReplicaFailure"],
+             15, what="ReplicaFailure False")
+    assert k.job()["metadata"]["uid"] == job["metadata"]["uid"]
 
 
 def test_network_policy_follows_the_spec_and_comes_back_when_deleted(k):

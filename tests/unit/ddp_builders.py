@@ -35,12 +35,23 @@ def make_job(**spec):
 
 def pod(name, *, role="trainer", index=None, group=0, phase="Running", exit_code=None, reason=None,
         message=None, deleting_since=None, node="node-1", disruption=None, status_reason=None, uid=None,
-        ready=None, finished_at=None):
+        ready=None, finished_at=None, restart_policy="OnFailure", restart_count=0, last_exit_code=None,
+        last_reason=None, last_message=None, waiting=None):
+    """A pod as the API server shows it. Trainer pods default to restartPolicy OnFailure (as rendered): a trainer
+    `exit_code` != 0 in a Running pod is then a failure the kubelet restarts in place; `restart_count` and
+    `last_*` describe the container's restarts (lastState.terminated), `waiting` its waiting reason."""
     labels = {names.LABEL_JOB_NAME: "mnist", names.LABEL_ROLE: role, names.LABEL_GROUP: str(group)}
     if index is not None:
         labels[names.LABEL_NODE_INDEX] = str(index)
     container = names.TRAINER_CONTAINER if role == "trainer" else names.RDZV_CONTAINER
-    cs = {"name": container}
+    cs = {"name": container, "restartCount": restart_count}
+    if last_exit_code is not None:
+        cs["lastState"] = {"terminated": {"exitCode": last_exit_code, "reason": last_reason or "Error",
+                                          "finishedAt": format_time(NOW)}}
+        if last_message is not None:
+            cs["lastState"]["terminated"]["message"] = last_message
+    if waiting is not None:
+        cs["state"] = {"waiting": {"reason": waiting}}
     if exit_code is not None:
         cs["state"] = {"terminated": {"exitCode": exit_code, "reason": reason or ("Completed" if exit_code == 0 else "Error")}}
         if message is not None:
@@ -58,7 +69,8 @@ def pod(name, *, role="trainer", index=None, group=0, phase="Running", exit_code
     status = {"phase": phase, "containerStatuses": [cs], "conditions": conditions}
     if status_reason:
         status["reason"] = status_reason
-    return {"metadata": meta, "spec": {"nodeName": node}, "status": status}
+    spec = {"nodeName": node, "restartPolicy": restart_policy if role == "trainer" else "Never"}
+    return {"metadata": meta, "spec": spec, "status": status}
 
 
 def trainer(index, **kw):

@@ -74,15 +74,26 @@ def test_clean_pod_policy_none_leaves_lingering_pods():
     assert p.status["phase"] == names.PHASE_SUCCEEDED and p.actions == ()
 
 
-def test_trainer_failure_while_a_sidecar_keeps_the_pod_running_is_a_failure():
+def test_trainer_failure_while_a_sidecar_keeps_the_pod_running_is_restarted_in_place():
+    """restartPolicy OnFailure (as rendered): the kubelet restarts the failed trainer container, sidecar or not."""
     job, status = _running()
     failed = with_sidecar(trainer(1, phase="Running", exit_code=3))
+    p = plan(job, status, observed(rdzv(), trainer(0), failed), later(5))
+    assert p.status["phase"] == names.PHASE_RESTARTING and p.status["restarts"] == 1
+    assert p.status["attempts"][-1]["exitCode"] == 3 and p.status["attempts"][-1]["restartCount"] == 1
+    assert _acts(p) == []
+
+
+def test_trainer_failure_while_a_sidecar_keeps_a_never_pod_running_is_a_failure():
+    """A template with restartPolicy Never: the pod is replaced, as before."""
+    job, status = _running()
+    failed = with_sidecar(trainer(1, phase="Running", exit_code=3, restart_policy="Never"))
     p = plan(job, status, observed(rdzv(), trainer(0), failed), later(5))
     assert p.status["phase"] == names.PHASE_RESTARTING and p.status["restarts"] == 1
     assert p.status["attempts"][-1]["exitCode"] == 3
     assert _acts(p) == [(DELETE, "mnist-1")]
     # Still there while its sidecar stops: not replaced yet, not counted again.
-    deleting = with_sidecar(trainer(1, phase="Running", exit_code=3, deleting_since=later(5)))
+    deleting = with_sidecar(trainer(1, phase="Running", exit_code=3, deleting_since=later(5), restart_policy="Never"))
     again = plan(job, p.status, observed(rdzv(), trainer(0), deleting), later(6))
     assert again.status["restarts"] == 1 and (CREATE, "mnist-1") not in _acts(again)
 

@@ -36,7 +36,7 @@ class FakeApi:
             self.index["services_by_job"].setdefault(key, []).append(True)
         return obj
 
-    def delete_pod(self, namespace, name, uid, force=False):
+    def delete_pod(self, namespace, name, uid, force=False, grace_seconds=None):
         self.deleted.append(name)
 
     def delete_job(self, namespace, name, uid):
@@ -113,7 +113,7 @@ def test_one_jobs_failing_probe_never_drops_another_jobs_wake_up(monkeypatch, ca
 def test_one_jobs_failing_pass_re_arms_it_and_still_runs_the_others(monkeypatch):
     r = _reconciler()
     a, _ = _add_job(r, "a")
-    b, _ = _add_job(r, "b")
+    b, _ = _add_job(r, "b", failurePolicy={"startupTimeoutSeconds": 0})  # no wake-up for its pending pods
     passes = []
     real = r._reconcile
 

@@ -64,6 +64,8 @@ def test_a_hang_deletes_the_stuck_pod_records_an_attempt_and_restarts():
     reports = {"mnist-0": {"rank": 0, "step": 41}, "mnist-1": None}
     p = plan(job, status, observed(rdzv(), trainer(0), trainer(1), hang_reports=reports), later(30))
     assert [(a.verb, a.name) for a in p.actions] == [(DELETE, "mnist-1")]
+    # a stopped process cannot act on SIGTERM: the pod is not given its whole grace period
+    assert p.actions[0].grace_seconds == names.HANG_DELETE_GRACE_SECONDS
     assert p.status["phase"] == names.PHASE_RESTARTING and p.status["reason"] == names.REASON_HANG
     last = p.status["attempts"][-1]
     assert last["pod"] == "mnist-1" and last["reason"] == names.REASON_HANG and last["counted"] is True

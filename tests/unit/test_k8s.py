@@ -88,6 +88,7 @@ def test_every_call_has_a_request_timeout():
     api.create(_child("Service"))
     api.delete_pod("ns", "p", "uid")
     api.delete_pod("ns", "p", "uid", force=True)
+    api.delete_pod("ns", "p", "uid", grace_seconds=1)
     api.delete_job("ns", "job", "uid")
     api.patch_status("ns", "job", {"phase": "Running"})
     api.post_event({"metadata": {"name": "job", "namespace": "ns"}}, "Normal", "R", "m", "c")
@@ -95,7 +96,7 @@ def test_every_call_has_a_request_timeout():
     api.read_lease("ns", "l")
     api.write_lease("ns", {"metadata": {"name": "l"}}, create=True)
     api.write_lease("ns", {"metadata": {"name": "l"}}, create=False)
-    assert len(calls) == 11
+    assert len(calls) == 12
     for name, kwargs in calls:
         assert 0 < kwargs.get("_request_timeout", 0) <= k8s.REQUEST_TIMEOUT_SECONDS, name
     api.read_lease("ns", "l", timeout=1.5)
@@ -126,3 +127,14 @@ def test_409_on_a_foreign_object_is_a_conflict_naming_it(kind, refs):
     assert f"{kind.lower()} ns/job-0 already exists and is not owned by this DDPJob" in text
     assert "delete or rename it" in text
     assert ("ReplicaSet web-1" in text) if refs else ("owned by nothing" in text)
+
+
+def test_node_state_carries_since_when():
+    from datetime import datetime, timezone
+    since = datetime(2025, 1, 1, tzinfo=timezone.utc)
+    node = SimpleNamespace(status=SimpleNamespace(conditions=[
+        SimpleNamespace(type="Ready", status="Unknown", last_transition_time=since)]))
+    state = _api(node).node_state("n")
+    assert state.ready is False and state.since == since and not state.gone
+    assert _api(ApiException(status=404, reason="Not Found")).node_state("n").gone
+    assert _api(ApiException(status=403, reason="Forbidden")).node_state("n") is None

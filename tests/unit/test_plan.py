@@ -129,29 +129,141 @@ def test_eviction_counts_when_asked():
     assert p.status["restarts"] == 1
 
 
-def test_rdzv_loss_restarts_the_whole_group():
+def test_rdzv_loss_recreates_the_store_and_leaves_the_trainers_alone():
     job, status = _running()
     p = plan(job, status, observed(rdzv(phase="Failed", exit_code=137), trainer(0), trainer(1)), later(5))
-    assert p.status["group"] == 1 and p.status["rendezvousId"] == "0b5c-uid-1"
-    assert _acts(p) == [(DELETE, "mnist-0"), (DELETE, "mnist-1"), (DELETE, "mnist-rdzv")]
+    # No whole-group restart: same group, same rendezvous id, trainer pods untouched; the dead store is deleted.
+    assert p.status["group"] == 0 and p.status["rendezvousId"] == "0b5c-uid-0"
+    assert _acts(p) == [(DELETE, "mnist-rdzv")]
     assert p.status["restarts"] == 1 and p.status["reason"] == names.REASON_RDZV_LOST
-    # Old pods still terminating: nothing is created under their names yet.
+    assert p.status["phase"] == "Restarting"
+    assert p.status["attempts"][-1]["reason"] == names.REASON_RDZV_LOST
+    assert ("Warning", names.REASON_RDZV_LOST) in [(e.type, e.reason) for e in p.events]
+    # Seen again while its delete is in flight: recorded once, nothing else happens.
     p2 = plan(job, p.status, observed(rdzv(phase="Failed", exit_code=137, deleting_since=later(5)),
-                                      trainer(0, deleting_since=later(5)), trainer(1, deleting_since=later(5))),
-              later(6))
-    assert p2.status["group"] == 1 and [a for a in p2.actions if a.verb != FORCE_DELETE] == []
-    p3 = plan(job, p2.status, observed(), later(8))
-    assert _acts(p3) == [(CREATE, "mnist-0"), (CREATE, "mnist-1"), (CREATE, "mnist-rdzv")]
-    created = {a.name: a.body for a in p3.actions}
-    assert created["mnist-0"]["metadata"]["labels"][names.LABEL_GROUP] == "1"
-    env = {e["name"]: e.get("value") for e in created["mnist-0"]["spec"]["containers"][0]["env"]}
-    assert env["PET_RDZV_ID"] == "0b5c-uid-1"
+                                      trainer(0), trainer(1)), later(6))
+    assert p2.status["restarts"] == 1 and len(p2.status["attempts"]) == 1
+    assert [a for a in p2.actions if a.verb != FORCE_DELETE] == []
+    # Gone: recreated under the same name with the same group; the trainers are still not touched.
+    p3 = plan(job, p2.status, observed(trainer(0), trainer(1)), later(8))
+    assert _acts(p3) == [(CREATE, "mnist-rdzv")]
+    assert p3.actions[0].body["metadata"]["labels"][names.LABEL_GROUP] == "0"
+    assert p3.status["phase"] == "Restarting"  # the recovery ends when the new store is up and trainers run
+    # The trainers' agents fail on the lost store: their containers restart in place, the same incident.
+    store_new = rdzv(phase="Pending", uid="store-2")
+    p4 = plan(job, p3.status, observed(store_new,
+                                       trainer(0, restart_count=1, last_exit_code=1, waiting="PodInitializing"),
+                                       trainer(1, phase="Running", exit_code=1)), later(9))
+    assert p4.status["restarts"] == 1 and p4.actions == ()
+    assert [a.get("restartCount") for a in p4.status["attempts"]] == [None, 1, 1]
+    assert [a["counted"] for a in p4.status["attempts"]] == [True, False, False]
+    # Even outside the incident window: restarts while the store is not up are consequences of its loss.
+    p5 = plan(job, p4.status, observed(store_new, trainer(0, restart_count=2, last_exit_code=1),
+                                       trainer(1, restart_count=1, last_exit_code=1)), later(100))
+    assert p5.status["restarts"] == 1 and len(p5.status["attempts"]) == 4
+    # The new store up and both trainers running: recovered.
+    back = plan(job, p5.status, observed(rdzv(uid="store-2"), trainer(0, restart_count=2, last_exit_code=1),
+                                         trainer(1, restart_count=1, last_exit_code=1)), later(101))
+    assert back.status["phase"] == "Running" and back.recovery_seconds == 96.0 and back.actions == ()
+    assert back.status["restarts"] == 1 and back.status["group"] == 0
 
 
-def test_deleted_store_pod_also_restarts_the_group():
+def test_deleted_store_pod_is_recreated_without_a_group_bump():
     job, status = _running()
     p = plan(job, status, observed(rdzv(deleting_since=later(1)), trainer(0), trainer(1)), later(1))
-    assert p.status["group"] == 1
+    assert p.status["group"] == 0 and p.status["reason"] == names.REASON_RDZV_LOST and p.actions == ()
+    gone = plan(job, p.status, observed(trainer(0), trainer(1), gone=[rdzv()]), later(2))
+    assert _acts(gone) == [(CREATE, "mnist-rdzv")] and gone.status["restarts"] == 1
+
+
+def test_in_place_restart_is_recorded_once_and_counted():
+    job, status = _running()
+    # The container failed; the kubelet restarts it (state terminated, restartCount not moved yet).
+    failing = observed(rdzv(), trainer(0), trainer(1, phase="Running", exit_code=137, reason="Error"))
+    p = plan(job, status, failing, later(10))
+    assert p.actions == () and p.status["restarts"] == 1 and p.status["phase"] == "Restarting"
+    att = p.status["attempts"][-1]
+    assert (att["pod"], att["exitCode"], att["restartCount"], att["counted"]) == ("mnist-1", 137, 1, True)
+    assert p.status["recordedPods"] == ["uid-mnist-1-0/1"]
+    assert p.status["reason"] == names.REASON_RESTARTED_IN_PLACE
+    messages = [e.message for e in p.events if e.reason == names.REASON_RESTARTED_IN_PLACE]
+    assert messages and "trainer container of pod mnist-1 exited 137 and was restarted in place" in messages[0]
+    # The same failure seen after the restart (restartCount 1, lastState): not recorded again.
+    restarted = observed(rdzv(), trainer(0), trainer(1, restart_count=1, last_exit_code=137))
+    again = plan(job, p.status, restarted, later(11))
+    assert again.status["restarts"] == 1 and len(again.status["attempts"]) == 1 and again.actions == ()
+    assert again.status["phase"] == "Running" and again.recovery_seconds == 1.0
+    # A restarted operator (status only, no memory) does not count it again either.
+    assert plan(job, again.status, restarted, later(12)).status["restarts"] == 1
+    # A second failure of the same container, later: a new incident.
+    second = plan(job, again.status, observed(rdzv(), trainer(0), trainer(1, restart_count=2, last_exit_code=1)),
+                  later(100))
+    assert second.status["restarts"] == 2 and second.status["recordedPods"] == ["uid-mnist-1-0/2"]
+    assert [a["restartCount"] for a in second.status["attempts"]] == [1, 2]
+
+
+def test_in_place_restarts_follow_the_incident_rules():
+    job, status = _running()
+    p1 = plan(job, status, observed(rdzv(), trainer(0), trainer(1, restart_count=1, last_exit_code=137)), later(10))
+    # The survivor's agent gives up a few seconds later: same incident, not counted.
+    p2 = plan(job, p1.status, observed(rdzv(), trainer(0, restart_count=1, last_exit_code=1),
+                                       trainer(1, restart_count=1, last_exit_code=137)), later(15))
+    assert p2.status["restarts"] == 1 and p2.status["attempts"][-1]["counted"] is False
+
+
+def test_in_place_restarts_exhaust_the_backoff_limit_and_stop_the_pods():
+    job, status = _running(failurePolicy={"backoffLimit": 1, "incidentWindowSeconds": 0})
+    p1 = plan(job, status, observed(rdzv(), trainer(0), trainer(1, restart_count=1, last_exit_code=1)), later(1))
+    assert p1.status["restarts"] == 1 and p1.status["phase"] == "Running"
+    p2 = plan(job, p1.status, observed(rdzv(), trainer(0), trainer(1, restart_count=2, last_exit_code=1)), later(2))
+    assert p2.status["phase"] == "Failed" and p2.status["reason"] == names.REASON_BACKOFF_LIMIT
+    assert "restarted in place" in p2.status["message"]
+    assert _acts(p2) == [(DELETE, "mnist-0"), (DELETE, "mnist-1"), (DELETE, "mnist-rdzv")]
+
+
+def test_permanent_exit_code_on_an_in_place_restart_fails_the_job():
+    job, status = _running(failurePolicy={"permanentExitCodes": [3]})
+    summary = "ChildFailedError\n  rank      : 1\n  exitcode  : 3 (pid: 81)\n"
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(1, restart_count=1, last_exit_code=1,
+                                                                last_message=summary)), later(1))
+    assert p.status["phase"] == "Failed" and p.status["reason"] == names.REASON_PERMANENT_EXIT
+    assert "worker exit codes 3" in p.status["message"] and "restarted in place" in p.status["message"]
+    assert _acts(p) == [(DELETE, "mnist-0"), (DELETE, "mnist-1"), (DELETE, "mnist-rdzv")]
+    assert p.status["attempts"][-1]["restartCount"] == 1
+
+
+def test_restarts_missed_while_the_operator_was_down_are_recorded_once():
+    job, status = _running()
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(1, restart_count=3, last_exit_code=1)), later(1))
+    assert p.status["restarts"] == 1 and len(p.status["attempts"]) == 1
+    assert p.status["attempts"][-1]["restartCount"] == 3
+    assert any("2 earlier restart(s) not observed" in e.message for e in p.events)
+    assert plan(job, p.status, observed(rdzv(), trainer(0), trainer(1, restart_count=3, last_exit_code=1)),
+                later(2)).status["restarts"] == 1
+
+
+def test_crash_looping_container_is_not_running():
+    job, status = _running()
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(1, restart_count=1, last_exit_code=1,
+                                                                waiting="CrashLoopBackOff")), later(1))
+    assert p.status["phase"] == "Restarting" and p.status["nodes"]["running"] == 1 and p.actions == ()
+
+
+def test_pod_ending_after_an_in_place_restart_is_replaced_and_recorded_apart():
+    job, status = _running(failurePolicy={"incidentWindowSeconds": 0})
+    p1 = plan(job, status, observed(rdzv(), trainer(0), trainer(1, restart_count=1, last_exit_code=1)), later(1))
+    evicted = trainer(1, phase="Failed", status_reason="Evicted", restart_count=1, last_exit_code=1)
+    p2 = plan(job, p1.status, observed(rdzv(), trainer(0), evicted), later(2))
+    assert _acts(p2) == [(DELETE, "mnist-1")] and p2.status["disruptions"] == 1
+    assert len(p2.status["attempts"]) == 2 and p2.status["recordedPods"] == ["uid-mnist-1-0/1", "uid-mnist-1-0"]
+
+
+def test_restart_in_place_after_a_peer_succeeded_is_stopped_not_counted():
+    job, status = _running()
+    p = plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0),
+                                   trainer(1, phase="Running", exit_code=1)), later(1))
+    assert (DELETE, "mnist-1") in _acts(p) and p.status["restarts"] == 0
+    assert p.status["phase"] == names.PHASE_SUCCEEDED
 
 
 def test_success_rule():
@@ -282,7 +394,34 @@ def test_missing_pod_after_downtime_is_recreated_as_a_recovery():
     p = plan(job, status, observed(rdzv(), trainer(0)), later(3))
     assert _acts(p) == [(CREATE, "mnist-1")]
     assert p.status["phase"] == "Restarting" and p.status["reason"] == names.REASON_NODE_MISSING
-    assert p.status["restarts"] == 0
+    # On record, counted like a deleted pod, once.
+    assert p.status["restarts"] == 1
+    att = p.status["attempts"][-1]
+    assert (att["pod"], att["index"], att["reason"], att["counted"]) == ("mnist-1", 1, names.REASON_NODE_MISSING, True)
+    again = plan(job, p.status, observed(rdzv(), trainer(0)), later(4))
+    assert again.status["restarts"] == 1 and len(again.status["attempts"]) == 1
+
+
+def test_operator_killed_between_delete_and_recreate_counts_nothing_twice():
+    """Recorded and deleted by the last operator, which died before recreating: the new one only recreates."""
+    job, status = _running()
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(1, phase="Failed", exit_code=1)), later(3))
+    assert _acts(p) == [(DELETE, "mnist-1")] and p.status["restarts"] == 1
+    # A new operator: no tombstone, the pod simply missing.
+    q = plan(job, p.status, observed(rdzv(), trainer(0)), later(30))
+    assert _acts(q) == [(CREATE, "mnist-1")]
+    assert q.status["restarts"] == 1 and len(q.status["attempts"]) == 1
+
+
+def test_at_most_one_pod_per_index():
+    """A replacement is created only once the name is free: never next to a pod still terminating."""
+    job, status = _running()
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(1, phase="Failed", exit_code=1,
+                                                                deleting_since=later(1))), later(2))
+    assert (CREATE, "mnist-1") not in _acts(p)
+    p2 = plan(job, p.status, observed(rdzv(), trainer(0), trainer(1, deleting_since=later(1), restart_count=1,
+                                                                  last_exit_code=1)), later(3))
+    assert (CREATE, "mnist-1") not in _acts(p2)
 
 
 def test_last_transition_time_is_kept():
@@ -304,7 +443,7 @@ def test_attempts_history_is_bounded():
 def test_gracefully_deleted_pod_is_recreated_on_its_deleted_event():
     # `kubectl delete pod`: Terminating with a grace period, torchrun exits 1 on SIGTERM (phase Failed), then the
     # object goes. Its tombstone is Failed, yet the pod is gone: recreate at once, not at the stuck timeout.
-    job, status = _running()
+    job, status = _running(failurePolicy={"startupTimeoutSeconds": 0})  # no startup-timeout wake-up either
     deleting = trainer(1, phase="Failed", exit_code=1, deleting_since=later(30), node="node-2")
     failed = plan(job, status, observed(rdzv(), trainer(0), deleting), later(5))
     assert failed.actions == () and failed.status["restarts"] == 1
@@ -315,7 +454,7 @@ def test_gracefully_deleted_pod_is_recreated_on_its_deleted_event():
 
 
 def test_pod_terminating_on_a_ready_or_unknown_node_is_waited_for():
-    job, status = _running()
+    job, status = _running(failurePolicy={"startupTimeoutSeconds": 0})  # no startup-timeout wake-up either
     stuck = trainer(1, deleting_since=later(0), node="node-2")
     for ready in (True, None):  # None: Nodes may not be read (namespace-scoped RBAC)
         p = plan(job, status, observed(rdzv(), trainer(0), stuck, node_ready={"node-2": ready}), later(121))
@@ -385,3 +524,24 @@ def test_huge_deadline_and_ttl_never_overflow():
     done = plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0),
                                       trainer(1, phase="Succeeded", exit_code=0)), later(50))
     assert done.status["phase"] == "Succeeded" and done.requeue_after > 0
+
+
+def test_pod_never_created_is_not_a_vanished_pod():
+    """After a scale-up whose create was refused, the new pod is just not there yet: nothing recorded."""
+    job, status = _running()
+    bigger = make_job(nodes=3)
+    p1 = plan(bigger, status, observed(rdzv(), trainer(0), trainer(1)), later(1))
+    assert (CREATE, "mnist-2") in _acts(p1)
+    p2 = plan(bigger, p1.status, observed(rdzv(), trainer(0), trainer(1)), later(40))
+    assert (CREATE, "mnist-2") in _acts(p2)
+    assert p2.status["restarts"] == 0 and not p2.status.get("attempts")
+
+
+def test_store_loss_with_restart_policy_never_replaces_the_trainers_counting_once():
+    job, status = _running(failurePolicy={"incidentWindowSeconds": 0})
+    p = plan(job, status, observed(trainer(0), trainer(1), gone=[rdzv()]), later(1))
+    assert p.status["restarts"] == 1 and _acts(p) == [(CREATE, "mnist-rdzv")]
+    failed = [trainer(i, phase="Failed", exit_code=1, restart_policy="Never") for i in range(2)]
+    p2 = plan(job, p.status, observed(rdzv(phase="Pending", uid="s2"), *failed), later(30))
+    assert p2.status["restarts"] == 1 and _acts(p2) == [(DELETE, "mnist-0"), (DELETE, "mnist-1")]
+    assert p2.status["group"] == 0

@@ -74,7 +74,14 @@ def test_pod_names_hostname_and_subdomain():
     pod = render_trainer_pod(make_job(), 1, 0)
     assert pod["metadata"]["name"] == "mnist-1"
     assert pod["spec"]["hostname"] == "mnist-1" and pod["spec"]["subdomain"] == "mnist"
-    assert pod["spec"]["restartPolicy"] == "Never"
+    assert pod["spec"]["restartPolicy"] == "OnFailure"
+
+
+def test_template_restart_policy_never_is_kept():
+    """Never opts out of in-place restarts: every container failure ends the pod, which the operator replaces."""
+    job = make_job(template={"spec": {"restartPolicy": "Never", "containers": [
+        {"name": "trainer", "image": "x", "command": ["torchrun", "t.py"]}]}})
+    assert render_trainer_pod(job, 0, 0)["spec"]["restartPolicy"] == "Never"
 
 
 def test_user_shm_mount_is_kept():

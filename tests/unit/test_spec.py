@@ -72,7 +72,7 @@ INVALID = [
      "spec.template.spec.containers", "named 'trainer'"),
     ({"template": {"spec": {"containers": [{"name": "trainer"}, {"name": "trainer"}]}}},
      "spec.template.spec.containers", "unique"),
-    ({"template": _template(restartPolicy="OnFailure")}, "spec.template.spec.restartPolicy", "Never"),
+    ({"template": _template(restartPolicy="Always")}, "spec.template.spec.restartPolicy", "OnFailure, Never"),
     ({"template": _template(hostname="x")}, "spec.template.spec.hostname", "set by the operator"),
     ({"template": _template(subdomain="x")}, "spec.template.spec.subdomain", "set by the operator"),
     ({"torchrun": {"rdzvPort": 70000}}, "spec.torchrun.rdzvPort", "<= 65535"),
