@@ -19,8 +19,10 @@ crash back-off starts fresh. Once rank 0 reports --inject-step steps, the fault 
   twice in `status.attempts`).
 - `apiserver_restart`: `hack/cluster.py restart apiserver`; the operator must carry on without being
   restarted (its pod's UID and restartCount unchanged; as a subprocess: still the same process).
-- `node_notready`: `hack/cluster.py stop kubelet`, 90 s (--notready-s), `start kubelet`; the operator
-  handles the NotReady node after `failurePolicy.nodeLostTimeoutSeconds` (default 60). On a one-node
+- `node_notready`: `hack/cluster.py stop kubelet`, 90 s (--notready-s), `start kubelet`; the job sets
+  `failurePolicy.nodeLostTimeoutSeconds: 20` (the node turns NotReady ~40-55 s after the kubelet stops, so
+  the default 60 s would only act after the kubelet is back); the operator must record the pods as lost
+  (an attempt with reason NodeLost), force-delete and recreate them. On a one-node
   cluster every pod of the job is on the lost node: nothing in memory survives, and without a checkpoint
   volume training starts over. The steps lost are recorded as they are and not held against survival.
 
@@ -67,6 +69,7 @@ FAULTS = ["store_loss", "agent_kill", "worker_kill", "hang", "operator_kill", "a
 QUICK = ["store_loss", "agent_kill", "worker_kill"]
 STEPS_PER_EPOCH = 20  # 2 nodes x batch 32 over the 1258 training samples
 HANG_TIMEOUT_S = 20
+NODE_LOST_TIMEOUT_S = 20  # node_notready's failurePolicy.nodeLostTimeoutSeconds
 SOURCES = {"peer": "peer", "local": "local", "checkpoint": "disk", "fresh": "start"}
 LABEL_INDEX = "ddp.dev/node-index"
 POD_LOGS = Path("/var/log/pods")
@@ -329,6 +332,10 @@ class Bench:
         policy: dict = {"backoffLimit": 6}
         if fault == "hang":
             policy["hangTimeoutSeconds"] = HANG_TIMEOUT_S
+        if fault == "node_notready":
+            # The node turns NotReady ~40-55 s after the kubelet stops; with the default 60 s the operator would
+            # act after the kubelet is back, and the node-loss path would go untried.
+            policy["nodeLostTimeoutSeconds"] = NODE_LOST_TIMEOUT_S
         return h.digits_job(name, nodes=2, step_delay=self.a.step_delay, epochs=epochs,
                             env={"DIGITS_PATIENCE": "0"}, spec={"failurePolicy": policy})
 
@@ -399,6 +406,8 @@ class Bench:
                 d["operator_after"] = self._operator_identity()
                 if d["operator_after"] != d["operator_before"]:
                     d.setdefault("violations", []).append("the operator was restarted (or replaced)")
+            if fault == "node_notready" and not any(a.get("reason") == "NodeLost" for a in st.get("attempts") or []):
+                d.setdefault("violations", []).append("the operator never treated the NotReady node's pods as lost")
             if fault == "operator_kill" and (st.get("restarts") or 0) > 1:
                 d.setdefault("violations", []).append(f"status.restarts {st.get('restarts')} > 1 at the end")
         except Exception as e:  # noqa: BLE001 - reported, never swallowed: survived is false
@@ -443,6 +452,7 @@ class Bench:
         out["step_delay_s"] = self.a.step_delay
         out["hang_timeout_s"] = HANG_TIMEOUT_S
         out["notready_s"] = self.a.notready_s
+        out["node_lost_timeout_s"] = NODE_LOST_TIMEOUT_S
         out["operator"] = self.op.mode
         out["detail"] = self.detail
         return out
