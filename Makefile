@@ -7,7 +7,7 @@ export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)
         test test-unit test-trainer test-cluster test-integration test-e2e test-chart \
         demo demo-down kind-e2e \
         bench-trainer-recovery bench-baselines bench-overhead bench-e2e-recovery bench-startup bench-api \
-        bench-scale bench-report
+        bench-scale bench-faults bench-report
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-24s %s\n", $$1, $$2}'
@@ -94,6 +94,9 @@ bench-api: ## API writes for one clean job at the default and the sample's progr
 
 bench-scale: ## 200 DDPJobs at once, control plane only (JSON, docs/bench/scale.json)
 	$(PY) tests/benchmarks/scale.py --record
+
+bench-faults: ## every fault once on the cluster: store/agent/worker/operator loss, hang, apiserver restart, NotReady node (docs/bench/faults.json)
+	$(PY) tests/benchmarks/faults.py --record
 
 bench-report: ## rewrite the README's Measured table and docs/recovery.md's baselines from docs/bench/*.json
 	$(PY) tests/benchmarks/report.py --write

@@ -7,6 +7,8 @@
     hack/cluster.py status [--json]   component health and memory
     hack/cluster.py figures           idle memory and local-image pod start time (JSON)
     hack/cluster.py leftovers         what `down` should have removed but is still there
+    hack/cluster.py restart|stop|start COMPONENT   one component of the running cluster (fault
+                                      injection: `restart apiserver`, `stop kubelet` ... `start kubelet`)
     hack/cluster.py kubectl ARGS...   kubectl with the cluster's admin kubeconfig
     hack/cluster.py ctr ARGS...       ctr against the cluster's containerd, namespace k8s.io
 
@@ -21,6 +23,11 @@ Layout (why each piece is where it is):
   it owns it, recorded in /var/lib/ddpjob/owner.json (and visible as its components' working
   directory, <checkout>/.cluster). `up` from another checkout reuses it (.cluster/kubeconfig becomes
   a link to the owner's); `down` there stops nothing. A failed `up` stops what it started.
+- `restart`/`stop`/`start COMPONENT` act on the host's cluster whichever checkout owns it: they change
+  no configuration, so they are safe from any checkout. `stop` records the component's exact command
+  line, working directory and environment (read from /proc) in <owner>/.cluster/pids/<name>.stopped.json;
+  `start` and `restart` relaunch exactly that, with the owner's pid file and log. containerd is not
+  offered (it holds every container); `up` starts whatever is stopped, `down` stops everything.
 - Networking: the CNI bridge `cni0` owns 10.88.0.1/16 and is created before anything starts. That
   address is the node IP: the API server, kubelet and CoreDNS listen on it (pods reach all three),
   etcd and health endpoints stay on loopback. Nothing listens on the host's real interfaces.
@@ -1338,6 +1345,132 @@ def figures(runs: int = 3) -> dict:
             "pod_to_running_s": times, "pod_to_running_median_s": sorted(times)[len(times) // 2]}
 
 
+# --------------------------------------------------------------------------------------------
+# one component at a time (fault injection): restart / stop / start
+
+ALIASES = {"apiserver": "kube-apiserver", "controller-manager": "kube-controller-manager",
+           "scheduler": "kube-scheduler", "proxy": "kube-proxy"}
+SINGLE = [n for n in COMPONENTS if n != "containerd"]  # containerd holds every container: never alone
+
+
+def component_name(name: str) -> str:
+    name = ALIASES.get(name, name)
+    if name not in SINGLE:
+        raise ClusterError(f"unknown component {name!r}: one of {', '.join(SINGLE)} "
+                           f"(aliases: {', '.join(ALIASES)})")
+    return name
+
+
+def _host_state() -> Path:
+    """.cluster/ of the checkout whose cluster runs on this host (this one when none runs)."""
+    o = owner()
+    return Path(o["repo"]) / ".cluster" if o else STATE
+
+
+def _running_component(name: str) -> tuple[int, Path] | None:
+    """(pid, its checkout's .cluster/) of a running component of this host's cluster: the process
+    leading its own session (start() makes every component one), not a child it spawned."""
+    for repo, procs in _component_processes().items():
+        for pid, n in procs:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if n == name and int(stat[3]) == pid:  # session id == pid
+                return pid, repo / ".cluster"
+    return None
+
+
+def _launch_record(pid: int) -> dict:
+    proc = Path(f"/proc/{pid}")
+    argv = [a.decode() for a in (proc / "cmdline").read_bytes().split(b"\0")[:-1]]
+    env = dict(e.decode(errors="replace").split("=", 1) for e in (proc / "environ").read_bytes().split(b"\0")
+               if b"=" in e)
+    return {"argv": argv, "cwd": os.readlink(proc / "cwd").removesuffix(" (deleted)"), "env": env}
+
+
+def _kill_group(name: str, pid: int, timeout: float = 15) -> None:
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(pid):
+        log(f"{name} ignored SIGTERM; killing")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        while _alive(pid):
+            time.sleep(0.05)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def _component_healthy(name: str, state: Path) -> bool:
+    if name == "kube-apiserver":  # the owner's PKI, which may not be this checkout's
+        return http_ok(f"{API_URL}/readyz", _ssl_context(pki=state / "pki"))
+    return bool(HEALTH[name]())
+
+
+def stop_component(name: str) -> dict:
+    """Stop one component of the host's cluster, remembering how to start it again."""
+    name = component_name(name)
+    found = _running_component(name)
+    if found is None:
+        raise ClusterError(f"{name} is not running")
+    pid, state = found
+    rec = _launch_record(pid)
+    (state / "pids" / f"{name}.stopped.json").write_text(json.dumps(rec) + "\n")
+    t0 = time.monotonic()
+    _kill_group(name, pid)
+    (state / "pids" / f"{name}.pid").unlink(missing_ok=True)
+    log(f"stopped {name} (pid {pid}, {time.monotonic() - t0:.1f}s)")
+    return rec
+
+
+def start_component(name: str, rec: dict | None = None, timeout: float = 120) -> int:
+    """Start one stopped component again exactly as it ran; wait until it is healthy. Returns its pid."""
+    name = component_name(name)
+    found = _running_component(name)
+    if found is not None:
+        log(f"{name} is already running (pid {found[0]})")
+        return found[0]
+    state = _host_state()
+    saved = state / "pids" / f"{name}.stopped.json"
+    if rec is None and saved.exists():
+        rec = json.loads(saved.read_text())
+    if rec is None:
+        if state != STATE:
+            raise ClusterError(f"{name} was not stopped by `hack/cluster.py stop`: run `make cluster-up` in "
+                               f"{state.parent}")
+        rec = {"argv": argv_for(name), "cwd": str(STATE), "env": {**os.environ, "PATH": _path_env()}}
+    state = Path(rec["cwd"])
+    (state / "logs").mkdir(parents=True, exist_ok=True)
+    with open(state / "logs" / f"{name}.log", "ab") as out:
+        out.write(f"# {time.strftime('%F %T')} started again by hack/cluster.py start\n".encode())
+        out.flush()
+        p = subprocess.Popen(rec["argv"], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                             cwd=state, start_new_session=True, env=rec["env"])
+    (state / "pids").mkdir(parents=True, exist_ok=True)
+    (state / "pids" / f"{name}.pid").write_text(str(p.pid))
+    saved.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    while not _component_healthy(name, state):
+        if p.poll() is not None:
+            raise ClusterError(f"{name} exited ({p.returncode}) after starting again; see {state / 'logs' / name}.log")
+        if time.monotonic() > deadline:
+            raise ClusterError(f"{name} not healthy {timeout:.0f}s after starting again")
+        time.sleep(0.1)
+    log(f"started {name} (pid {p.pid}), healthy after {time.monotonic() - t0:.1f}s")
+    return p.pid
+
+
+def restart_component(name: str) -> int:
+    return start_component(name, stop_component(name))
+
+
 def is_up() -> bool:
     return all(is_running(n) for n in COMPONENTS) and api_ready() and _node_ready()
 
@@ -1354,6 +1487,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--json", action="store_true")
     sub.add_parser("leftovers", help="list host state `down` should have removed")
     sub.add_parser("figures", help="idle memory and local-image pod start time, as JSON")
+    for verb in ("restart", "stop", "start"):
+        c = sub.add_parser(verb, help=f"{verb} one component of the running cluster (fault injection)")
+        c.add_argument("component", help=f"one of {', '.join(SINGLE)} (or apiserver, scheduler, ...)")
     for passthrough in ("kubectl", "ctr"):
         p = sub.add_parser(passthrough)
         p.add_argument("args", nargs=argparse.REMAINDER)
@@ -1376,6 +1512,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1 if left else 0
         elif a.cmd == "figures":
             print(json.dumps(figures(), indent=2))
+        elif a.cmd in ("restart", "stop", "start"):
+            if os.geteuid() != 0:
+                raise ClusterError("the cluster's components run as root")
+            {"restart": restart_component, "stop": stop_component, "start": start_component}[a.cmd](a.component)
         elif a.cmd == "kubectl":
             os.execv(binary("kubectl"), ["kubectl", f"--kubeconfig={KUBECONFIG}", *a.args])
         elif a.cmd == "ctr":

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""`make bench-report`: the README's Measured table and docs/recovery.md's baseline table, from the
+"""`make bench-report`: the README's Measured table and docs/recovery.md's baseline, overhead and fault
+tables, from the
 results the benchmarks recorded in docs/bench/<name>.json (tests/benchmarks/results.py).
 
     .venv/bin/python tests/benchmarks/report.py [--write | --check]
@@ -169,6 +170,76 @@ def overhead_table(bench_dir: Path) -> str:
     return "\n".join(lines)
 
 
+# The faults `make bench-faults` injects (tests/benchmarks/faults.py), in its order: how each is injected and
+# what DDPJob is designed to do about it. Whether it did is in the measured columns next to it.
+FAULT_ROWS: list[tuple[str, str, str]] = [
+    ("store_loss", "`kubectl delete pod <job>-rdzv --force --grace-period=0`",
+     "the operator recreates the store pod and keeps every trainer pod; the agents re-rendezvous against the "
+     "new store and the workers restore from their own `/dev/shm` snapshots"),
+    ("agent_kill", "SIGKILL of pod 1's torchrun agent (from the host)",
+     "the container fails and is restarted in place (`restartPolicy: OnFailure`), keeping its `/dev/shm` "
+     "snapshot; the group re-forms and restores from it or from the peer"),
+    ("worker_kill", "SIGKILL of one worker process of pod 1",
+     "torchrun's agent restarts its workers (`--max-restarts`); every rank restores from its own snapshot"),
+    ("hang", "SIGSTOP of one worker process of pod 1, `failurePolicy.hangTimeoutSeconds: 20`",
+     "rank 0's step unchanged for 20 s: the operator probes every pod, deletes the stuck one (attempt reason "
+     "`Hang`) and the others restore from peer snapshots"),
+    ("operator_kill", "force-delete pod 1, 1 s later the operator's pod",
+     "the Deployment starts a new operator; reconciliation is level-based, so it replaces pod 1 once, counts "
+     "the failure once and never runs two pods for one index; the survivor's snapshot is broadcast"),
+    ("apiserver_restart", "`hack/cluster.py restart apiserver` mid-job",
+     "training never talks to the API server and carries on; the operator's watches reconnect without the "
+     "operator restarting"),
+    ("node_notready", "`hack/cluster.py stop kubelet`, 90 s, `start kubelet`",
+     "after `failurePolicy.nodeLostTimeoutSeconds` (60) NotReady the pods on the node are treated as lost "
+     "and replaced. On a one-node cluster that is every pod of the job at once: no peer is left to hold a "
+     "snapshot, so training resumes from a disk checkpoint (`spec.checkpoint`) or starts over"),
+]
+
+
+def _fault_cell(r: dict | None) -> tuple[str, str, str, str]:
+    if r is None:
+        return "not run", "—", "—", "—"
+    return ("yes" if r.get("survived") else "**no**", _n(r.get("recovery_s"), " s"), _n(r.get("steps_lost")),
+            r.get("resumed_from") or "not restarted")
+
+
+def faults_table(bench_dir: Path) -> str:
+    doc = results.load("faults", bench_dir)
+    if doc is None:
+        return "Not recorded yet: run `make bench-faults`."
+    r = doc["result"]
+    lines = ["| fault | injected by | what DDPJob is designed to do (issue 8; the measured columns say whether it did) | survived | injection → first resumed step | steps lost "
+             "| resumed from |", "|---|---|---|---|---|---|---|"]
+    for fault, how, what in FAULT_ROWS:
+        survived, rec, lost, source = _fault_cell(r.get(fault))
+        lines.append(f"| `{fault}` | {how} | {what} | {survived} | {rec} | {lost} | {source} |")
+    n = sum(1 for f, *_ in FAULT_ROWS if f in r)
+    ok = sum(1 for f, *_ in FAULT_ROWS if (r.get(f) or {}).get("survived"))
+    lines.append("")
+    lines.append(f"Recorded by `make bench-faults`: {recorded(doc)}; {ok}/{n} faults survived; operator "
+                 f"{r.get('operator')}; step delay {_n(r.get('step_delay_s'), ' s')}; one fresh 2-node digits job "
+                 f"per fault on a {(r.get('detail') or {}).get('node_notready', {}).get('nodes', '?')}-node "
+                 f"cluster. Survived: the job Succeeded, the fault's checks held and at most one step was lost "
+                 f"(node_notready on one node: Succeeded alone). \"not restarted\": training was never "
+                 f"interrupted, nothing was lost.")
+    nr = (r.get("detail") or {}).get("node_notready") or {}
+    if "kubelet_stopped_s" in nr:
+        lines[-1] += (f" node_notready: the node was marked NotReady {_n(nr.get('notready_after_s'), ' s')} after the "
+                      f"kubelet stopped, the kubelet ran again after {_n(nr.get('kubelet_stopped_s'), ' s')}; the "
+                      f"operator {'recorded' if nr.get('operator_acted') else 'recorded no'} failure "
+                      f"(status.attempts) for the job.")
+    return "\n".join(lines)
+
+
+def faults_summary(doc: Doc) -> str:
+    r = doc["result"]
+    names = [f for f, *_ in FAULT_ROWS if f in r]
+    failed = [f for f in names if not r[f].get("survived")]
+    return (f"{len(names) - len(failed)}/{len(names)} survived" + (f" (not: {', '.join(failed)})" if failed else "")
+            + " — table in [docs/recovery.md](docs/recovery.md#every-fault-once)")
+
+
 # (what, benchmark file, figure, goal, command)
 ROWS: list[tuple[str, str, Callable[[Doc], str], str, str]] = [
     ("non-rank-0 pod killed → first resumed step (on the cluster)", "e2e_recovery", e2e_worker, "≤ 15 s",
@@ -185,6 +256,8 @@ ROWS: list[tuple[str, str, Callable[[Doc], str], str, str]] = [
      api("default_progress_period_s"), "≤ N+3 creates (with the NetworkPolicy), ≤ 6 status writes + progress, 0/min", "make bench-api"),
     ("same, the sample's `progressPeriodSeconds: 5`", "api_writes", api("sample_progress_period_s"),
      "progress ≤ 12/min", "make bench-api"),
+    ("every fault once: store, agent, worker, operator lost; hung worker; API server restart; NotReady node",
+     "faults", faults_summary, "all survived, ≤ 1 step lost", "make bench-faults"),
     ("DDPJobs at once, control plane only", "scale", scale, "200 in ≤ 30 s, ≤ 200 MiB", "make bench-scale"),
     ("digits training with snapshots (adaptive K) + checkpoints vs a bare DDP loop", "trainer_overhead", overhead,
      "≥ 0.97, ≤ 2 %", "make bench-overhead"),
@@ -231,6 +304,7 @@ BLOCKS: list[tuple[Path, str, Callable[[Path], str]]] = [
     (README, "measured", measured_table),
     (RECOVERY, "baselines", baselines_table),
     (RECOVERY, "overhead", overhead_table),
+    (RECOVERY, "faults", faults_table),
 ]
 
 

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 @pytest.fixture(scope="module")
 def bench_env(cluster, kubectl):
-    """One operator for all four benchmarks (each would otherwise install and remove the chart itself)."""
+    """One operator for all the benchmarks (each would otherwise install and remove the chart itself)."""
     env = {**os.environ, "KUBECONFIG": cluster.kubeconfig}
     op = None
     if harness.operator_mode() == "helm":
@@ -72,3 +72,22 @@ def test_scale_quick(bench_env):
     r = _run(bench_env, "scale.py")
     assert {"jobs", "all_children_created_s", "operator_rss_mib"} <= set(r), r
     assert r["jobs"] == 20
+
+
+def test_faults_quick(bench_env, cluster):
+    """store_loss, agent_kill and worker_kill, one fresh job each: every one survived with at most one step
+    lost and resumed from a snapshot, not from step 0 (faults.py --quick; the times are not judged)."""
+    if not cluster.embedded:
+        pytest.skip("agent_kill and worker_kill signal container processes from the host (embedded cluster)")
+    proc = subprocess.run([sys.executable, str(HERE / "faults.py"), "--quick"], capture_output=True, text=True,
+                          timeout=900, env=bench_env)
+    lines = proc.stdout.strip().splitlines()
+    assert lines, proc.stderr[-6000:]
+    r = json.loads(lines[-1])
+    assert r["faults"] == ["store_loss", "agent_kill", "worker_kill"], r
+    bad = {f: {**r[f], **{k: r["detail"][f].get(k) for k in ("error", "violations", "restores")}}
+           for f in r["faults"]
+           if not (r[f]["survived"] and r[f]["steps_lost"] is not None and r[f]["steps_lost"] <= 1
+                   and r[f]["resumed_from"] not in ("start", None))}
+    assert not bad, f"faults not survived as required: {json.dumps(bad, indent=1)}\n{proc.stderr[-4000:]}"
+    assert r["all_survived"] is True and proc.returncode == 0, r

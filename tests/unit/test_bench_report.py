@@ -39,3 +39,35 @@ def test_a_missing_file_is_shown_as_not_recorded(tmp_path):
     table = report.measured_table(tmp_path)
     assert table.count("not recorded yet") == len(report.ROWS)
     assert "make bench-baselines" in report.baselines_table(tmp_path)
+
+
+def test_the_fault_table_shows_every_fault_of_faults_json(tmp_path):
+    result = {
+        "store_loss": {"survived": False, "recovery_s": 21.5, "steps_lost": 27, "resumed_from": "start"},
+        "agent_kill": {"survived": True, "recovery_s": 9.25, "steps_lost": 1, "resumed_from": "local"},
+        "apiserver_restart": {"survived": True, "recovery_s": None, "steps_lost": 0, "resumed_from": None},
+        "all_survived": False, "operator": "helm", "step_delay_s": 0.15,
+        "detail": {"node_notready": {"nodes": 1}},
+    }
+    results.BENCH_DIR, saved = tmp_path, results.BENCH_DIR
+    try:
+        (tmp_path / "faults.json").write_text(json.dumps(results.envelope("faults", result, "full")))
+    finally:
+        results.BENCH_DIR = saved
+    table = report.faults_table(tmp_path)
+    rows = {line.split("|")[1].strip(" `"): [c.strip() for c in line.split("|")[4:8]]
+            for line in table.splitlines() if line.startswith("| `")}
+    assert list(rows) == [f for f, *_ in report.FAULT_ROWS]
+    assert rows["store_loss"] == ["**no**", "21.5 s", "27", "start"]
+    assert rows["agent_kill"] == ["yes", "9.25 s", "1", "local"]
+    assert rows["apiserver_restart"] == ["yes", "—", "0", "not restarted"]
+    assert rows["hang"] == ["not run", "—", "—", "—"]
+    assert "2/3 faults survived" in table
+    summary = report.faults_summary(json.loads((tmp_path / "faults.json").read_text()))
+    assert summary.startswith("2/3 survived (not: store_loss)"), summary
+    assert "make bench-faults" in report.faults_table(tmp_path / "nothing")
+
+
+def test_every_fault_of_the_benchmark_has_a_row():
+    from tests.benchmarks import faults
+    assert [f for f, *_ in report.FAULT_ROWS] == faults.FAULTS

@@ -1,0 +1,80 @@
+"""tests/benchmarks/faults.py's measuring, on synthetic trainer log lines (no cluster)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ddp_trainer.testing import StepsLostError
+from tests.benchmarks import faults
+from tests.e2e import harness as h
+
+T0 = 1_800_000_000.0
+
+
+def line(t: float, rank: int, event: str, **fields) -> str:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(round(t * 1000)) % 1000:03d}Z"
+    return " ".join([stamp, "ddp_trainer", f"rank={rank}", f"event={event}", *(f"{k}={v}" for k, v in fields.items())])
+
+
+def evs(*texts: tuple[str, list[str]]) -> list[h.Event]:
+    out = []
+    for pod, lines in texts:
+        out += h.events("\n".join(lines), pod)
+    return sorted(out, key=lambda e: e.time)
+
+
+def run(steps: range, t: float, rank: int = 0) -> list[str]:
+    return [line(t + i * 0.2, rank, "step", step=s) for i, s in enumerate(steps)]
+
+
+def test_a_peer_resume_after_the_injection():
+    pod0 = [line(T0, 0, "start", source="fresh"), *run(range(1, 31), T0 + 1),            # steps 1..30 until T0+6.8
+            line(T0 + 15, 0, "resume", source="peer", step=29), *run(range(30, 40), T0 + 16)]
+    pod1 = run(range(1, 29), T0 + 1, rank=1)  # the killed pod's lines up to step 28
+    m = faults.measure(evs(("p0", pod0), ("p1", pod1)), injected_at=T0 + 6.9, succeeded=True)
+    assert m["resumed_from"] == "peer"
+    assert m["steps_lost"] == 1  # highest completed 30, restored 29
+    assert m["recovery_s"] == pytest.approx(16 - 6.9, abs=0.01)  # step 30, the first past 29 after the resume
+    assert len(m["restores"]) == 1
+
+
+def test_a_fresh_start_loses_everything_and_maps_to_start():
+    lines = [line(T0, 0, "start", source="fresh"), *run(range(1, 31), T0 + 1),
+             line(T0 + 20, 0, "start", source="fresh"), *run(range(1, 5), T0 + 21)]
+    m = faults.measure(evs(("p0", lines)), injected_at=T0 + 7, succeeded=True)
+    assert (m["resumed_from"], m["steps_lost"]) == ("start", 30)
+    assert m["recovery_s"] == pytest.approx(14.0, abs=0.01)
+
+
+def test_checkpoint_is_disk_and_two_restores_add_up():
+    lines = [line(T0, 0, "start", source="fresh"), *run(range(1, 21), T0 + 1),
+             line(T0 + 10, 0, "resume", source="checkpoint", step=18), *run(range(19, 25), T0 + 11),
+             line(T0 + 20, 0, "resume", source="local", step=23), *run(range(24, 30), T0 + 21)]
+    m = faults.measure(evs(("p0", lines)), injected_at=T0 + 5.5, succeeded=True)
+    assert m["resumed_from"] == "disk"
+    assert m["steps_lost"] == (20 - 18) + (24 - 23)
+    assert m["recovery_s"] == pytest.approx(21 - 5.5, abs=0.01)  # after the last restore
+
+
+def test_no_restore_means_nothing_lost_only_when_the_job_succeeded():
+    lines = [line(T0, 0, "start", source="fresh"), *run(range(1, 50), T0 + 1)]
+    m = faults.measure(evs(("p0", lines)), T0 + 3, succeeded=True)
+    assert (m["recovery_s"], m["steps_lost"], m["resumed_from"]) == (None, 0, None)
+    assert faults.measure(evs(("p0", lines)), T0 + 3, succeeded=False)["steps_lost"] is None
+
+
+def test_a_restore_ahead_of_every_logged_step_is_a_bug_not_clamped():
+    lines = [line(T0, 0, "start", source="fresh"), *run(range(1, 10), T0 + 1),
+             line(T0 + 10, 0, "resume", source="peer", step=12)]
+    with pytest.raises(StepsLostError):
+        faults.measure(evs(("p0", lines)), T0 + 3, succeeded=True)
+
+
+def test_cri_log_lines_are_unwrapped():
+    text = ("2026-12-01T05:20:32.602334809Z stdout F 2026-12-01T05:20:32.601Z ddp_trainer rank=0 event=step step=3\n"
+            "2026-12-01T05:20:32.7Z stderr P part one \n2026-12-01T05:20:32.7Z stderr F and two\n")
+    assert faults.cri_text(text) == ("2026-12-01T05:20:32.601Z ddp_trainer rank=0 event=step step=3\n"
+                                     "part one and two\n")
+    assert [e.int("step") for e in h.events(faults.cri_text(text))] == [3]
