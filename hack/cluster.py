@@ -299,25 +299,7 @@ def stop(name: str, timeout: float = 15) -> None:
     pid = _pid(name)
     t0 = time.monotonic()
     if pid and is_running(name):
-        try:
-            os.killpg(pid, signal.SIGTERM)  # each component leads its own process group
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + timeout
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if _alive(pid):
-            log(f"{name} ignored SIGTERM; killing")
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            while _alive(pid):
-                time.sleep(0.05)
-        try:
-            os.waitpid(pid, os.WNOHANG)  # reap when it is our own child (pytest-started cluster)
-        except ChildProcessError:
-            pass
+        _kill_group(name, pid, timeout)
         if time.monotonic() - t0 > 2:
             log(f"{name} took {time.monotonic() - t0:.1f}s to stop")
     (PIDS / f"{name}.pid").unlink(missing_ok=True)
@@ -1390,6 +1372,8 @@ def _launch_record(pid: int) -> dict:
 
 
 def _kill_group(name: str, pid: int, timeout: float = 15) -> None:
+    """SIGTERM to the component's process group (each component leads its own), SIGKILL after `timeout`; reaped
+    when it is our own child (a pytest-started cluster)."""
     try:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:

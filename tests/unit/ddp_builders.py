@@ -4,6 +4,10 @@ A plain module (not conftest.py) with a unique name, so `from ddp_builders impor
 suite's conftest when several test directories run together."""
 
 import copy
+import http.server
+import json
+import socket
+import threading
 from datetime import datetime, timedelta, timezone
 
 from ddp_operator import names
@@ -89,3 +93,31 @@ def observed(*pods, gone=(), **kw):
 
 def later(seconds):
     return NOW + timedelta(seconds=seconds)
+
+
+class ProgressServer:
+    """A pod's side of the progress channel: GET /progress on one loopback address answering `report`."""
+
+    def __init__(self, ip, port, report):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server API)
+                body = json.dumps(report).encode()
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_):
+                pass
+
+        self.server = http.server.HTTPServer((ip, port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

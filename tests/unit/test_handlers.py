@@ -12,6 +12,8 @@ from ddp_operator import handlers, names
 from ddp_operator.handlers import Reconciler
 from ddp_operator.k8s import ChildConflict
 
+from ddp_builders import ProgressServer as _Serve
+from ddp_builders import free_port as _free_port
 from ddp_builders import job_body
 
 
@@ -189,36 +191,6 @@ def test_a_trickling_pod_never_holds_the_ticker(monkeypatch):
 
 
 # --- progress -----------------------------------------------------------------------------------------------------
-class _Serve:
-    """GET /progress on one loopback address answering `report`."""
-
-    def __init__(self, ip, port, report):
-        import http.server
-        import json
-
-        class H(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
-                body = json.dumps(report).encode()
-                self.send_response(200)
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *_):
-                pass
-        self.server = http.server.HTTPServer((ip, port), H)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _running_job(r, name="job"):
     key, body = _add_job(r, name, progressPeriodSeconds=1)
     r.reconcile(*key)

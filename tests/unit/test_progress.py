@@ -6,6 +6,8 @@ import threading
 
 from ddp_operator import names, progress
 
+from ddp_builders import ProgressServer, free_port
+
 
 def test_probe_finds_the_pod_that_answers(monkeypatch):
     report = {"step": 7, "loss": 0.5}
@@ -175,32 +177,10 @@ def test_redirects_are_not_followed(monkeypatch):
 
 
 # --- every pod answers for itself ---------------------------------------------------------------------------------
-def _serve(ip, port, report):
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            body = json.dumps(report).encode()
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_):
-            pass
-
-    server = http.server.HTTPServer((ip, port), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_probe_takes_global_rank_0s_report_and_one_without_rank_is_rank_0(monkeypatch):
-    port = _port()
+    port = free_port()
     monkeypatch.setattr(names, "PROGRESS_PORT", port)
-    servers = [_serve("127.0.0.3", port, {"rank": 1, "step": 9}), _serve("127.0.0.4", port, {"rank": 0, "step": 8})]
+    servers = [ProgressServer("127.0.0.3", port, {"rank": 1, "step": 9}), ProgressServer("127.0.0.4", port, {"rank": 0, "step": 8})]
     try:
         # the pod asked first answers as rank 1: not the one the status shows
         assert progress.probe(["127.0.0.3", "127.0.0.4"], preferred="127.0.0.3") == (
@@ -208,14 +188,12 @@ def test_probe_takes_global_rank_0s_report_and_one_without_rank_is_rank_0(monkey
         assert progress.probe(["127.0.0.3"]) is None
     finally:
         for s in servers:
-            s.shutdown()
-            s.server_close()
-    legacy = _serve("127.0.0.5", port, {"step": 7})  # an older trainer / a plain script: rank 0 alone serves
+            s.close()
+    legacy = ProgressServer("127.0.0.5", port, {"step": 7})  # an older trainer / a plain script: rank 0 alone serves
     try:
         assert progress.probe(["127.0.0.5"]) == ("127.0.0.5", {"step": 7})
     finally:
-        legacy.shutdown()
-        legacy.server_close()
+        legacy.close()
     assert progress.is_rank0({"rank": 0}) and progress.is_rank0({}) and not progress.is_rank0({"rank": True})
 
 
@@ -227,7 +205,7 @@ def test_probe_each_asks_every_pod_in_parallel_a_stuck_one_costs_one_deadline(mo
     stuck.listen(16)
     port = stuck.getsockname()[1]
     monkeypatch.setattr(names, "PROGRESS_PORT", port)
-    ok = _serve("127.0.0.7", port, {"rank": 1, "step": 4})
+    ok = ProgressServer("127.0.0.7", port, {"rank": 1, "step": 4})
     try:
         started = time.monotonic()
         got = progress.probe_each({"j-0": "127.0.0.6", "j-1": "127.0.0.7", "j-2": "127.0.0.8"}, timeout=0.5)
@@ -235,6 +213,5 @@ def test_probe_each_asks_every_pod_in_parallel_a_stuck_one_costs_one_deadline(mo
         assert got == {"j-0": None, "j-1": {"rank": 1, "step": 4}, "j-2": None}
         assert progress.probe_each({}) == {}
     finally:
-        ok.shutdown()
-        ok.server_close()
+        ok.close()
         stuck.close()
