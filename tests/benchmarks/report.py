@@ -191,7 +191,8 @@ FAULT_ROWS: list[tuple[str, str, str]] = [
      "training never talks to the API server and carries on; the operator's watches reconnect without the "
      "operator restarting"),
     ("node_notready", "`hack/cluster.py stop kubelet`, 90 s, `start kubelet`",
-     "after `failurePolicy.nodeLostTimeoutSeconds` NotReady (default 60 s; the benchmark sets 20 s so that the operator acts while the kubelet is still down) the pods on the node are treated as lost "
+     "after `failurePolicy.nodeLostTimeoutSeconds` NotReady (default 60 s; the benchmark sets 20 s so that the "
+     "operator acts while the kubelet is still down) the pods on the node are treated as lost "
      "and replaced. On a one-node cluster that is every pod of the job at once: no peer is left to hold a "
      "snapshot, so training resumes from a disk checkpoint (`spec.checkpoint`) or starts over"),
 ]
