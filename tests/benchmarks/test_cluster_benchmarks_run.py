@@ -91,3 +91,29 @@ def test_faults_quick(bench_env, cluster):
                    and r[f]["resumed_from"] not in ("start", None))}
     assert not bad, f"faults not survived as required: {json.dumps(bad, indent=1)}\n{proc.stderr[-4000:]}"
     assert r["all_survived"] is True and proc.returncode == 0, r
+
+
+def test_faults_of_the_control_plane_and_the_node(bench_env, cluster):
+    """operator_kill, apiserver_restart and node_notready, one fresh job each: every job Succeeded and every check
+    of the fault held -- at most one live pod per index and no failure counted twice while the operator was
+    replaced, the operator not restarted by an API server restart, the NotReady node's pods treated as lost
+    (faults.py --quick; the times are not judged). On this one-node cluster node_notready loses every pod, so
+    its steps lost are not held against it (docs/recovery.md)."""
+    if not cluster.embedded:
+        pytest.skip("apiserver_restart and node_notready restart components of the embedded cluster")
+    faults = ["operator_kill", "apiserver_restart", "node_notready"]
+    proc = subprocess.run([sys.executable, str(HERE / "faults.py"), "--quick", "--faults", ",".join(faults)],
+                          capture_output=True, text=True, timeout=1200, env=bench_env)
+    lines = proc.stdout.strip().splitlines()
+    assert lines, proc.stderr[-6000:]
+    r = json.loads(lines[-1])
+    assert r["faults"] == faults, r
+    detail = r["detail"]
+    bad = {f: {**r[f], **{k: detail[f].get(k) for k in ("error", "violations", "why_not_survived")}}
+           for f in faults if not r[f]["survived"]}
+    assert not bad, f"faults not survived as required: {json.dumps(bad, indent=1)}\n{proc.stderr[-4000:]}"
+    assert r["operator_kill"]["steps_lost"] is not None and r["operator_kill"]["steps_lost"] <= 1, r
+    assert r["operator_kill"]["resumed_from"] == "peer", r
+    assert detail["apiserver_restart"]["operator_after"] == detail["apiserver_restart"]["operator_before"], detail
+    assert any(a["reason"] == "NodeLost" for a in detail["node_notready"]["attempts"]), detail["node_notready"]
+    assert r["all_survived"] is True and proc.returncode == 0, r
