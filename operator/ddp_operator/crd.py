@@ -535,6 +535,10 @@ def _status_schema() -> dict:
             "final": _bool("Written by rank 0 at exit (from the termination log)."),
             "workerRestarts": _int("torchrun's in-pod worker restarts in rank 0's pod "
                                    "(TORCHELASTIC_RESTART_COUNT) when it reported."),
+            "snapshotEvery": _int("K: the trainer's peer snapshot is written every K optimizer steps (1 by default; "
+                                  "DDPJOB_SNAPSHOT_EVERY=auto adapts it to a cost budget), so a recovery from a "
+                                  "snapshot loses at most K steps."),
+            "lastSnapshotStep": _int("Step of rank 0's newest peer snapshot."),
             "summary": _str("One-line form for `kubectl get`."),
         },
     )

@@ -193,7 +193,7 @@ def progress_summary(report: Mapping[str, Any]) -> str:
 
 
 _PROGRESS_KEYS = ("step", "epoch", "loss", "samplesPerSecond", "lastCheckpointStep", "worldSize", "metrics",
-                  "time", "final", "workerRestarts")
+                  "time", "final", "workerRestarts", "snapshotEvery", "lastSnapshotStep")
 
 
 def progress_status(report: Mapping[str, Any]) -> dict:
@@ -201,7 +201,8 @@ def progress_status(report: Mapping[str, Any]) -> dict:
     out: dict[str, Any] = {}
     for key in _PROGRESS_KEYS:
         value = report.get(key)
-        if key in ("step", "epoch", "worldSize", "lastCheckpointStep", "workerRestarts") and _number(value):
+        if key in ("step", "epoch", "worldSize", "lastCheckpointStep", "workerRestarts", "snapshotEvery",
+                   "lastSnapshotStep") and _number(value):
             out[key] = int(value)
         elif key in ("loss", "samplesPerSecond", "time") and _number(value):
             out[key] = float(value)

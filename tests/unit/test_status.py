@@ -82,6 +82,11 @@ def test_progress_status_keeps_known_fields():
     assert progress_summary({"final": True}) == "final"
 
 
+def test_progress_status_shows_the_snapshot_interval_that_bounds_the_steps_lost():
+    out = progress_status({"step": 120, "snapshotEvery": 3, "lastSnapshotStep": 120.0})
+    assert out["snapshotEvery"] == 3 and out["lastSnapshotStep"] == 120
+
+
 def test_progress_status_drops_non_finite_numbers():
     import json
     report = {"step": 3, "loss": float("nan"), "samplesPerSecond": float("inf"), "time": float("-inf"),
