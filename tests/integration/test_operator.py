@@ -68,7 +68,7 @@ def test_operator_restart_changes_nothing(k, operator):
     # replays their teardown (pods deleted under a live job, creates refused by NamespaceTerminating).
     wait_for(lambda: not [n for n in k.core.list_namespace(label_selector="ddpjob.dev/test=true").items
                           if n.metadata.name.startswith(NS_PREFIX) and n.metadata.name != k.ns],
-             120, interval=1, what="earlier test namespaces deleted")
+             300, interval=1, what="earlier test namespaces deleted")
     _running(k)
     before_job = k.job()
     before_pods = {n: p.metadata.resource_version for n, p in k.pods().items()}
