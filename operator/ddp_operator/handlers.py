@@ -486,13 +486,7 @@ class Reconciler:
         """True while a refused child's retry is not due yet (the retry's wake-up stays armed)."""
         with self._guard:
             refused = (self._create_failed.get(key) or {}).get(name)
-        if refused is None:
-            return False
-        left = refused.retry_at - time.monotonic()
-        if left <= 0:
-            return False
-        self.wake(key, left)
-        return True
+        return self._not_due(key, refused.retry_at if refused else None)
 
     def _forget_refusals(self, key: tuple[str, str], wanted: set[str]) -> None:
         """Drop the refusals of children the plan no longer creates (scaled down, the job finished)."""
@@ -532,9 +526,13 @@ class Reconciler:
         """True if the conflict on `name` was seen less than CONFLICT_RETRY_SECONDS ago (the retry stays armed)."""
         with self._guard:
             known = (self._conflicts.get(key) or {}).get(name)
-        if known is None:
+        return self._not_due(key, known[1] + CONFLICT_RETRY_SECONDS if known else None)
+
+    def _not_due(self, key: tuple[str, str], due: float | None) -> bool:
+        """True while a retry due at monotonic time `due` is still ahead; its wake-up is (re-)armed."""
+        if due is None:
             return False
-        left = CONFLICT_RETRY_SECONDS - (time.monotonic() - known[1])
+        left = due - time.monotonic()
         if left <= 0:
             return False
         self.wake(key, left)
