@@ -307,6 +307,17 @@ class _Pass:
             self.recovery_start = self.now
         return counts
 
+    def failure(self, p: PodState, what: str, *, disruption: str | None = None, caused: bool = False,
+                **record: Any) -> bool | None:
+        """Put a failure of `p` (an ended pod, an in-place restart, a hang) on record as an incident: whether it
+        counted, or None when it exceeded backoffLimit (the job failed; `what` is in its message)."""
+        counts = self.incident(disruption, caused=caused)
+        if counts and self.over_budget(what):
+            self.record(p, counted=True, **record)
+            return None
+        self.record(p, counted=counts, **record)
+        return counts
+
     def over_budget(self, what: str) -> bool:
         limit = self.job.spec.failure_policy.backoff_limit
         if self.restarts + 1 > limit:
@@ -339,11 +350,9 @@ class _Pass:
                 self.record(p, counted=True, restart=p.restarts)
                 self.permanent(what)
                 return False
-            counts = self.incident(None, caused=store_down)
-            if counts and self.over_budget(what):
-                self.record(p, counted=True, restart=p.restarts)
+            counts = self.failure(p, what, caused=store_down, restart=p.restarts)
+            if counts is None:
                 return False
-            self.record(p, counted=counts, restart=p.restarts)
             self.incident_reason = names.REASON_RESTARTED_IN_PLACE
             self.incident_message = what + ("" if counts else (
                 " (not counted: the rendezvous store was not up)" if store_down else " (not counted)"))
@@ -366,11 +375,9 @@ class _Pass:
                 self.permanent(what)
                 return False
             caused = store_down and p.disruption is None and not p.gone and p.exit_code is not None
-            counts = self.incident(p.disruption, caused=caused)
-            if counts and self.over_budget(what):
-                self.record(p, counted=True)
+            counts = self.failure(p, what, disruption=p.disruption, caused=caused)
+            if counts is None:
                 return False
-            self.record(p, counted=counts)
             self.incident_reason = (names.REASON_NODE_LOST if p.disruption == names.REASON_NODE_LOST
                                     else names.REASON_NODE_DISRUPTED if p.disruption else names.REASON_NODE_FAILED)
             self.incident_message = f"{what}; replacing it" + ("" if counts else " (not counted)")
@@ -387,11 +394,9 @@ class _Pass:
                 and (p.terminal or p.deleting) and not self.recorded(p)]
         for p in lost:
             what = f"rendezvous store pod {p.name} {describe(p)}"
-            counts = self.incident(p.disruption)
-            if counts and self.over_budget(what):
-                self.record(p, counted=True, reason=names.REASON_RDZV_LOST)
+            counts = self.failure(p, what, disruption=p.disruption, reason=names.REASON_RDZV_LOST)
+            if counts is None:
                 return False
-            self.record(p, counted=counts, reason=names.REASON_RDZV_LOST)
             self.delete(p)
             self.incident_reason = names.REASON_RDZV_LOST
             self.incident_message = (f"{what}; recreating it (the trainers restart in place and rejoin rendezvous "
@@ -786,11 +791,9 @@ class _Pass:
                    else f"it reports step {answer.get('step')}")
             what = (f"pod {p.name}: global rank 0's step did not change for spec.failurePolicy.hangTimeoutSeconds="
                     f"{timeout}; {why}")
-            counts = self.incident(None)
-            if counts and self.over_budget(what):
-                self.record(p, counted=True, reason=names.REASON_HANG)
+            counts = self.failure(p, what, reason=names.REASON_HANG)
+            if counts is None:
                 return False
-            self.record(p, counted=counts, reason=names.REASON_HANG)
             self.incident_reason = names.REASON_HANG
             self.incident_message = f"{what}; deleting it" + ("" if counts else " (not counted)")
             # A stopped or stuck process cannot act on SIGTERM: waiting out the pod's grace period would only
