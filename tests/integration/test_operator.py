@@ -23,6 +23,21 @@ def _running(k, **spec):
     return k.wait_phase("Running")
 
 
+def _settled(k, quiet=2.0):
+    """The job and its pods once no resourceVersion among them has moved for `quiet` seconds."""
+    last = {"rvs": None, "since": time.monotonic()}
+
+    def still():
+        job, pods = k.job(), {n: p.metadata.resource_version for n, p in k.pods().items()}
+        rvs = (job["metadata"]["resourceVersion"], pods)
+        if rvs != last["rvs"]:
+            last.update(rvs=rvs, since=time.monotonic())
+            return None
+        return rvs if time.monotonic() - last["since"] >= quiet else None
+
+    return wait_for(still, interval=0.5, what="the job and its pods holding still")
+
+
 def test_create_is_idempotent_and_children_are_owned(k, operator):
     job = k.create_job()
     pods = k.wait_pods(PODS)
@@ -70,15 +85,16 @@ def test_operator_restart_changes_nothing(k, operator):
                           if n.metadata.name.startswith(NS_PREFIX) and n.metadata.name != k.ns],
              300, interval=1, what="earlier test namespaces deleted")
     _running(k)
-    before_job = k.job()
-    before_pods = {n: p.metadata.resource_version for n, p in k.pods().items()}
+    # The first operator's last writes (kopf's handled-configuration annotation follows the Running status) must
+    # land before the snapshot.
+    before_job_rv, before_pods = _settled(k)
     operator.restart()
     # The restarted operator has resumed the job once it has reconciled it.
     wait_for(lambda: (operator.metrics() or {}).get('ddpjob_reconcile_total{result="ok"}', 0) >= 1,
              what="a reconcile pass by the restarted operator")
     time.sleep(2)  # asserting that nothing happens: give stray writes a chance to show
     after = k.job()
-    assert after["metadata"]["resourceVersion"] == before_job["metadata"]["resourceVersion"]
+    assert after["metadata"]["resourceVersion"] == before_job_rv
     assert {n: p.metadata.resource_version for n, p in k.pods().items()} == before_pods
     writes = {key: v for key, v in (operator.metrics() or {}).items() if key.startswith("ddpjob_api_writes_total")}
     assert writes == {}, writes
