@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ from ddp_trainer.env import ConfigError
 from ddp_trainer.log import format_line, parse_line
 from ddp_trainer.progress import Progress, write_termination_log
 from ddp_trainer.sampler import ResumableDistributedSampler
-from ddp_trainer.session import read_torchrun_env
+from ddp_trainer.session import process_start_time, read_torchrun_env
 from ddp_trainer.snapshot import PeerSnapshots
 from ddp_trainer.state import Components, Position, flatten, unflatten
 
@@ -244,3 +247,17 @@ def test_progress_report_names_its_rank_and_worker_restarts():
     p = Progress(4, rank=2, worker_restarts=3)
     snap = p.snapshot()
     assert snap["rank"] == 2 and snap["workerRestarts"] == 3 and snap["worldSize"] == 4
+
+
+def test_process_start_time_is_this_process_start():
+    before = time.time()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        time.sleep(0.5)
+        started = process_start_time(child.pid)
+        assert started is not None and before - 0.05 <= started <= before + 0.45
+    finally:
+        child.kill()
+        child.wait()
+    assert process_start_time(os.getpid()) < before
+    assert process_start_time(2**22 + 12345) is None  # no such process

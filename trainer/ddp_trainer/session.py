@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -159,6 +160,23 @@ def _install_sigterm(session: Session) -> None:
     session._wakeup_sockets = (reader, writer)  # keep both ends open for the life of the process
 
 
+def process_start_time(pid: int | str = "self") -> float | None:
+    """Wall-clock time at which process `pid` started (Linux: /proc, ~10 ms resolution); None elsewhere.
+
+    A worker logs it with its session line, so a recovery can be split into the agent's spawn, the
+    interpreter and imports, and joining the process group (tests/benchmarks/e2e_recovery.py).
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # the command may hold spaces and parentheses: fields resume after the last ")"
+            start_ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def init_session(
     *,
     backend: str | None = None,
@@ -171,6 +189,7 @@ def init_session(
     ``backend`` defaults to nccl when CUDA is usable, else gloo; ``timeout_s`` (default
     ``DDPJOB_PG_TIMEOUT`` or 120 s) bounds every collective, instead of the 30-minute default.
     """
+    entered = time.time()
     env = os.environ if env is None else env
     ids = read_torchrun_env(env)
     if timeout_s is None:
@@ -198,13 +217,22 @@ def init_session(
     if handle_sigterm:
         _install_sigterm(session)
     kwargs = {"device_id": device} if backend == "nccl" else {}
+    joining = time.time()
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    started = process_start_time()
+    # Every rank: a recovery waits for the slowest worker, usually the replacement's.
     session.log(
         "session",
+        all_ranks=True,
         world_size=session.world_size,
         backend=backend,
         device=str(device),
         restart_count=session.restart_count,
         run_key=session.run_key,
+        # when this process started, when the script called init_session (interpreter up, torch and the
+        # script's imports done), and the seconds init_process_group took (waiting for every rank)
+        process_started=None if started is None else f"{started:.3f}",
+        init_called=f"{entered:.3f}",
+        pg_init_s=f"{time.time() - joining:.3f}",
     )
     return session
