@@ -264,6 +264,21 @@ class Operator:
         sa = spec.get("serviceAccountName") or "default"
         return f"system:serviceaccount:{self.deployment['metadata']['namespace']}:{sa}"
 
+    def log_lines(self) -> list[tuple[float, str]]:
+        """The operator's log as (time, line): its own stamps for a subprocess, the runtime's in the cluster."""
+        if self.mode == "subprocess":
+            out = []
+            for line in self.logs(tail=100_000).splitlines():
+                m = re.match(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]", line)
+                if m:  # kopf's asctime: local time
+                    out.append((time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000,
+                                line))
+            return out
+        d = self.deployment["metadata"]
+        p = self.k("logs", "-n", d["namespace"], f"deployment/{d['name']}", "--timestamps", "--tail=5000",
+                   check=False, timeout=60)
+        return stamped_lines(p.stdout)
+
     def logs(self, tail: int = 200) -> str:
         if self.mode == "subprocess":
             try:
@@ -439,6 +454,26 @@ def kill_pod(k: Kubectl, namespace: str, pod: str) -> float:
     t = time.time()
     k("delete", "pod", pod, "-n", namespace, "--grace-period=0", "--force", "--wait=false")
     return t
+
+
+_STAMPED = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?Z (.*)$")
+
+
+def stamped_lines(text: str) -> list[tuple[float, str]]:
+    """`kubectl logs --timestamps` output as (time, line): the container runtime's own nanosecond stamps, on the
+    node's clock (the host's, for the embedded cluster and kind), whatever the process printed."""
+    out = []
+    for raw in text.splitlines():
+        m = _STAMPED.match(raw)
+        if m:
+            out.append((timegm(time.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S")) + float(m.group(2) or 0), m.group(3)))
+    return out
+
+
+def pod_log_lines(k: Kubectl, namespace: str, pod: str, container: str = "trainer") -> list[tuple[float, str]]:
+    """Every line of a container's current log with its runtime timestamp ([] when there is none)."""
+    p = k("logs", "-n", namespace, pod, "-c", container, "--timestamps", check=False, timeout=30)
+    return stamped_lines(p.stdout) if p.returncode == 0 else []
 
 
 def pod_logs(k: Kubectl, namespace: str, pod: str, tail: int | None = None, previous: bool = False) -> str:

@@ -219,7 +219,7 @@ def init_session(
     kwargs = {"device_id": device} if backend == "nccl" else {}
     joining = time.time()
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    started = process_start_time()
+    started, agent_started = process_start_time(), process_start_time(os.getppid())
     # Every rank: a recovery waits for the slowest worker, usually the replacement's.
     session.log(
         "session",
@@ -229,9 +229,11 @@ def init_session(
         device=str(device),
         restart_count=session.restart_count,
         run_key=session.run_key,
-        # when this process started, when the script called init_session (interpreter up, torch and the
-        # script's imports done), and the seconds init_process_group took (waiting for every rank)
+        # when this process and its parent (torchrun's agent: in a pod, the container's first process)
+        # started, when the script called init_session (interpreter up, torch and the script's imports
+        # done), and the seconds init_process_group took (waiting for every rank)
         process_started=None if started is None else f"{started:.3f}",
+        agent_started=None if agent_started is None else f"{agent_started:.3f}",
         init_called=f"{entered:.3f}",
         pg_init_s=f"{time.time() - joining:.3f}",
     )
