@@ -32,8 +32,8 @@ DEFAULTS: dict[str, Any] = {
         "rdzvPort": names.DEFAULT_RDZV_PORT,
         "joinTimeoutSeconds": 600,
         "lastCallTimeoutSeconds": 10,
-        "keepAliveIntervalSeconds": 2,
-        "keepAliveMaxAttempts": 3,
+        "keepAliveIntervalSeconds": 1,
+        "keepAliveMaxAttempts": 2,
         "maxRestarts": 10,
     },
     "failurePolicy": {
@@ -304,7 +304,9 @@ def _spec_schema() -> dict:
                     minimum=0, maximum=MAXIMA["lastCallTimeoutSeconds"], default=t["lastCallTimeoutSeconds"]),
                 "keepAliveIntervalSeconds": _int(
                     "c10d keep_alive_interval: heartbeat period. A dead node is dropped after "
-                    "interval x maxAttempts, which bounds recovery time.",
+                    "interval x maxAttempts (2 s by default), and the group cannot re-form before: it bounds "
+                    "recovery time. A live agent that misses that many heartbeats loses nothing while it "
+                    "trains: it only rejoins at the next rendezvous.",
                     minimum=1, maximum=MAXIMA["keepAliveIntervalSeconds"], default=t["keepAliveIntervalSeconds"]),
                 "keepAliveMaxAttempts": _int("c10d keep_alive_max_attempt: missed heartbeats before a node "
                                              "is considered dead.", minimum=1, maximum=100,

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.benchmarks import results  # noqa: E402
+from tests.benchmarks import recovery_phases, results  # noqa: E402
 from tests.e2e import harness as h  # noqa: E402
 
 STEPS_PER_EPOCH = 20  # 2 nodes x batch 32 over the 1258 training samples
@@ -46,11 +46,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gap-steps", type=int, default=15, help="training steps after a recovery before the next kill")
     p.add_argument("--epochs", type=int, default=12, help="epochs per job (early stopping is off)")
     p.add_argument("--timeout", type=float, default=180, help="seconds allowed for one recovery")
+    p.add_argument("--compare", metavar="FIELD=VALUE,...", default="",
+                   help="also kill non-rank-0 pods of jobs with these spec.torchrun settings (e.g. the previous "
+                        "defaults keepAliveIntervalSeconds=2,keepAliveMaxAttempts=3): a default measured against "
+                        "the one it replaces in the same run")
     results.add_record_arg(p)
     a = p.parse_args()
     if a.quick:
         a.kills, a.epochs = 1, 4
     return a
+
+
+def compare_settings(text: str) -> dict[str, int]:
+    """"keepAliveIntervalSeconds=2,keepAliveMaxAttempts=3" -> spec.torchrun fields."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        out[key.strip()] = int(value)
+    return out
 
 
 class Bench:
@@ -61,33 +74,42 @@ class Bench:
         self.records: list[dict] = []
         self.restored_at: dict[str, float] = {}  # job -> its last restore (the window of the next kill)
 
-    def new_job(self) -> str:
+    def new_job(self, variant: str) -> str:
         name = f"rec-{len(self.jobs)}"
+        spec: dict = {"failurePolicy": {"backoffLimit": 4 * self.a.kills + 4}}
+        if variant == "compare":
+            spec["torchrun"] = compare_settings(self.a.compare)
+        # LOGLEVEL=INFO: torchrun's agent logs its rendezvous (recovery_phases.py reads those lines)
         job = h.digits_job(name, nodes=2, step_delay=self.a.step_delay, epochs=self.a.epochs,
-                           env={"DIGITS_PATIENCE": "0"},  # never stop early: the kills need the steps
-                           spec={"failurePolicy": {"backoffLimit": 4 * self.a.kills + 4}})
+                           env={"DIGITS_PATIENCE": "0", "LOGLEVEL": "INFO"},  # never stop early: kills need steps
+                           spec=spec)
         h.apply(self.k, self.ns, job)
         self.jobs.append(name)
-        h.log(f"{self.ns}/{name} applied")
+        h.log(f"{self.ns}/{name} applied ({variant})")
         return name
 
     def steps_left(self, step: int) -> int:
         return self.a.epochs * STEPS_PER_EPOCH - step
 
-    def one_kill(self, job: str, target: str, min_step: int) -> tuple[str, int]:
+    def one_kill(self, job: str, target: str, variant: str, min_step: int) -> tuple[str, int]:
         """Kill one pod of `job` once rank 0 is at `min_step`; returns (job, step to wait for next)."""
         rank0, prog = h.wait_rank0_step(self.k, self.ns, job, min_step, 300)
-        pods = [p["metadata"]["name"] for p in h.trainer_pods(self.k, self.ns, job) if h.running(p)]
-        victim = rank0 if target == "rank0" else next(p for p in pods if p != rank0)
+        before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in h.trainer_pods(self.k, self.ns, job)
+                  if h.running(p)}
+        victim = rank0 if target == "rank0" else next(p for p in before if p != rank0)
         killed_at = h.kill_pod(self.k, self.ns, victim)
         h.log(f"killed {victim} ({target}) of {job} at step {prog['step']}")
-        rec = {"job": job, "target": target, "pod": victim, "step": prog["step"], "time": killed_at}
+        rec = {"job": job, "target": target, "variant": variant, "pod": victim, "step": prog["step"],
+               "time": killed_at}
         try:
             r = h.recovery_after(self.k, self.ns, job, killed_at, prog["step"], self.a.timeout,
                                  since=self.restored_at.get(job, float("-inf")))
             self.restored_at[job] = r.restored_at
             rec.update(recovery_s=r.seconds, resumed_from=r.resumed_from, source=r.source, steps_lost=r.steps_lost)
             h.log(f"  resumed from step {r.resumed_from} ({r.source}) {r.seconds} s after the kill")
+            rec["milestones"] = self.milestones(job, victim, before, killed_at, r)
+            rec["phases"] = recovery_phases.phases(rec["milestones"])
+            h.log("  phases: " + ", ".join(f"{k} {v}" for k, v in rec["phases"].items() if v is not None))
             next_step = r.resumed_from + self.a.gap_steps
         except AssertionError as e:
             rec.update(recovery_s=None, error=str(e)[:300])
@@ -96,13 +118,33 @@ class Bench:
         self.records.append(rec)
         return job, next_step
 
+    def milestones(self, job: str, victim: str, before: dict[str, str], killed_at: float,
+                   r: h.Recovery) -> dict[str, float | None]:
+        """The milestones of one recovery (tests/benchmarks/recovery_phases.py) as seconds after the kill."""
+        pods = {p["metadata"]["name"]: p for p in h.trainer_pods(self.k, self.ns, job)}
+        lines = {name: h.pod_log_lines(self.k, self.ns, name) for name in pods}
+        survivors = {n: lines[n] for n, p in pods.items() if before.get(n) == p["metadata"]["uid"] and n != victim}
+        new = pods.get(victim)
+        replaced = new is not None and new["metadata"]["uid"] != before.get(victim)
+        events = self.k.json("get", "events", "-n", self.ns, "--field-selector",
+                             f"involvedObject.name={victim},reason=Scheduled")["items"]
+        scheduled = [h.parse_rfc3339(e.get("eventTime") or e.get("firstTimestamp")) for e in events
+                     if replaced and e["involvedObject"].get("uid") == new["metadata"]["uid"]]
+        m = recovery_phases.milestones(
+            kill=killed_at, restored=r.restored_at, first_step=killed_at + r.seconds, victim=victim,
+            survivors=survivors, members=lines, replacement=lines.get(victim) if replaced else None,
+            operator=self.op.log_lines(), scheduled=scheduled[0] if scheduled else None)
+        return recovery_phases.since_kill(m)
+
     def run(self) -> None:
-        job, next_step = self.new_job(), self.a.first_kill_step
-        for target in ("worker", "rank0"):
+        current: dict[str, tuple[str, int]] = {}  # variant -> (its job, the step of its next kill)
+        for target, variant in [("worker", "default"), ("rank0", "default")] + \
+                ([("worker", "compare")] if self.a.compare else []):
             for _ in range(self.a.kills):
+                job, next_step = current.get(variant, (None, 10**9))
                 if next_step >= 10**9 or self.steps_left(next_step) < self.a.gap_steps + 5:
-                    job, next_step = self.new_job(), self.a.first_kill_step
-                job, next_step = self.one_kill(job, target, next_step)
+                    job, next_step = self.new_job(variant), self.a.first_kill_step
+                current[variant] = self.one_kill(job, target, variant, next_step)
         outcome = {}
         for name in self.jobs:
             try:
@@ -116,8 +158,10 @@ class Bench:
         self.outcome = outcome
 
     def result(self) -> dict:
-        worker = [r["recovery_s"] for r in self.records if r["target"] == "worker" and r.get("recovery_s") is not None]
-        rank0 = [r["recovery_s"] for r in self.records if r["target"] == "rank0" and r.get("recovery_s") is not None]
+        ours = [r for r in self.records if r["variant"] == "default"]
+        worker = [r["recovery_s"] for r in ours if r["target"] == "worker" and r.get("recovery_s") is not None]
+        rank0 = [r["recovery_s"] for r in ours if r["target"] == "rank0" and r.get("recovery_s") is not None]
+        compared = [r for r in self.records if r["variant"] == "compare"]
         lost = [r["steps_lost"] for r in self.records if r.get("steps_lost") is not None]
         worker_lost = [r.get("steps_lost") for r in self.records if r["target"] == "worker"]
         return {
@@ -131,6 +175,16 @@ class Bench:
             "worker_steps_lost_max": None if None in worker_lost or not worker_lost else max(worker_lost),
             "steps_lost_unmeasured": sum(1 for r in self.records if r.get("steps_lost") is None),
             "sources": sorted({r["source"] for r in self.records if r.get("source")}),
+            # median seconds of each phase of a recovery, and of each milestone after the kill (recovery_phases.py)
+            "phases": recovery_phases.medians(r["phases"] for r in ours if r.get("phases")),
+            "milestones_s": recovery_phases.medians(r["milestones"] for r in ours if r.get("milestones")),
+            **({"compare": {
+                "torchrun": compare_settings(self.a.compare),
+                "kills": len(compared),
+                "survived": sum(1 for r in compared if r.get("survived")),
+                "recovery_s_p50": h.p50([r["recovery_s"] for r in compared if r.get("recovery_s") is not None]),
+                "phases": recovery_phases.medians(r["phases"] for r in compared if r.get("phases")),
+            }} if compared else {}),
             "recovery_s_max": max(worker) if worker else None,
             "rank0_recovery_s_max": max(rank0) if rank0 else None,
             "goal": {"recovery_s_p50": 15, "rank0_recovery_s_p50": 30, "survived": "all"},

@@ -470,6 +470,12 @@ def stamped_lines(text: str) -> list[tuple[float, str]]:
     return out
 
 
+def parse_rfc3339(text: str | None) -> float | None:
+    """An API timestamp ("2026-01-01T12:00:00Z", or with microseconds as events' eventTime) as epoch seconds."""
+    m = re.match(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?Z$", text or "")
+    return timegm(time.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S")) + float(m.group(2) or 0) if m else None
+
+
 def pod_log_lines(k: Kubectl, namespace: str, pod: str, container: str = "trainer") -> list[tuple[float, str]]:
     """Every line of a container's current log with its runtime timestamp ([] when there is none)."""
     p = k("logs", "-n", namespace, pod, "-c", container, "--timestamps", check=False, timeout=30)

@@ -245,3 +245,43 @@ def test_sigterm_while_blocked_in_collective(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _forked_workers(node) -> list[int]:
+    """The node's processes forked by its forkserver (the workers: their environment is set after the fork,
+    so /proc shows the forkserver's, without LOCAL_RANK)."""
+    out = []
+    for pid in descendants(node.proc.pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+            with open(f"/proc/{ppid}/cmdline", "rb") as f:
+                if b"multiprocessing.forkserver" in f.read():
+                    out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
+def test_forkserver_launcher_recovers_bitwise_with_forked_workers(tmp_path, reference):
+    """`python -m ddp_trainer.launch`: torchrun whose workers fork from a warm forkserver; same recovery, same
+    weights, and the workers are the forkserver's children (not fresh interpreters started by the agent)."""
+    with LocalCluster(tmp_path, args=[*DIGITS_ARGS, *SLOW], rdzv_id="forkserver", store_process=True,
+                      launcher="ddp_trainer.launch") as cluster:
+        cluster.start_store()
+        survivor = cluster.start_node()
+        victim = cluster.start_node()
+        cluster.wait_for_step(25, timeout=JOB_TIMEOUT)
+        workers = _forked_workers(survivor)
+        assert workers and not _worker_pids(survivor), cluster.dump()  # no worker started as a fresh interpreter
+        killed_at = cluster.kill(victim)
+        cluster.start_node("node1-replacement")
+        rec = recovery_after_kill(cluster, killed_at, timeout=JOB_TIMEOUT)
+        restarted = _forked_workers(survivor)
+        assert restarted and not set(restarted) & set(workers), cluster.dump()  # new workers, forked again
+        rcs = cluster.wait_exit([survivor, cluster.node("node1-replacement")], timeout=JOB_TIMEOUT)
+        assert set(rcs.values()) == {0}, cluster.dump()
+        assert rec["source"] == "peer" and rec["steps_lost"] <= (rec["snapshot_every"] or 1), rec
+        assert final_event(cluster)["weights_sha256"] == reference["digest"], cluster.dump()
+        sessions = [e for e in cluster.events("session") if e.time >= killed_at]
+        assert sessions and all(float(e["init_called"]) >= float(e["process_started"]) for e in sessions), sessions

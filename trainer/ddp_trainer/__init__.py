@@ -19,23 +19,42 @@ A plain DDP script gains exact resume, peer recovery and progress reporting with
 See trainer/README.md for the environment variables and the guarantees.
 """
 
-from . import rng
-from .env import ConfigError
-from .run import Run, model_digest
-from .sampler import ResumableDistributedSampler
-from .session import Session, init_session
-from .storage import load_file
-from .syncbn import SyncBatchNorm, convert_sync_batchnorm
+from __future__ import annotations
 
-__all__ = [
-    "ConfigError",
-    "ResumableDistributedSampler",
-    "Run",
-    "Session",
-    "SyncBatchNorm",
-    "convert_sync_batchnorm",
-    "init_session",
-    "load_file",
-    "model_digest",
-    "rng",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported on first use, so that `import ddp_trainer` (and `python -m ddp_trainer.launch`, which starts its
+# forkserver before torch is imported) does not import torch by itself.
+_EXPORTS = {
+    "ConfigError": "env",
+    "ResumableDistributedSampler": "sampler",
+    "Run": "run",
+    "Session": "session",
+    "SyncBatchNorm": "syncbn",
+    "convert_sync_batchnorm": "syncbn",
+    "init_session": "session",
+    "load_file": "storage",
+    "model_digest": "run",
+    "rng": None,  # a submodule
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from . import rng
+    from .env import ConfigError
+    from .run import Run, model_digest
+    from .sampler import ResumableDistributedSampler
+    from .session import Session, init_session
+    from .storage import load_file
+    from .syncbn import SyncBatchNorm, convert_sync_batchnorm
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f".{_EXPORTS[name] or name}", __name__)
+    value = module if _EXPORTS[name] is None else getattr(module, name)
+    globals()[name] = value
+    return value

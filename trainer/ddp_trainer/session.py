@@ -160,6 +160,12 @@ def _install_sigterm(session: Session) -> None:
     session._wakeup_sockets = (reader, writer)  # keep both ends open for the life of the process
 
 
+def _stat(pid: int | str) -> list[str]:
+    """/proc/<pid>/stat's fields after the command (which may hold spaces and parentheses): [state, ppid, ...]."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()
+
+
 def process_start_time(pid: int | str = "self") -> float | None:
     """Wall-clock time at which process `pid` started (Linux: /proc, ~10 ms resolution); None elsewhere.
 
@@ -167,12 +173,29 @@ def process_start_time(pid: int | str = "self") -> float | None:
     interpreter and imports, and joining the process group (tests/benchmarks/e2e_recovery.py).
     """
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            # the command may hold spaces and parentheses: fields resume after the last ")"
-            start_ticks = int(f.read().rpartition(")")[2].split()[19])
+        start_ticks = int(_stat(pid)[19])
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
         return time.time() - uptime + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+AGENT_COMMANDS = (b"torchrun", b"torch.distributed.run", b"ddp_trainer.launch")
+
+
+def agent_start_time() -> float | None:
+    """When this worker's torchrun agent started: the nearest ancestor running torchrun (or ddp_trainer.launch,
+    whose workers are children of a forkserver). In a pod that is the container's first process."""
+    try:
+        pid = int(_stat("self")[1])
+        while pid >= 1:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read()
+            if any(name in command for name in AGENT_COMMANDS):
+                return process_start_time(pid)
+            pid = int(_stat(pid)[1]) if pid > 1 else 0
+        return None
     except (OSError, ValueError, IndexError):
         return None
 
@@ -219,7 +242,7 @@ def init_session(
     kwargs = {"device_id": device} if backend == "nccl" else {}
     joining = time.time()
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    started, agent_started = process_start_time(), process_start_time(os.getppid())
+    started, agent_started = process_start_time(), agent_start_time()
     # Every rank: a recovery waits for the slowest worker, usually the replacement's.
     session.log(
         "session",
@@ -229,9 +252,9 @@ def init_session(
         device=str(device),
         restart_count=session.restart_count,
         run_key=session.run_key,
-        # when this process and its parent (torchrun's agent: in a pod, the container's first process)
-        # started, when the script called init_session (interpreter up, torch and the script's imports
-        # done), and the seconds init_process_group took (waiting for every rank)
+        # when this process and its torchrun agent (in a pod, the container's first process) started, when
+        # the script called init_session (interpreter up, torch and the script's imports done), and the
+        # seconds init_process_group took (waiting for every rank)
         process_started=None if started is None else f"{started:.3f}",
         agent_started=None if agent_started is None else f"{agent_started:.3f}",
         init_called=f"{entered:.3f}",

@@ -139,6 +139,8 @@ class LocalCluster:
     #: a dedicated TCPStore process hosts the rendezvous (the operator's design); all nodes is_host=0
     store_process: bool = False
     python: str = sys.executable
+    #: the agent: torchrun itself, or "ddp_trainer.launch" (torchrun with workers forked from a warm forkserver)
+    launcher: str = "torch.distributed.run"
     nodes: list[Node] = field(default_factory=list)
     store: Node | None = None
     _next_addr: int = 1
@@ -231,7 +233,7 @@ class LocalCluster:
         argv = [
             self.python,
             "-m",
-            "torch.distributed.run",
+            self.launcher,
             f"--nnodes={self.nnodes}",
             f"--nproc-per-node={self.nproc_per_node}",
             "--rdzv-backend=c10d",
