@@ -50,6 +50,9 @@ def parse_args() -> argparse.Namespace:
                    help="also kill non-rank-0 pods of jobs with these spec.torchrun settings (e.g. the previous "
                         "defaults keepAliveIntervalSeconds=2,keepAliveMaxAttempts=3): a default measured against "
                         "the one it replaces in the same run")
+    p.add_argument("--compare-command", metavar="COMMAND", default="",
+                   help="the compared jobs' trainer command instead of the sample's (e.g. "
+                        "'torchrun -m ddp_trainer.examples.digits': stock torchrun against ddp_trainer.launch)")
     results.add_record_arg(p)
     a = p.parse_args()
     if a.quick:
@@ -77,12 +80,15 @@ class Bench:
     def new_job(self, variant: str) -> str:
         name = f"rec-{len(self.jobs)}"
         spec: dict = {"failurePolicy": {"backoffLimit": 4 * self.a.kills + 4}}
-        if variant == "compare":
+        if variant == "compare" and self.a.compare:
             spec["torchrun"] = compare_settings(self.a.compare)
         # LOGLEVEL=INFO: torchrun's agent logs its rendezvous (recovery_phases.py reads those lines)
         job = h.digits_job(name, nodes=2, step_delay=self.a.step_delay, epochs=self.a.epochs,
                            env={"DIGITS_PATIENCE": "0", "LOGLEVEL": "INFO"},  # never stop early: kills need steps
                            spec=spec)
+        if variant == "compare" and self.a.compare_command:
+            trainer = next(c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == "trainer")
+            trainer["command"] = self.a.compare_command.split()
         h.apply(self.k, self.ns, job)
         self.jobs.append(name)
         h.log(f"{self.ns}/{name} applied ({variant})")
@@ -139,7 +145,7 @@ class Bench:
     def run(self) -> None:
         current: dict[str, tuple[str, int]] = {}  # variant -> (its job, the step of its next kill)
         for target, variant in [("worker", "default"), ("rank0", "default")] + \
-                ([("worker", "compare")] if self.a.compare else []):
+                ([("worker", "compare")] if self.a.compare or self.a.compare_command else []):
             for _ in range(self.a.kills):
                 job, next_step = current.get(variant, (None, 10**9))
                 if next_step >= 10**9 or self.steps_left(next_step) < self.a.gap_steps + 5:
@@ -180,6 +186,7 @@ class Bench:
             "milestones_s": recovery_phases.medians(r["milestones"] for r in ours if r.get("milestones")),
             **({"compare": {
                 "torchrun": compare_settings(self.a.compare),
+                "command": self.a.compare_command or None,
                 "kills": len(compared),
                 "survived": sum(1 for r in compared if r.get("survived")),
                 "recovery_s_p50": h.p50([r["recovery_s"] for r in compared if r.get("recovery_s") is not None]),

@@ -97,45 +97,9 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-# --------------------------------------------------------------------------------------------
-# host processes of a pod (the embedded cluster's containers are host processes)
-
-def _environ(pid: str) -> dict[str, str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return None
-    return dict(e.decode(errors="replace").split("=", 1) for e in raw.split(b"\0") if b"=" in e)
-
-
-def _ppid(pid: str) -> str | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[1]
-    except (OSError, IndexError):
-        return None
-
-
-def pod_processes(namespace: str, job: str, index: int) -> dict[str, list[int]]:
-    """{"agents": [...], "workers": [...]}: the torchrun agent(s) of pod `index` (no LOCAL_RANK, parent not
-    one of the pod's processes) and its workers (LOCAL_RANK set, parent without it: not DataLoader workers)."""
-    mine: dict[str, dict[str, str]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        env = _environ(d)
-        if env and env.get("DDPJOB_NAME") == job and env.get("DDPJOB_NAMESPACE") == namespace \
-                and env.get("DDPJOB_POD_INDEX") == str(index):
-            mine[d] = env
-    agents = [int(p) for p, env in mine.items() if "LOCAL_RANK" not in env and _ppid(p) not in mine]
-    workers = [int(p) for p, env in mine.items() if "LOCAL_RANK" in env
-               and "LOCAL_RANK" not in mine.get(_ppid(p) or "", {})]
-    return {"agents": sorted(agents), "workers": sorted(workers)}
-
-
 def signal_process(namespace: str, job: str, index: int, kind: str, sig: int) -> tuple[int, float]:
     """Send `sig` to pod `index`'s agent (kind "agents") or its lowest-numbered worker; (pid, time)."""
-    procs = h.wait_for(lambda: pod_processes(namespace, job, index)[kind], 30,
+    procs = h.wait_for(lambda: h.pod_processes(namespace, job, index)[kind], 30,
                        f"{kind[:-1]} process of {namespace}/{job}-{index} on this host")
     pid = procs[0]
     t = time.time()

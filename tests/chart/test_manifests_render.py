@@ -74,7 +74,7 @@ def test_samples_cover_the_documented_cases():
     assert set(jobs) == {"digits", "elastic", "gpu", "plain-script"}
     assert jobs["digits"]["spec"]["nodes"] == 2
     assert jobs["digits"]["spec"]["template"]["spec"]["containers"][0]["command"] == [
-        "torchrun", "-m", "ddp_trainer.examples.digits"]
+        "python", "-m", "ddp_trainer.launch", "-m", "ddp_trainer.examples.digits"]
     e = jobs["elastic"]["spec"]
     assert (e["minNodes"], e["nodes"], e["maxNodes"]) == (1, 2, 3)
     g = jobs["gpu"]["spec"]

@@ -38,6 +38,6 @@ def test_demo_job_is_the_digits_sample_slowed_down():
     assert job["metadata"] == {"name": "digits", "namespace": "ddp-demo"}
     assert job["spec"]["nodes"] == 2
     trainer = job["spec"]["template"]["spec"]["containers"][0]
-    assert trainer["command"] == ["torchrun", "-m", "ddp_trainer.examples.digits"]
+    assert trainer["command"] == ["python", "-m", "ddp_trainer.launch", "-m", "ddp_trainer.examples.digits"]
     env = {e["name"]: e["value"] for e in trainer["env"]}
     assert env == {"DIGITS_STEP_DELAY": "0.25", "DIGITS_PATIENCE": "0"}

@@ -491,6 +491,52 @@ def pod_logs(k: Kubectl, namespace: str, pod: str, tail: int | None = None, prev
 
 
 # --------------------------------------------------------------------------------------------
+# host processes of a pod (the embedded cluster's containers are host processes)
+
+def _environ(pid: str) -> dict[str, str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    return dict(e.decode(errors="replace").split("=", 1) for e in raw.split(b"\0") if b"=" in e)
+
+
+def _ppid(pid: str) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[1]
+    except (OSError, IndexError):
+        return None
+
+
+def _forkserver(pid: str | None) -> bool:
+    try:
+        return b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def pod_processes(namespace: str, job: str, index: int) -> dict[str, list[int]]:
+    """{"agents": [...], "workers": [...]}: the torchrun agent(s) of pod `index` (no LOCAL_RANK, parent not
+    one of the pod's processes) and its workers: started by torchrun (LOCAL_RANK in the environment they were
+    started with, parent without it: not DataLoader workers) or forked by ddp_trainer.launch's forkserver (their
+    environment is set after the fork, so /proc shows the forkserver's)."""
+    mine: dict[str, dict[str, str]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        env = _environ(d)
+        if env and env.get("DDPJOB_NAME") == job and env.get("DDPJOB_NAMESPACE") == namespace \
+                and env.get("DDPJOB_POD_INDEX") == str(index):
+            mine[d] = env
+    agents = [int(p) for p, env in mine.items() if "LOCAL_RANK" not in env and _ppid(p) not in mine]
+    workers = [int(p) for p, env in mine.items()
+               if ("LOCAL_RANK" in env and "LOCAL_RANK" not in mine.get(_ppid(p) or "", {}))
+               or (not _forkserver(p) and _forkserver(_ppid(p)))]
+    return {"agents": sorted(agents), "workers": sorted(workers)}
+
+
+# --------------------------------------------------------------------------------------------
 # the trainer's log lines: `<ISO time>Z ddp_trainer rank=0 event=step step=12 ...`
 
 _LINE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)\.(\d{3})Z ddp_trainer (.*)$")

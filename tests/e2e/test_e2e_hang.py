@@ -24,26 +24,6 @@ STEP_DELAY = 0.15
 SUCCEED_TIMEOUT = 400
 
 
-def _worker_pids(namespace: str, job: str, index: int) -> list[int]:
-    """Host PIDs of the torchrun workers (environ has LOCAL_RANK; the agent's has not) of pod `index`."""
-    want = {b"DDPJOB_NAMESPACE=" + namespace.encode(), b"DDPJOB_NAME=" + job.encode(),
-            b"DDPJOB_POD_INDEX=" + str(index).encode()}
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = set(f.read().split(b"\0"))
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if b"python" in cmdline and want <= environ and any(v.startswith(b"LOCAL_RANK=") for v in environ):
-            found.append(int(entry))
-    return found
-
-
 def _hang_attempt(st: dict) -> dict | None:
     return next((a for a in st.get("attempts") or [] if a.get("reason") == "Hang"), None)
 
@@ -55,7 +35,7 @@ def test_stopped_worker_is_detected_as_a_hang_and_replaced(kubectl, ns, cluster)
     h.apply(kubectl, ns, h.digits_job(name, nodes=2, step_delay=STEP_DELAY,
                                       spec={"failurePolicy": {"hangTimeoutSeconds": HANG_TIMEOUT}}))
     h.wait_rank0_step(kubectl, ns, name, STOP_AT_STEP, 240)
-    pids = h.wait_for(lambda: _worker_pids(ns, name, 1), 30, f"the worker process of {name}-1")
+    pids = h.wait_for(lambda: h.pod_processes(ns, name, 1)["workers"], 30, f"the worker process of {name}-1")
     stopped_at = time.time()
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
