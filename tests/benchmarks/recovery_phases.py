@@ -32,21 +32,24 @@ import re
 import statistics
 from collections.abc import Iterable, Mapping
 
-# (phase, from milestone, to milestone): the critical path of a recovery with a replacement pod
-PHASES: tuple[tuple[str, str, str], ...] = (
-    ("failure_seen", "kill", "collective_failed"),
-    ("survivor_worker_exit", "collective_failed", "survivor_agent_rendezvous"),
-    ("operator_sees_loss", "kill", "operator_saw"),
-    ("replacement_created", "operator_saw", "replacement_created"),
-    ("scheduled", "replacement_created", "scheduled"),
-    ("container_started", "scheduled", "agent_started"),
-    ("agent_up", "agent_started", "agent_rendezvous"),
-    ("rendezvous", "rendezvous_start", "round_complete"),
-    ("workers_spawned", "round_complete", "process_up"),
-    ("worker_imports", "process_up", "init_called"),
-    ("process_group", "init_called", "pg_ready"),
-    ("script_setup_and_restore", "pg_ready", "restored"),
-    ("first_step", "restored", "first_step"),
+# (phase, from milestone, to milestone, what happens): the critical path of a recovery with a replacement pod
+PHASES: tuple[tuple[str, str, str, str], ...] = (
+    ("failure_seen", "kill", "collective_failed", "a survivor's all-reduce fails (the peer's TCP connections reset)"),
+    ("survivor_worker_exit", "collective_failed", "survivor_agent_rendezvous",
+     "the survivor's worker exits and its agent enters the next rendezvous"),
+    ("operator_sees_loss", "kill", "operator_saw", "the operator's watch delivers the pod's deletion"),
+    ("replacement_created", "operator_saw", "replacement_created", "the operator creates the pod again"),
+    ("scheduled", "replacement_created", "scheduled", "the scheduler binds it"),
+    ("container_started", "scheduled", "agent_started", "the kubelet starts its sandbox and container"),
+    ("agent_up", "agent_started", "agent_rendezvous", "its agent imports torch and joins the rendezvous"),
+    ("rendezvous", "rendezvous_start", "round_complete",
+     "the dead node's keep-alives expire, the round fills and completes"),
+    ("workers_spawned", "round_complete", "process_up", "the agents start their workers"),
+    ("worker_imports", "process_up", "init_called", "a worker's interpreter and imports, up to init_session"),
+    ("process_group", "init_called", "pg_ready", "init_process_group (every rank joins)"),
+    ("script_setup_and_restore", "pg_ready", "restored",
+     "the script builds its data, model and DDP, and the state is restored (from a peer)"),
+    ("first_step", "restored", "first_step", "the first optimizer step after the restore"),
 )
 
 _COLLECTIVE_ERROR = re.compile(r"^\[rank\d+\]:|Error")
@@ -120,7 +123,7 @@ def milestones(*, kill: float, restored: float, first_step: float, victim: str,
 def phases(m: Mapping[str, float | None]) -> dict[str, float | None]:
     """Seconds of each phase of PHASES (None where a milestone is missing)."""
     out: dict[str, float | None] = {}
-    for name, start, end in PHASES:
+    for name, start, end, _ in PHASES:
         a, b = m.get(start), m.get(end)
         out[name] = None if a is None or b is None else round(b - a, 3)
     return out

@@ -21,7 +21,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from tests.benchmarks import results  # noqa: E402
+from tests.benchmarks import recovery_phases, results  # noqa: E402
 
 README = ROOT / "README.md"
 RECOVERY = ROOT / "docs" / "recovery.md"
@@ -301,11 +301,36 @@ def baselines_table(bench_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def phases_table(bench_dir: Path) -> str:
+    doc = results.load("e2e_recovery", bench_dir)
+    if doc is None or "phases" not in doc["result"]:
+        return "Not recorded yet: run `make bench-e2e-recovery`."
+    r = doc["result"]
+    compare = r.get("compare") or {}
+    against = " ".join(filter(None, [f"`{compare['command']}`" if compare.get("command") else "",
+                                     ", ".join(f"`{k}: {v}`" for k, v in (compare.get("torchrun") or {}).items())]))
+    head = "| phase | from → to | what happens | median (s) |" + (f" compared: {against} |" if compare else "")
+    lines = [head, "|---|---|---|---|" + ("---|" if compare else "")]
+    for name, start, end, what in recovery_phases.PHASES:
+        row = f"| `{name}` | {start} → {end} | {what} | {_n(r['phases'].get(name))} |"
+        lines.append(row + (f" {_n((compare.get('phases') or {}).get(name))} |" if compare else ""))
+    total = f"| **kill → first resumed step** (p50) | | | **{_n(r.get('recovery_s_p50'))}** |"
+    lines.append(total + (f" **{_n(compare.get('recovery_s_p50'))}** |" if compare else ""))
+    lines.append("")
+    lines.append(f"Recorded by `make bench-e2e-recovery`: {recorded(doc)}; {r.get('kills')} kills "
+                 f"({r.get('survived')} survived), medians over the non-rank-0 and rank-0 kills of the default "
+                 f"setup" + (f", {compare.get('kills')} kills compared" if compare else "") + ". Milestones after "
+                 f"the kill (median s): " + ", ".join(f"{k} {_n(v)}" for k, v in (r.get("milestones_s") or {}).items()
+                                                    if k != "kill") + ".")
+    return "\n".join(lines)
+
+
 BLOCKS: list[tuple[Path, str, Callable[[Path], str]]] = [
     (README, "measured", measured_table),
     (RECOVERY, "baselines", baselines_table),
     (RECOVERY, "overhead", overhead_table),
     (RECOVERY, "faults", faults_table),
+    (RECOVERY, "phases", phases_table),
 ]
 
 

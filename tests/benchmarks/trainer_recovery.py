@@ -1,9 +1,11 @@
 """bench-trainer-recovery: how fast and how exactly a 2-node job recovers from losing a non-host node.
 
-Ours: the digits job under torchrun with the settings the operator uses (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
-short rendezvous keep-alives, peer snapshots every step, disk checkpoints every 10 steps). A non-host
-node (agent and workers, SIGKILL, own PID namespace) is killed >= 5 times at chosen steps and a
-replacement started each time; recovery = kill -> first step logged after the resume. The final
+Ours: the digits job as a DDPJob runs it: `python -m ddp_trainer.launch` (torchrun with workers forked from a
+warm forkserver, 0.1 s rendezvous polls), the rendezvous store in a process of its own (every agent is_host=0),
+the operator's settings (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, keep-alives 1 s x 2), peer snapshots every step,
+disk checkpoints every 10 steps (`--launcher torch.distributed.run` for stock torchrun as the agent). A node
+(agent and workers, SIGKILL, own PID namespace) is killed >= 5 times at chosen steps and a replacement started
+each time; recovery = kill -> first step logged after the resume. The final
 weights are compared with an uninterrupted run of the same job.
 
 Baseline: stock torchrun (default environment and rendezvous settings) running a plain
@@ -51,11 +53,13 @@ def reference_digest(work: Path, epochs: int) -> str:
         return c.events("final")[-1]["weights_sha256"]
 
 
-def ours(work: Path, kills: int, epochs: int, every: int, delay: float) -> dict:
+def ours(work: Path, kills: int, epochs: int, every: int, delay: float, launcher: str) -> dict:
     env = {"DDPJOB_CHECKPOINT_DIR": str(work / "ours-ckpt"), "DDPJOB_CHECKPOINT_EVERY": "10"}
     args = [*DIGITS, "--epochs", str(epochs), "--step-delay", str(delay)]
     results = []
-    with LocalCluster(work / "ours", args=args, env=env, rdzv_id="bench-ours") as c:
+    with LocalCluster(work / "ours", args=args, env=env, rdzv_id="bench-ours", store_process=True,
+                      launcher=launcher) as c:
+        c.start_store()
         host = c.start_node()
         victim = c.start_node()
         next_kill, since = every, float("-inf")
@@ -114,6 +118,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="1 kill, short jobs (smoke test)")
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--baseline-wait", type=float, default=150.0, help="seconds to wait for the baseline to resume")
+    p.add_argument("--launcher", default="ddp_trainer.launch", help="the agent of our nodes (python -m LAUNCHER)")
     results.add_record_arg(p)
     opts = p.parse_args()
     kills = 1 if opts.quick else max(opts.kills, 1)
@@ -125,11 +130,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
         work = Path(tmp)
         ref = reference_digest(work, epochs)
-        mine = ours(work, kills, epochs, every, delay)
+        mine = ours(work, kills, epochs, every, delay, opts.launcher)
         base = baseline(work, epochs, every, delay, wait)
     times = [r["recovery_s"] for r in mine["recoveries"]]
     result = {
         "kills": len(times),
+        "launcher": opts.launcher,
         "recovery_s_p50": round(statistics.median(times), 3),
         "recovery_s_max": round(max(times), 3),
         # None if a recovery had no step line before its restore (unmeasured): never read as 0

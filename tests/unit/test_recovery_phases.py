@@ -57,7 +57,7 @@ def test_every_milestone_comes_from_the_component_that_saw_it():
         "process_up": 3.2, "init_called": 5.2, "pg_ready": 5.6,  # the slowest worker: the replacement's
     }
     p = rp.phases(m)
-    assert list(p) == [name for name, _, _ in rp.PHASES]
+    assert list(p) == [name for name, *_ in rp.PHASES]
     assert p["survivor_worker_exit"] == 1.5 and p["agent_up"] == 1.6 and p["rendezvous"] == 0.6
     assert p["worker_imports"] == 2.0 and p["script_setup_and_restore"] == 1.4 and p["first_step"] == 0.2
 
