@@ -49,6 +49,8 @@ def test_e2e_recovery_quick(bench_env):
     # rank 0 survives a worker kill, so that one is always measured; every measured loss is at most 1 step
     assert r["worker_steps_lost_max"] is not None and 0 <= r["worker_steps_lost_max"] <= 1, r
     assert r["steps_lost_max"] is not None and r["steps_lost_max"] <= 1, r
+    # every phase of the breakdown was seen by the component that owns it (a replacement pod on every kill)
+    assert r["phases"] and all(v is not None for v in r["phases"].values()), r["phases"]
 
 
 def test_startup_quick(bench_env):
