@@ -521,8 +521,18 @@ def _copy_into(rootfs: Path, entries: list[tuple[Path, str]], srcs_are_single_fi
             target.chmod(chmod)
 
 
+def remove_dead_builds() -> None:
+    """Delete the work directories of builds whose process is gone (killed mid-build): each holds a
+    multi-GB root filesystem and layer, and a full disk makes the kubelet evict pods."""
+    for work in BUILD_CACHE.glob("build-*"):
+        pid = work.name.split("-")[1]
+        if not pid.isdigit() or not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(work, ignore_errors=True)
+
+
 class Builder:
     def __init__(self, dockerfile: Path, context: Path, build_args: dict[str, str], target: str | None):
+        BUILD_CACHE.mkdir(parents=True, exist_ok=True)
         self.dockerfile = dockerfile
         self.context = context.resolve()
         self.build_args = build_args
@@ -530,7 +540,8 @@ class Builder:
         self.instructions = parse_dockerfile(dockerfile.read_text())
         self.rules = _dockerignore(self.context)
         self.stages: dict[str, Stage] = {}
-        self.work = Path(tempfile.mkdtemp(prefix="build-", dir=BUILD_CACHE))
+        remove_dead_builds()
+        self.work = Path(tempfile.mkdtemp(prefix=f"build-{os.getpid()}-", dir=BUILD_CACHE))
         self.used_steps: list[str] = []
 
     # A stage is planned (keys, config) and executed in one walk; filesystem work before the last
