@@ -23,6 +23,7 @@ script: this launcher is an opt-in for images that have ddp_trainer (the samples
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -83,13 +84,15 @@ def start_forkserver() -> threading.Thread:
 
 
 def _tune_torchrun(poll_s: float) -> None:
-    """Patch the three places of torch's launcher this module changes (torch is imported here, not before)."""
+    """Patch the four places of torch's launcher this module changes (torch is imported here, not before)."""
+    from torch._logging._internal import TorchLogsFormatter
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous, utils
 
     torch_config_from_args = torchrun.config_from_args
     torch_poll = MultiprocessContext._poll
+    torch_format = TorchLogsFormatter.format
 
     def config_from_args(args: Any) -> tuple[Any, Any, list[str]]:
         config, cmd, cmd_args = torch_config_from_args(args)
@@ -113,7 +116,22 @@ def _tune_torchrun(poll_s: float) -> None:
         # the join loop's fixed 1 s between reads of the rendezvous state; random back-offs stay as they are
         utils._delay(min(seconds, poll_s) if isinstance(seconds, (int, float)) else seconds)
 
+    def format_without_dynamo(self: Any, record: logging.LogRecord) -> str:
+        # torch's formatter imports torch._dynamo (and sympy, inductor: 1.5-2.5 s here) to format any record
+        # that carries an exception — the agent's log of a failed worker, on the critical path of a recovery.
+        # Format the exception as torch would (its dynamo check only concerns graph-break records) without it.
+        if not record.exc_info or "torch._dynamo" in sys.modules:
+            return torch_format(self, record)
+        if not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        exc_info, record.exc_info = record.exc_info, None
+        try:
+            return torch_format(self, record)
+        finally:
+            record.exc_info = exc_info
+
     torchrun.config_from_args = config_from_args
+    TorchLogsFormatter.format = format_without_dynamo
     MultiprocessContext._poll = poll_counting_clean_exits
     dynamic_rendezvous._delay = delay
 
