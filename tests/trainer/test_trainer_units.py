@@ -7,6 +7,7 @@ import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -261,3 +262,25 @@ def test_process_start_time_is_this_process_start():
         child.wait()
     assert process_start_time(os.getpid()) < before
     assert process_start_time(2**22 + 12345) is None  # no such process
+
+
+def test_launch_logs_a_failure_without_importing_dynamo():
+    """The agent's log of a failed worker must not import torch._dynamo (seconds on a recovery's critical path),
+    and must still carry the traceback."""
+    code = (
+        "import logging, sys\n"
+        "from ddp_trainer import launch\n"
+        "launch._tune_torchrun(0.1)\n"
+        "from torch.distributed.elastic.utils.logging import get_logger\n"
+        "log = get_logger('torch.distributed.elastic.multiprocessing.api')\n"
+        "try:\n"
+        "    raise RuntimeError('worker failed')\n"
+        "except RuntimeError:\n"
+        "    log.exception('failed (exitcode: 1)')\n"
+        "print('dynamo imported:', 'torch._dynamo' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "trainer"), "LOGLEVEL": "INFO"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    assert "dynamo imported: False" in p.stdout, p.stdout + p.stderr
+    assert "failed (exitcode: 1)" in p.stderr and "RuntimeError: worker failed" in p.stderr, p.stderr
