@@ -284,3 +284,23 @@ def test_launch_logs_a_failure_without_importing_dynamo():
     assert p.returncode == 0, p.stderr
     assert "dynamo imported: False" in p.stdout, p.stdout + p.stderr
     assert "failed (exitcode: 1)" in p.stderr and "RuntimeError: worker failed" in p.stderr, p.stderr
+
+
+def test_launch_preload_never_touches_cuda():
+    """The forkserver's imports must not initialise CUDA or query the driver (a forked worker could not use the
+    GPU): nothing in PRELOAD may call torch's device count or lazy CUDA init."""
+    code = (
+        "import torch, torch.cuda\n"
+        "calls = []\n"
+        "count, init = torch._C._cuda_getDeviceCount, torch.cuda._lazy_init\n"
+        "torch._C._cuda_getDeviceCount = lambda: calls.append('device count') or count()\n"
+        "torch.cuda._lazy_init = lambda: calls.append('lazy init') or init()\n"
+        "from ddp_trainer import launch\n"
+        "for name in launch.PRELOAD:\n"
+        "    __import__(name)\n"
+        "print('cuda calls:', calls, torch.cuda.is_initialized())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "trainer")}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert p.returncode == 0, p.stderr
+    assert "cuda calls: [] False" in p.stdout, p.stdout + p.stderr
