@@ -291,7 +291,8 @@ def baselines_table(bench_dir: Path) -> str:
     ours = results.load("trainer_recovery", bench_dir)
     if ours is not None:
         o = ours["result"]
-        lines.append(f"| DDPJob's trainer (peer snapshots) with DDPJob's environment and keep-alives, non-host node killed "
+        lines.append(f"| DDPJob's trainer (peer snapshots) under `{o.get('launcher', 'torch.distributed.run')}` with "
+                     f"DDPJob's environment, keep-alives and store process, a node killed "
                      f"(`make bench-trainer-recovery`, {ours.get('mode')}) | "
                      f"{o.get('kills') if o.get('survived') else 0}/{o.get('kills')} | "
                      f"{_n(o.get('recovery_s_p50'), ' s')} | {_n(o.get('steps_lost_max'))} |")
