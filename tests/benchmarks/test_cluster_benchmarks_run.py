@@ -43,7 +43,8 @@ def _run(env: dict, script: str, *args: str, timeout: float = 900) -> dict:
 def test_e2e_recovery_quick(bench_env):
     r = _run(bench_env, "e2e_recovery.py")  # exits non-zero (failing _run) when a kill was not survived
     assert {"kills", "survived", "recovery_s_p50", "rank0_recovery_s_p50", "steps_lost_max"} <= set(r), r
-    assert r["kills"] == 2, r
+    assert r["kills"] == 3, r  # one non-rank-0, one rank-0, one member of a job with a hot spare
+    assert r["spares_used"] == 1, r  # the spare took the killed member's place
     assert r["all_survived"] is True and r["survived"] == r["kills"], r
     assert all(d.get("source") == "peer" for d in r["detail"]), r
     # rank 0 survives a worker kill, so that one is always measured; every measured loss is at most 1 step
