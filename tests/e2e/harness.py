@@ -530,9 +530,11 @@ def pod_processes(namespace: str, job: str, index: int) -> dict[str, list[int]]:
                 and env.get("DDPJOB_POD_INDEX") == str(index):
             mine[d] = env
     agents = [int(p) for p, env in mine.items() if "LOCAL_RANK" not in env and _ppid(p) not in mine]
+    # A forked process shows its parent's command line: the forkserver is the one whose parent does not.
+    servers = {p for p in mine if _forkserver(p) and not _forkserver(_ppid(p))}
     workers = [int(p) for p, env in mine.items()
                if ("LOCAL_RANK" in env and "LOCAL_RANK" not in mine.get(_ppid(p) or "", {}))
-               or (not _forkserver(p) and _forkserver(_ppid(p)))]
+               or _ppid(p) in servers]
     return {"agents": sorted(agents), "workers": sorted(workers)}
 
 
