@@ -31,7 +31,7 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
   status.group stays for compatibility: pods of another group are stale (below); it no longer changes.
 - Succeeded: some trainer exited 0 and no trainer is still running. Failures after a success are not replaced
   nor counted, a trainer container restarting in place then is stopped at once; trainers still running
-  SUCCESS_GRACE_SECONDS after the first success are stopped.
+  SUCCESS_GRACE_SECONDS after the first success are stopped (spares at once, below).
 - A trainer pod's outcome is its `trainer` container's: exit 0 is a success and any other exit a failure even
   while a sidecar container keeps the pod Running; such a pod is then stopped like a running one
   (cleanPodPolicy once the job finished, replacement after a failure).
@@ -41,8 +41,18 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
   The shell adds FailedCreate when the API server refuses a child.
 - The job's NetworkPolicy (netpol.py) exists while the job is active exactly when it is wanted
   (spec.networkPolicy.enabled, else the operator's default): created before any pod, deleted when disabled.
-- Pods of an older group (or with a group label that is not a number), or with an index >= spec.nodes (scale
-  down), are deleted and never counted.
+- Pods of an older group (or with a group label that is not a number), or with an index >= spec.nodes +
+  spec.spares (scale down), are deleted and never counted.
+- Hot spares (spec.spares, spares.py): the job keeps spec.nodes + spec.spares identical trainer pods; the
+  rendezvous (of exactly spec.nodes, backend ddpjob-c10d) decides which ones train. Running needs spec.nodes
+  running pods; status.nodes counts the first spec.nodes, status.spares the rest (NODES `2/2 +1`). A spare pod
+  that fails, vanishes or restarts in place is handled like any trainer (recorded, counted, recreated); one whose
+  termination message ends with names.SPARE_RELEASED_MARKER (its rendezvous was closed by a finishing participant)
+  is recorded with reason SpareReleased, never counted and no incident. Once a trainer exited 0 the running pods
+  that are not members (rank 0's final report, else status.progress.members; without either, all of them once
+  spec.nodes trainers exited 0) are stopped at once. The hang rule judges members only (from the hang reports,
+  else status.progress; without either, only pods that answered). spec.spares needs minNodes == maxNodes == nodes
+  and makes spec.nodes unchangeable (admission refuses both; spec.py checks again).
 - A child name held by an object the job does not own (a foreign `<job>-0` pod or `<job>` Service) sets
   condition ReplicaFailure=True, reason ChildConflict, naming the object; the job waits (its create is retried)
   until the object is removed, then the condition turns False.
