@@ -81,10 +81,8 @@ def test_spare_takes_a_killed_nodes_place_bitwise(tmp_path, reference):
     """The digits job with one spare: the world stays 2, the spare never trains while the group is full, a killed
     member's place is taken by the spare, which restores from the survivor's peer snapshot (at most K steps
     lost) and the run ends with the reference's weights; rank 0's final report names the members (pod
-    indices); a replacement started after the recovery waits as the new spare and exits 1 at the end.
-
-    (A replacement started at once competes with the spare for the free place: the rendezvous admits whichever
-    waiting agents come first, which is as fast either way; the idle-agents test above covers that case.)"""
+    indices); the replacement, started at once, leaves the place to the spare (ddpjob-c10d's newcomer rule),
+    waits as the new spare and exits 1 at the end."""
     term = tmp_path / "termination-log"
     env = {"DDPJOB_TERMINATION_LOG": str(term)}
     with LocalCluster(tmp_path, args=[*DIGITS_ARGS, *SLOW], env=env, rdzv_id="spares", store_process=True,
@@ -99,9 +97,9 @@ def test_spare_takes_a_killed_nodes_place_bitwise(tmp_path, reference):
         victim = next(n for n in nodes if n.name in trained)
         survivor = next(n for n in nodes if n.name in trained and n is not victim)
         killed_at = cluster.kill(victim)
+        replacement = cluster.start_node("replacement", env={"DDPJOB_POD_INDEX": str(nodes.index(victim))})
         rec = recovery_after_kill(cluster, killed_at, timeout=JOB_TIMEOUT)
         print("spare took over:", rec)
-        replacement = cluster.start_node("replacement", env={"DDPJOB_POD_INDEX": str(nodes.index(victim))})
         after = [e for e in cluster.events("session") if e.time >= killed_at]
         assert {e.node for e in after} == {survivor.name, spare.name}, cluster.dump()
         assert {e.int("world_size") for e in after} == {2}

@@ -16,11 +16,15 @@ That happens at every start with N+1 agents and at every recovery where the surv
 different times (the first to rejoin finds the old round complete with fewer than ``max_nodes`` and
 enters the wait list).
 
-This backend is the c10d handler with two rules added. The state write that completes a round with
+This backend is the c10d handler with three rules added. The state write that completes a round with
 ``max_nodes`` participants also moves every agent left in the wait list to the redundancy list (atomically:
-the participants never see them waiting). And an agent that finds itself outside a complete round that has
+the participants never see them waiting). An agent that finds itself outside a complete round that has
 ``max_nodes`` participants, in the wait list or in no list, enters the redundancy list whatever its join
-deadline (redundant agents wait without one, as in torch). Everything else (heartbeats, admitting a redundant
+deadline (redundant agents wait without one, as in torch). And a newcomer (an agent that has been neither a
+participant nor redundant in this rendezvous: the pod recreated for a lost one) waiting for a round that the
+agents already waiting can fill leaves the places to them: otherwise whichever agent polls first wins, and a
+quick replacement would train while the spare kept waiting (measured on a cluster) -- as fast, but the spare
+would never be used. Everything else (heartbeats, admitting a redundant
 agent when a participant drops out, closing at the end) is torch's. A redundant agent still ends when a
 participant closes the rendezvous at the end of the training: torch raises RendezvousGracefulExitError there,
 its launcher then fails on the missing run result (``'NoneType' object has no attribute 'is_failed'``) and the
@@ -45,20 +49,36 @@ BACKEND = "ddpjob-c10d"
 SPARE_RELEASED = "ddpjob-c10d: spare released"
 
 
-def _spare_aware(join_op: Callable[[Any, float], Any]) -> Callable[[Any, float], Any]:
-    """Wrap torch's join operation with the rule the module doc describes."""
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action
+class _Membership:
+    """What one agent remembers of the rendezvous: whether it has been in it (a participant or a spare)."""
+
+    veteran = False
+
+
+def _spare_aware(join_op: Callable[[Any, float], Any], me: _Membership) -> Callable[[Any, float], Any]:
+    """Wrap torch's join operation with the rules the module doc describes."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action, _should_keep_alive
 
     def join(ctx: Any, deadline: float) -> Any:
         state = ctx.state
         if state.closed and ctx.node in state.redundancy_list:
             _say_released(ctx.settings.run_id)  # torch raises RendezvousGracefulExitError next
+        if state.closed:
+            return join_op(ctx, deadline)
+        if ctx.node in state.participants or ctx.node in state.redundancy_list:
+            me.veteran = True
         full = state.complete and len(state.participants) >= ctx.settings.max_nodes
-        if not state.closed and full and ctx.node not in state.participants:
+        if full and ctx.node not in state.participants:
             if ctx.node in state.wait_list:
                 return _Action.REMOVE_FROM_WAIT_LIST  # then, on the next turn, the redundancy list
             if ctx.node not in state.redundancy_list:
                 return _Action.ADD_TO_REDUNDANCY_LIST
+        others = len(state.participants) + len(state.wait_list - {ctx.node})
+        if (not state.complete and not me.veteran and ctx.node in state.wait_list
+                and others >= ctx.settings.max_nodes):
+            # A newcomer (the pod recreated for a lost one) lets the agents already waiting take the places
+            # first: the spare trains, the newcomer becomes the spare (parked once the round is full).
+            return _Action.KEEP_ALIVE if _should_keep_alive(ctx) else _Action.SYNC
         return join_op(ctx, deadline)
 
     return join
@@ -89,16 +109,20 @@ def create_handler(params: Any) -> Any:
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 
-    needed = ("_DistributedRendezvousOpExecutor", "_RendezvousJoinOp", "_Action")
+    needed = ("_DistributedRendezvousOpExecutor", "_RendezvousJoinOp", "_Action", "_should_keep_alive")
     missing = [n for n in needed if not hasattr(dr, n)]
     if missing:
         raise RuntimeError(f"rendezvous backend {BACKEND}: this torch lacks {', '.join(missing)}; "
                            f"use --rdzv-backend=c10d (without spares)")
 
     class _Executor(dr._DistributedRendezvousOpExecutor):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.membership = _Membership()  # lives as long as the agent's handler: across its rounds
+
         def run(self, state_handler: Any, deadline: float, update_deadline: Any = None) -> None:
             if isinstance(state_handler, dr._RendezvousJoinOp):
-                state_handler = _spare_aware(state_handler)
+                state_handler = _spare_aware(state_handler, self.membership)
             super().run(state_handler, deadline, update_deadline)
 
         def _add_to_participants(self) -> None:
