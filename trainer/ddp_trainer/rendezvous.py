@@ -16,15 +16,24 @@ That happens at every start with N+1 agents and at every recovery where the surv
 different times (the first to rejoin finds the old round complete with fewer than ``max_nodes`` and
 enters the wait list).
 
-This backend is the c10d handler with three rules added. The state write that completes a round with
-``max_nodes`` participants also moves every agent left in the wait list to the redundancy list (atomically:
-the participants never see them waiting). An agent that finds itself outside a complete round that has
-``max_nodes`` participants, in the wait list or in no list, enters the redundancy list whatever its join
-deadline (redundant agents wait without one, as in torch). And a newcomer (an agent that has been neither a
-participant nor redundant in this rendezvous: the pod recreated for a lost one) waiting for a round that the
-agents already waiting can fill leaves the places to them: otherwise whichever agent polls first wins, and a
-quick replacement would train while the spare kept waiting (measured on a cluster) -- as fast, but the spare
-would never be used. Everything else (heartbeats, admitting a redundant
+This backend is the c10d handler with these rules added:
+
+1. The state write that completes a round with ``max_nodes`` participants also moves every agent left in the
+   wait list to the redundancy list (atomically: the participants never see them waiting), and an agent that
+   finds itself outside a complete round that has ``max_nodes`` participants, in the wait list or in no list,
+   enters the redundancy list whatever its join deadline (redundant agents wait without one, as in torch).
+2. Places in a new round go by priority, not to whichever agent polls first: the participants of the last
+   complete round (the survivors: their /dev/shm holds the training state) first, then the agents that have
+   been in the rendezvous longest (the spare before the pod recreated for the lost one, which usually arrives
+   while the lost agent's heartbeat has not expired yet and so also waits as redundant). An agent waits while
+   the participants plus the agents waiting with a higher priority fill the round. Without it, a quick
+   replacement took the place while the spare kept waiting (measured on a cluster), and with two spares a
+   survivor could be left out, its snapshot with it. The priorities live in the shared state (pickled with it):
+   the last round's participants and, per agent, when it first was a participant or redundant. A
+   higher-priority agent that is not waiting yet (still stopping its workers) is not waited for; survivors
+   rejoin within a second of a loss, well before the lost agent's heartbeat expires and the new round starts.
+
+Everything else (heartbeats, admitting a redundant
 agent when a participant drops out, closing at the end) is torch's. A redundant agent still ends when a
 participant closes the rendezvous at the end of the training: torch raises RendezvousGracefulExitError there,
 its launcher then fails on the missing run result (``'NoneType' object has no attribute 'is_failed'``) and the
@@ -40,6 +49,7 @@ fails with a clear message rather than misbehave on a torch it was not written f
 from __future__ import annotations
 
 import atexit
+import math
 import sys
 from typing import Any, Callable
 
@@ -49,36 +59,45 @@ BACKEND = "ddpjob-c10d"
 SPARE_RELEASED = "ddpjob-c10d: spare released"
 
 
-class _Membership:
-    """What one agent remembers of the rendezvous: whether it has been in it (a participant or a spare)."""
-
-    veteran = False
+_LAST = "ddpjob_last"    # state attribute: the participants of the last complete round
+_ORDER = "ddpjob_order"  # state attribute: node -> when (a counter) it first was a participant or redundant
 
 
-def _spare_aware(join_op: Callable[[Any, float], Any], me: _Membership) -> Callable[[Any, float], Any]:
+def _priority(state: Any, node: Any) -> tuple[bool, float]:
+    """Higher is first: the last round's participants, then by how long an agent has been in the rendezvous."""
+    return node in getattr(state, _LAST, ()), -getattr(state, _ORDER, {}).get(node, math.inf)
+
+
+def _remember(state: Any, nodes: Any) -> None:
+    order = dict(getattr(state, _ORDER, {}))
+    for node in nodes:
+        order.setdefault(node, max(order.values(), default=0) + 1)
+    setattr(state, _ORDER, order)
+
+
+def _spare_aware(join_op: Callable[[Any, float], Any]) -> Callable[[Any, float], Any]:
     """Wrap torch's join operation with the rules the module doc describes."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action, _should_keep_alive
 
     def join(ctx: Any, deadline: float) -> Any:
-        state = ctx.state
-        if state.closed and ctx.node in state.redundancy_list:
+        state, me = ctx.state, ctx.node
+        if state.closed and me in state.redundancy_list:
             _say_released(ctx.settings.run_id)  # torch raises RendezvousGracefulExitError next
-        if state.closed:
+        if state.closed or me in state.participants:
             return join_op(ctx, deadline)
-        if ctx.node in state.participants or ctx.node in state.redundancy_list:
-            me.veteran = True
-        full = state.complete and len(state.participants) >= ctx.settings.max_nodes
-        if full and ctx.node not in state.participants:
-            if ctx.node in state.wait_list:
+        if state.complete and len(state.participants) >= ctx.settings.max_nodes:  # rule 1
+            if me in state.wait_list:
                 return _Action.REMOVE_FROM_WAIT_LIST  # then, on the next turn, the redundancy list
-            if ctx.node not in state.redundancy_list:
+            if me not in state.redundancy_list:
                 return _Action.ADD_TO_REDUNDANCY_LIST
-        others = len(state.participants) + len(state.wait_list - {ctx.node})
-        if (not state.complete and not me.veteran and ctx.node in state.wait_list
-                and others >= ctx.settings.max_nodes):
-            # A newcomer (the pod recreated for a lost one) lets the agents already waiting take the places
-            # first: the spare trains, the newcomer becomes the spare (parked once the round is full).
-            return _Action.KEEP_ALIVE if _should_keep_alive(ctx) else _Action.SYNC
+            return join_op(ctx, deadline)
+        if not state.complete:  # rule 2
+            mine = _priority(state, me)
+            ahead = sum(1 for n in state.wait_list if n != me and _priority(state, n) > mine)
+            if len(state.participants) + ahead >= ctx.settings.max_nodes:
+                if me not in state.wait_list:
+                    return _Action.ADD_TO_WAIT_LIST
+                return _Action.KEEP_ALIVE if _should_keep_alive(ctx) else _Action.SYNC
         return join_op(ctx, deadline)
 
     return join
@@ -93,15 +112,28 @@ def _say_released(run_id: str) -> None:
     atexit.register(say)
 
 
-def _park_waiting(state: Any, settings: Any) -> None:
-    """In the same state write that completes a full round: the agents left in the wait list become redundant.
+def _round_complete(state: Any, settings: Any) -> None:
+    """In the state write that completes a round: remember who trained (rule 2) and, when the round is full, park
+    the agents left in the wait list as redundant (rule 1).
 
-    Moving them in their own join loop (`_spare_aware`) alone is too late: it runs up to a second after the
-    round completed (torch polls the state once a second), and the participants' agents, which poll
-    ``num_nodes_waiting()`` every monitor interval, would see them waiting and restart first."""
-    if state.complete and len(state.participants) >= settings.max_nodes and state.wait_list:
+    Parking them in their own join loop alone is too late: it runs up to a second after the round completed
+    (torch polls the state once a second), and the participants' agents, which poll ``num_nodes_waiting()``
+    every monitor interval, would see them waiting and restart first."""
+    if not state.complete:
+        return
+    if len(state.participants) >= settings.max_nodes and state.wait_list:
         state.redundancy_list.update(state.wait_list)
         state.wait_list.clear()
+    setattr(state, _LAST, set(state.participants))
+    _remember(state, sorted(state.participants, key=_priority_key(state)))
+    _remember(state, state.redundancy_list)
+    alive = set(state.last_heartbeats)
+    setattr(state, _ORDER, {n: i for n, i in getattr(state, _ORDER, {}).items() if n in alive})  # forget the dead
+
+
+def _priority_key(state: Any) -> Callable[[Any], tuple[float, str]]:
+    order = getattr(state, _ORDER, {})
+    return lambda node: (order.get(node, math.inf), repr(node))
 
 
 def create_handler(params: Any) -> Any:
@@ -116,22 +148,22 @@ def create_handler(params: Any) -> Any:
                            f"use --rdzv-backend=c10d (without spares)")
 
     class _Executor(dr._DistributedRendezvousOpExecutor):
-        def __init__(self, *args: Any) -> None:
-            super().__init__(*args)
-            self.membership = _Membership()  # lives as long as the agent's handler: across its rounds
-
         def run(self, state_handler: Any, deadline: float, update_deadline: Any = None) -> None:
             if isinstance(state_handler, dr._RendezvousJoinOp):
-                state_handler = _spare_aware(state_handler, self.membership)
+                state_handler = _spare_aware(state_handler)
             super().run(state_handler, deadline, update_deadline)
 
         def _add_to_participants(self) -> None:
             super()._add_to_participants()
-            _park_waiting(self._state, self._settings)
+            _round_complete(self._state, self._settings)
 
         def _mark_rendezvous_complete(self) -> None:
             super()._mark_rendezvous_complete()
-            _park_waiting(self._state, self._settings)
+            _round_complete(self._state, self._settings)
+
+        def _add_to_redundancy_list(self) -> None:
+            super()._add_to_redundancy_list()
+            _remember(self._state, [self._node])
 
     backend, store = create_backend(params)
     handler = dr.create_handler(store, backend, params)
