@@ -56,7 +56,8 @@ def trainer_env(job: Job, index: int, group: int) -> list[dict]:
     env = [
         _var(names.ENV_NNODES, f"{s.min_nodes}:{s.max_nodes}"),
         _var(names.ENV_NPROC_PER_NODE, s.nproc_per_node),
-        _var(names.ENV_RDZV_BACKEND, names.RDZV_BACKEND),
+        # Spares need the backend that keeps a full group from restarting for them (spares.py).
+        _var(names.ENV_RDZV_BACKEND, names.RDZV_BACKEND_SPARES if s.spares else names.RDZV_BACKEND),
         _var(names.ENV_RDZV_ENDPOINT, rdzv_endpoint(job)),
         _var(names.ENV_RDZV_ID, rdzv_id(job, group)),
         _var(names.ENV_RDZV_CONF, rdzv_conf(job)),

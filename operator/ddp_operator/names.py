@@ -30,6 +30,8 @@ NETWORK_POLICY_API_VERSION = "networking.k8s.io/v1"
 
 # Longest job name that keeps `<job>-rdzv` and `<job>-<index>` (index < MAX_NODES) within 63 characters.
 MAX_NODES = 1000
+# Most hot spares a job may keep (spec.spares); nodes + spares pods must still fit below MAX_NODES.
+MAX_SPARES = 100
 MAX_NAME_LENGTH = 63 - len("-" + RDZV_POD_SUFFIX)
 
 # --- Labels and annotations -----------------------------------------------------------------------
@@ -79,6 +81,12 @@ ENV_SNAPSHOT_DIR = "DDPJOB_SNAPSHOT_DIR"
 ENV_PROGRESS_PORT = "DDPJOB_PROGRESS_PORT"
 ENV_RDZV_PORT = "DDPJOB_RDZV_PORT"
 RDZV_BACKEND = "c10d"
+# Jobs with spec.spares: torch's c10d with the rules that keep spares from livelocking the group (the trainer
+# image's ddp_trainer.rendezvous, registered through the torchrun.handlers entry point).
+RDZV_BACKEND_SPARES = "ddpjob-c10d"
+# The last log line of a spare's torchrun released because a participant closed the rendezvous (the training
+# ended): with FallbackToLogsOnError it ends the termination message. Such an exit is not a failure.
+SPARE_RELEASED_MARKER = "ddpjob-c10d: spare released"
 SNAPSHOT_DIR = "/dev/shm/ddpjob"
 # torchrun options the operator owns, in torchrun's `-` spelling. torchrun accepts `-` and `_` alike and reads
 # each from PET_<OPTION>, so `torchrun.extraArgs` is checked after normalising `_` to `-`, and the trainer
@@ -152,6 +160,7 @@ REASON_STARTUP_TIMEOUT = "StartupTimeoutExceeded"
 # A pod on a node NotReady for longer than failurePolicy.nodeLostTimeoutSeconds: a disruption (attempt reason,
 # and the Event of its force-deletion).
 REASON_NODE_LOST = "NodeLost"
+REASON_SPARE_RELEASED = "SpareReleased"
 
 # Why a pod that exists cannot start. Container waiting reasons set by the kubelet (CrashLoopBackOff is not
 # one: that container did start), and the scheduler's PodScheduled=False reason.

@@ -31,7 +31,7 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
   status.group stays for compatibility: pods of another group are stale (below); it no longer changes.
 - Succeeded: some trainer exited 0 and no trainer is still running. Failures after a success are not replaced
   nor counted, a trainer container restarting in place then is stopped at once; trainers still running
-  SUCCESS_GRACE_SECONDS after the first success are stopped.
+  SUCCESS_GRACE_SECONDS after the first success are stopped (spares at once, below).
 - A trainer pod's outcome is its `trainer` container's: exit 0 is a success and any other exit a failure even
   while a sidecar container keeps the pod Running; such a pod is then stopped like a running one
   (cleanPodPolicy once the job finished, replacement after a failure).
@@ -41,8 +41,18 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
   The shell adds FailedCreate when the API server refuses a child.
 - The job's NetworkPolicy (netpol.py) exists while the job is active exactly when it is wanted
   (spec.networkPolicy.enabled, else the operator's default): created before any pod, deleted when disabled.
-- Pods of an older group (or with a group label that is not a number), or with an index >= spec.nodes (scale
-  down), are deleted and never counted.
+- Pods of an older group (or with a group label that is not a number), or with an index >= spec.nodes +
+  spec.spares (scale down), are deleted and never counted.
+- Hot spares (spec.spares, spares.py): the job keeps spec.nodes + spec.spares identical trainer pods; the
+  rendezvous (of exactly spec.nodes, backend ddpjob-c10d) decides which ones train. Running needs spec.nodes
+  running pods; status.nodes counts the first spec.nodes, status.spares the rest (NODES `2/2 +1`). A spare pod
+  that fails, vanishes or restarts in place is handled like any trainer (recorded, counted, recreated); one whose
+  termination message ends with names.SPARE_RELEASED_MARKER (its rendezvous was closed by a finishing participant)
+  is recorded with reason SpareReleased, never counted and no incident. Once a trainer exited 0 the running pods
+  that are not members (rank 0's final report, else status.progress.members; without either, all of them once
+  spec.nodes trainers exited 0) are stopped at once. The hang rule judges members only (from the hang reports,
+  else status.progress; without either, only pods that answered). spec.spares needs minNodes == maxNodes == nodes
+  and makes spec.nodes unchangeable (admission refuses both; spec.py checks again).
 - A child name held by an object the job does not own (a foreign `<job>-0` pod or `<job>` Service) sets
   condition ReplicaFailure=True, reason ChildConflict, naming the object; the job waits (its create is retried)
   until the object is removed, then the condition turns False.
@@ -74,6 +84,7 @@ from typing import Any, Mapping
 
 from ddp_operator import hang as hangmod
 from ddp_operator import names
+from ddp_operator import spares as sparesmod
 from ddp_operator.env import rdzv_endpoint, rdzv_id
 from ddp_operator.labels import selector_string, trainer_selector
 from ddp_operator.netpol import NetworkPolicyConfig, render_network_policy, wanted
@@ -84,7 +95,7 @@ from ddp_operator.service import render_service
 from ddp_operator.spec import Job
 from ddp_operator.status import (
     Event, append_attempt, attempt, condition_events, get_condition, incident_record, last_recovery, missing_attempt,
-    newer_progress, pod_counts, progress_status, record_pod, restart_key, restart_number, set_condition,
+    newer_progress, progress_status, record_pod, restart_key, restart_number, set_condition,
 )
 
 CREATE = "create"
@@ -206,9 +217,9 @@ class _Pass:
         return [p for p in self.observed.pods if p.role == names.ROLE_TRAINER]
 
     def current(self, p: PodState) -> bool:
-        """A trainer pod of the current group within the desired index range."""
+        """A trainer pod of the current group within the desired index range (training nodes and spares)."""
         return (p.role == names.ROLE_TRAINER and p.group == self.group and p.index is not None
-                and p.index < self.job.spec.nodes)
+                and p.index < self.job.spec.pods)
 
     def recorded(self, p: PodState) -> bool:
         """Whether the end of pod p is on record (its in-place restarts are recorded apart, `restarts_recorded`)."""
@@ -343,6 +354,9 @@ class _Pass:
         store_down = not self.store_up()
         for p in sorted((p for p in self.trainers if self.current(p) and p.restarts > self.restarts_recorded(p)),
                         key=lambda p: (p.index, p.name)):
+            if sparesmod.released(p.restart_message):
+                self.spare_released(p, restart=p.restarts)
+                continue
             missed = p.restarts - self.restarts_recorded(p) - 1
             what = f"trainer container of pod {p.name} {describe_restart(p)}" + (
                 f" ({missed} earlier restart(s) not observed)" if missed > 0 else "")
@@ -368,6 +382,10 @@ class _Pass:
         ended = sorted((p for p in self.trainers if self.current(p) and p.terminal and not p.succeeded
                         and not self.recorded(p)), key=lambda p: (p.index, p.name))
         for p in ended:
+            if sparesmod.released(p.message):
+                self.spare_released(p)
+                self.delete(p)
+                continue
             codes = p.exit_codes
             what = f"pod {p.name} {describe(p)}"
             if p.disruption is None and fp.is_permanent(codes):
@@ -383,6 +401,11 @@ class _Pass:
             self.incident_message = f"{what}; replacing it" + ("" if counts else " (not counted)")
             self.delete(p)
         return True
+
+    def spare_released(self, p: PodState, restart: int | None = None) -> None:
+        """A spare whose torchrun ended because a participant closed the rendezvous (spares.py): the training
+        ended, the operator just has not seen it yet. On record, never counted, not an incident."""
+        self.record(p, counted=False, reason=names.REASON_SPARE_RELEASED, restart=restart)
 
     def rdzv_lost(self) -> bool:
         """The store pod of the current group ended or is being deleted: record it once (an incident), delete
@@ -405,10 +428,11 @@ class _Pass:
         return True
 
     def stale(self) -> None:
-        """Delete pods of an older group and trainers beyond spec.nodes (scale down); never counted."""
+        """Delete pods of an older group and trainers beyond spec.nodes + spec.spares (scale down); never
+        counted."""
         for p in self.live:
             if p.group != self.group or (p.role == names.ROLE_TRAINER and
-                                         (p.index is None or p.index >= self.job.spec.nodes)):
+                                         (p.index is None or p.index >= self.job.spec.pods)):
                 self.delete(p)
 
     def stuck(self) -> None:
@@ -469,8 +493,13 @@ class _Pass:
         prev_desired = int(prev_nodes.get("desired") or 0)
         if self.prev.get("phase") != names.PHASE_RUNNING or int(prev_nodes.get("running") or 0) < prev_desired:
             return True
+        # Spare pods count only when every one of them was running too.
+        prev_spares = self.prev.get("spares") or {}
+        spares = int(prev_spares.get("desired") or 0)
+        if int(prev_spares.get("running") or 0) < spares:
+            spares = 0
         occupied = {p.name for p in self.live}
-        for index in range(min(prev_desired, self.job.spec.nodes)):
+        for index in range(min(prev_desired + spares, self.job.spec.pods)):
             name = trainer_pod_name(self.job, index)
             if name in occupied or self.end_recorded(name):
                 continue
@@ -494,7 +523,7 @@ class _Pass:
         rdzv = render_rdzv_pod(job, self.group)
         if rdzv["metadata"]["name"] not in occupied:
             self.actions.append(Action(CREATE, "Pod", rdzv["metadata"]["name"], rdzv))
-        for index in range(job.spec.nodes):
+        for index in range(job.spec.pods):
             pod = render_trainer_pod(job, index, self.group)
             if pod["metadata"]["name"] in occupied:
                 continue
@@ -502,8 +531,10 @@ class _Pass:
         if self.start_time is None:
             self.start_time = self.now
         if not get_condition(self.conditions, names.COND_CREATED):
+            spares = f" and {job.spec.spares} spare(s)" if job.spec.spares else ""
             self.cond(names.COND_CREATED, True, names.REASON_CREATED,
-                      f"created the headless Service, the rendezvous store and {job.spec.nodes} training pods")
+                      f"created the headless Service, the rendezvous store and {job.spec.nodes} training pods"
+                      + spares)
 
     def active_phase(self) -> None:
         job = self.job
@@ -516,7 +547,8 @@ class _Pass:
                 self.recovery_seconds = (self.now - self.recovery_start).total_seconds()
                 self.recovery_start = None
             self.phase, self.reason = names.PHASE_RUNNING, names.REASON_RUNNING
-            self.message = f"{running}/{job.spec.nodes} training pods running"
+            self.message = f"{min(running, job.spec.nodes)}/{job.spec.nodes} training pods running" + (
+                f" (+{running - job.spec.nodes}/{job.spec.spares} spares)" if job.spec.spares else "")
             self.cond(names.COND_RUNNING, True, self.reason, self.message)
             if get_condition(self.conditions, names.COND_RESTARTING):
                 self.cond(names.COND_RESTARTING, False, names.REASON_RUNNING, "recovered: " + self.message)
@@ -668,6 +700,12 @@ class _Pass:
             if p.final_report:
                 self.progress = newer_progress(self.progress, progress_status(p.final_report))
         still_running = [p for p in current if p.phase == "Running" and not p.deleting and not p.restarting]
+        if self.job.spec.spares:
+            # The training is complete: spares have nothing to wait for (spares.py). Stopped at once, not counted.
+            left = self.spares_left(current, still_running)
+            for p in left:
+                self.delete(p)
+            still_running = [p for p in still_running if p not in left]
         for p in current:
             if (p.phase == "Pending" or p.restarting) and not p.deleting:
                 self.delete(p)  # never started, or restarting in place: it cannot join a finished training
@@ -691,6 +729,17 @@ class _Pass:
         done = next(p for p in current if p.succeeded)
         self.finish(names.PHASE_SUCCEEDED, names.REASON_SUCCEEDED, f"training completed ({done.name} exited 0)")
         return True
+
+    def spares_left(self, current: list[PodState], running: list[PodState]) -> list[PodState]:
+        """Of the pods still running after a trainer exited 0, the spares: those not among the members rank 0
+        last reported (its final report, else status.progress); without a report naming them, every one once
+        spec.nodes trainers exited 0 (the whole world finished)."""
+        finals = sorted((p.final_report for p in current if p.succeeded and p.final_report),
+                        key=lambda r: r.get("rank") not in (None, 0))
+        known = sparesmod.members([*finals, self.progress])
+        if known is not None:
+            return [p for p in running if p.index not in known]
+        return list(running) if sum(1 for p in current if p.succeeded) >= self.job.spec.nodes else []
 
     # --- the pass ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -736,8 +785,8 @@ class _Pass:
     def status(self) -> dict:
         job = self.job
         trainers = [p for p in self.trainers if not p.gone and p.group == self.group
-                    and p.index is not None and p.index < job.spec.nodes]
-        counts = pod_counts(trainers, job.spec.nodes)
+                    and p.index is not None and p.index < job.spec.pods]
+        counts, spare_counts = sparesmod.counts(trainers, job.spec.nodes, job.spec.spares)
         status: dict[str, Any] = {
             "phase": self.phase,
             "reason": self.reason,
@@ -748,7 +797,8 @@ class _Pass:
             "disruptions": self.disruptions,
             "group": self.group,
             "nodes": counts,
-            "nodesReady": f"{counts['ready']}/{job.spec.nodes}",
+            "spares": spare_counts,
+            "nodesReady": sparesmod.ready_text(counts, spare_counts),
             "selector": selector_string(trainer_selector(job)),
             "rendezvousEndpoint": rdzv_endpoint(job),
             "rendezvousId": rdzv_id(job, self.group),
@@ -778,6 +828,8 @@ class _Pass:
         if self.phase != names.PHASE_RUNNING or self.recovery_start is not None:
             return True
         current = [p for p in self.trainers if self.current(p) and not p.gone]
+        if self.job.spec.spares:
+            current = self.hang_candidates(current, reports)
         if len(current) < self.job.spec.nodes or not all(p.running for p in current):
             return True
         if any(p.name not in reports for p in current):
@@ -805,6 +857,17 @@ class _Pass:
             self.observed = replace(self.observed, pods=tuple(
                 replace(p, deleting=True) if p.uid in deleting else p for p in self.observed.pods))
         return True
+
+    def hang_candidates(self, pods: list[PodState], reports: Mapping[str, Mapping[str, Any] | None]) -> list[PodState]:
+        """With spares only the training members can be hung: a spare runs no worker and never answers. The
+        members come from the reports (rank 0's first), else status.progress; when nothing names them, only pods
+        that answered are judged (a silent pod may be a spare)."""
+        ordered = sorted(reports.values(), key=lambda r: not isinstance(r, Mapping) or r.get("rank") not in (None, 0))
+        known = sparesmod.members([*ordered, self.progress])
+        if known is not None:
+            return [p for p in pods if p.index in known]
+        answered = [p for p in pods if reports.get(p.name) is not None]
+        return answered if len(answered) >= self.job.spec.nodes else []
 
     # --- status.lastIncident / status.lastRecovery --------------------------------------------------
     def last_incident_record(self) -> Mapping[str, Any] | None:

@@ -96,6 +96,13 @@ class JobSpec:
     checkpoint: Checkpoint | None
     # spec.networkPolicy.enabled; None: the operator's default decides (netpol.wanted).
     network_policy_enabled: bool | None = None
+    # Hot spares (spares.py): trainer pods beyond `nodes`, waiting in the rendezvous.
+    spares: int = 0
+
+    @property
+    def pods(self) -> int:
+        """Trainer pods the job keeps: the training nodes and the spares (indices 0 .. pods-1)."""
+        return self.nodes + self.spares
 
     @property
     def trainer_container(self) -> Mapping[str, Any]:
@@ -265,6 +272,14 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         raise SpecError("spec.minNodes", f"must be <= spec.maxNodes ({min_nodes} > {max_nodes})")
     if not min_nodes <= nodes <= max_nodes:
         raise SpecError("spec.nodes", f"must be within [minNodes, maxNodes] = [{min_nodes}, {max_nodes}], got {nodes}")
+    spares = _int(spec, "spares", "spec.spares", default=d["spares"], maximum=names.MAX_SPARES)
+    assert spares is not None
+    if nodes + spares > names.MAX_NODES:
+        raise SpecError("spec.spares", f"spec.nodes + spec.spares must be <= {names.MAX_NODES}, got {nodes + spares}")
+    if spares and not min_nodes == nodes == max_nodes:
+        raise SpecError("spec.spares", f"needs a fixed-size job (minNodes == maxNodes == nodes), got [{min_nodes}, "
+                                       f"{max_nodes}]: torchrun would admit a spare as a training node whenever "
+                                       f"fewer than maxNodes train; remove spec.spares or spec.minNodes/maxNodes")
 
     template = _template(spec)
     trainer = next(c for c in template["spec"]["containers"] if c.get("name") == names.TRAINER_CONTAINER)
@@ -386,6 +401,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         shm=shm,
         checkpoint=checkpoint,
         network_policy_enabled=network_policy_enabled,
+        spares=spares,
     )
 
 

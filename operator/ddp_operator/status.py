@@ -193,7 +193,15 @@ def progress_summary(report: Mapping[str, Any]) -> str:
 
 
 _PROGRESS_KEYS = ("step", "epoch", "loss", "samplesPerSecond", "lastCheckpointStep", "worldSize", "metrics",
-                  "time", "final", "workerRestarts", "snapshotEvery", "lastSnapshotStep")
+                  "time", "final", "workerRestarts", "snapshotEvery", "lastSnapshotStep", "members")
+
+
+def valid_members(value: Any) -> tuple[int, ...] | None:
+    """A report's `members` (pod indices of the training world) if well formed: a short list of indices."""
+    if (not isinstance(value, list) or len(value) > names.MAX_NODES + names.MAX_SPARES
+            or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < names.MAX_NODES for i in value)):
+        return None
+    return tuple(sorted(set(value)))
 
 
 def progress_status(report: Mapping[str, Any]) -> dict:
@@ -210,6 +218,8 @@ def progress_status(report: Mapping[str, Any]) -> dict:
             out[key] = finite(value)
         elif key == "final" and isinstance(value, bool):
             out[key] = value
+        elif key == "members" and valid_members(value) is not None:
+            out[key] = list(valid_members(value))
     out["summary"] = progress_summary(report)
     return out
 

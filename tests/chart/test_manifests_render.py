@@ -71,12 +71,15 @@ def test_sample_fits_the_crd_schema(sample):
 
 def test_samples_cover_the_documented_cases():
     jobs = {p.stem: next(d for d in documents(p.read_text()) if d["kind"] == "DDPJob") for p in SAMPLES}
-    assert set(jobs) == {"digits", "elastic", "gpu", "plain-script"}
+    assert set(jobs) == {"digits", "elastic", "gpu", "plain-script", "spares"}
     assert jobs["digits"]["spec"]["nodes"] == 2
     assert jobs["digits"]["spec"]["template"]["spec"]["containers"][0]["command"] == [
         "python", "-m", "ddp_trainer.launch", "-m", "ddp_trainer.examples.digits"]
     e = jobs["elastic"]["spec"]
     assert (e["minNodes"], e["nodes"], e["maxNodes"]) == (1, 2, 3)
+    sp = jobs["spares"]["spec"]
+    assert (sp["nodes"], sp["spares"]) == (2, 1) and "minNodes" not in sp and "maxNodes" not in sp
+    assert sp["template"] == jobs["digits"]["spec"]["template"]
     g = jobs["gpu"]["spec"]
     assert g["nprocPerNode"] == "auto"
     assert g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] >= 1

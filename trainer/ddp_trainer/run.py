@@ -204,8 +204,11 @@ class Run:
         disk_steps = self.checkpoints.steps() if self.checkpoints is not None else []
         disk_step = disk_steps[0] if disk_steps else -1
         mark = self._mark.read() if self._mark is not None else None
+        pod_index = envmod.get_int(envmod.POD_INDEX, None, minimum=0)
         gathered: list[Any] = [None] * s.world_size
-        dist.all_gather_object(gathered, (local_step, disk_step, local_every, mark, socket.gethostname()))
+        dist.all_gather_object(
+            gathered, (local_step, disk_step, local_every, mark, socket.gethostname(), pod_index)
+        )
         snap_steps = [int(g[0]) for g in gathered]
         disk_step = int(gathered[0][1])
         best_snap = max(snap_steps)
@@ -272,8 +275,13 @@ class Run:
         )
         self._recovery_pending = (record, last_time) if record is not None else None
         self._save_point(checkpoint=False)
+        # The pods (DDPJOB_POD_INDEX) that train in this world: with hot spares the rendezvous, not the pod
+        # index, decides, and only the trainer can tell the operator (docs/contract.md, "members").
+        indices = [g[5] for g in gathered]
+        members = sorted(set(indices)) if all(isinstance(i, int) for i in indices) else None
         self.progress.update(
             step=self.position.step, epoch=self.position.epoch, lastCheckpointStep=self._ckpt_step(),
+            **({"members": members} if members is not None else {}),
             **({"recovery": record} if record is not None else {}),
             **self._snapshot_progress(),
         )

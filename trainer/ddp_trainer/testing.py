@@ -138,6 +138,8 @@ class LocalCluster:
     max_restarts: int = 100
     #: a dedicated TCPStore process hosts the rendezvous (the operator's design); all nodes is_host=0
     store_process: bool = False
+    #: torchrun's --rdzv-backend: c10d, or ddpjob-c10d (ddp_trainer.rendezvous: hot spares never livelock)
+    rdzv_backend: str = "c10d"
     python: str = sys.executable
     #: the agent: torchrun itself, or "ddp_trainer.launch" (torchrun with workers forked from a warm forkserver)
     launcher: str = "torch.distributed.run"
@@ -236,7 +238,7 @@ class LocalCluster:
             self.launcher,
             f"--nnodes={self.nnodes}",
             f"--nproc-per-node={self.nproc_per_node}",
-            "--rdzv-backend=c10d",
+            f"--rdzv-backend={self.rdzv_backend}",
             f"--rdzv-endpoint=127.0.0.1:{self.rdzv_port}",
             f"--rdzv-id={rdzv_id or self.rdzv_id}",
             "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),

@@ -1,0 +1,193 @@
+"""Hot spares (spec.spares): the spec, the environment and the planner's rules (spares.py)."""
+
+import pytest
+
+from ddp_operator import crd, names
+from ddp_operator.env import trainer_env
+from ddp_operator.plan import CREATE, DELETE, plan
+from ddp_operator.spec import SpecError, parse_job
+
+from ddp_builders import NOW, job_body, later, make_job, observed, rdzv, trainer
+
+RELEASED_LOG = ("Traceback (most recent call last):\n  ...\n    if result.is_failed():\n"
+                "AttributeError: 'NoneType' object has no attribute 'is_failed'\n"
+                f"{names.SPARE_RELEASED_MARKER}: rendezvous x-0 was closed while this agent waited as a hot spare")
+
+
+def _acts(p):
+    return sorted((a.verb, a.name) for a in p.actions)
+
+
+def _running(n=3, **spec):
+    """A 2-node job with one spare, everything created and running (n trainer pods)."""
+    job = make_job(spares=1, **spec)
+    first = plan(job, {}, observed(service_exists=False), NOW)
+    return job, plan(job, first.status, observed(rdzv(), *(trainer(i) for i in range(n))), NOW).status
+
+
+# --- spec -------------------------------------------------------------------------------------------------------
+def test_spares_default_to_none_and_parse():
+    assert make_job().spec.spares == 0 and make_job().spec.pods == 2
+    job = make_job(spares=2)
+    assert job.spec.spares == 2 and job.spec.pods == 4 and job.spec.nodes == 2
+    assert crd.DEFAULTS["spares"] == 0
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"spares": -1}, "must be >= 0"),
+    ({"spares": names.MAX_SPARES + 1}, f"must be <= {names.MAX_SPARES}"),
+    ({"spares": True}, "must be an integer"),
+    ({"nodes": names.MAX_NODES, "spares": 1}, f"spec.nodes + spec.spares must be <= {names.MAX_NODES}"),
+    ({"spares": 1, "minNodes": 1, "maxNodes": 3}, "needs a fixed-size job"),
+    ({"spares": 1, "minNodes": 1}, "needs a fixed-size job"),
+])
+def test_invalid_spares_name_the_field(spec, message):
+    with pytest.raises(SpecError) as e:
+        parse_job(job_body(**spec))
+    assert e.value.field == "spec.spares" and message in str(e.value)
+
+
+def test_fixed_range_spelled_out_is_fine():
+    assert make_job(spares=1, minNodes=2, maxNodes=2).spec.spares == 1
+
+
+def test_crd_documents_spares_and_refuses_elastic_jobs_and_scaling():
+    spec = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    field = spec["properties"]["spares"]
+    assert field["default"] == 0 and field["maximum"] == names.MAX_SPARES and "Hot spares" in field["description"]
+    messages = " ".join(r["message"] for r in spec["x-kubernetes-validations"])
+    assert "spec.spares needs a fixed-size job" in messages
+    assert "spec.nodes cannot change on a job with spec.spares" in messages
+    assert "spec.spares is immutable" in messages
+
+
+# --- environment ------------------------------------------------------------------------------------------------
+def test_spares_use_the_ddpjob_backend_and_a_rendezvous_of_nodes():
+    env = {e["name"]: e.get("value") for e in trainer_env(make_job(spares=1), 2, 0)}
+    assert env[names.ENV_RDZV_BACKEND] == names.RDZV_BACKEND_SPARES == "ddpjob-c10d"
+    assert env[names.ENV_NNODES] == "2:2" and env[names.ENV_POD_INDEX] == "2"
+    plain = {e["name"]: e.get("value") for e in trainer_env(make_job(), 0, 0)}
+    assert plain[names.ENV_RDZV_BACKEND] == "c10d"
+
+
+# --- planner ----------------------------------------------------------------------------------------------------
+def test_creates_nodes_plus_spares_pods_and_shows_them():
+    job = make_job(spares=1)
+    p = plan(job, {}, observed(service_exists=False), NOW)
+    assert [a.name for a in p.actions if a.verb == CREATE and a.kind == "Pod"] == \
+        ["mnist-rdzv", "mnist-0", "mnist-1", "mnist-2"]
+    job, status = _running()
+    assert status["phase"] == "Running" and status["nodesReady"] == "2/2 +1"
+    assert status["nodes"]["desired"] == 2 and status["nodes"]["running"] == 2 and status["nodes"]["ready"] == 2
+    assert status["spares"] == {"desired": 1, "running": 1, "ready": 1}
+    assert "(+1/1 spares)" in status["message"]
+    two = plan(job, status, observed(rdzv(), trainer(0), trainer(1), trainer(2, phase="Pending")), later(1))
+    assert two.status["nodesReady"] == "2/2 +0" and two.status["phase"] == "Running"
+    assert make_job().spec.spares == 0 and "spares" not in _plain_status()
+
+
+def _plain_status():
+    job = make_job()
+    first = plan(job, {}, observed(service_exists=False), NOW)
+    return plan(job, first.status, observed(rdzv(), trainer(0), trainer(1)), NOW).status
+
+
+def test_a_lost_member_is_counted_once_and_its_pod_recreated_as_the_spare():
+    job, status = _running()
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(2), gone=[trainer(1)]), later(5))
+    assert _acts(p) == [(CREATE, "mnist-1")] and p.status["restarts"] == 1
+    # the spare took the place: two pods run, so training runs; no spare is ready until the new pod is
+    assert p.status["nodesReady"] == "2/2 +0"
+    back = plan(job, p.status, observed(rdzv(), trainer(0), trainer(2), trainer(1, uid="new")), later(9))
+    assert back.status["nodesReady"] == "2/2 +1" and back.status["restarts"] == 1 and back.actions == ()
+
+
+def test_a_spare_failing_while_it_waits_is_a_failure_like_any_other():
+    job, status = _running()
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(1),
+                                   trainer(2, restart_count=1, last_exit_code=1, last_message="RuntimeError: boom")),
+             later(5))
+    assert p.status["restarts"] == 1 and p.status["attempts"][-1]["counted"] is True
+
+
+def test_a_released_spare_is_recorded_never_counted_even_before_the_success_is_seen():
+    job, status = _running()
+    spare = trainer(2, restart_count=1, last_exit_code=1, last_message=RELEASED_LOG)
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(1), spare), later(5))
+    assert p.status["restarts"] == 0 and p.status["phase"] == "Running" and p.actions == ()
+    assert p.status["attempts"][-1]["reason"] == names.REASON_SPARE_RELEASED
+    assert p.status["attempts"][-1]["counted"] is False
+    again = plan(job, p.status, observed(rdzv(), trainer(0), trainer(1), spare), later(6))
+    assert len(again.status["attempts"]) == 1
+    # with restartPolicy Never the pod ends: recorded, not counted
+    ended = trainer(2, phase="Failed", exit_code=1, message=RELEASED_LOG, restart_policy="Never")
+    q = plan(job, status, observed(rdzv(), trainer(0), trainer(1), ended), later(5))
+    assert q.status["restarts"] == 0 and q.status["phase"] == "Running"
+
+
+def test_success_stops_the_spares_at_once_without_counting():
+    job, status = _running()
+    report = '{"rank": 0, "step": 120, "final": true, "members": [0, 2]}'
+    p = plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0, message=report),
+                                   trainer(1), trainer(2)), later(1))
+    assert (DELETE, "mnist-1") in _acts(p) and (DELETE, "mnist-2") not in _acts(p)
+    assert p.status["restarts"] == 0
+    # without members named anywhere: once spec.nodes trainers exited 0, the rest are spares
+    q = plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0),
+                                   trainer(1, phase="Succeeded", exit_code=0), trainer(2)), later(1))
+    assert (DELETE, "mnist-2") in _acts(q)
+    done = plan(job, q.status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0),
+                                        trainer(1, phase="Succeeded", exit_code=0)), later(2))
+    assert done.status["phase"] == "Succeeded" and done.status["restarts"] == 0
+    # a spare already released (restarting in place) is stopped too, and not counted
+    r = plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0),
+                                   trainer(1, phase="Succeeded", exit_code=0),
+                                   trainer(2, exit_code=1, message=RELEASED_LOG)), later(1))
+    assert (DELETE, "mnist-2") in _acts(r) and r.status["restarts"] == 0 and r.status["phase"] == "Succeeded"
+
+
+def test_success_with_one_member_still_running_waits_for_it():
+    job, status = _running()
+    report = '{"rank": 0, "step": 120, "final": true, "members": [0, 1]}'
+    p = plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0, message=report),
+                                   trainer(1), trainer(2)), later(1))
+    assert (DELETE, "mnist-2") in _acts(p) and (DELETE, "mnist-1") not in _acts(p)
+    assert p.status["phase"] == "Running"
+
+
+def test_hang_judges_only_members():
+    job, status = _running(failurePolicy={"hangTimeoutSeconds": 20})
+    pods = (rdzv(), trainer(0), trainer(1), trainer(2))
+    # mnist-1 is the spare: silent (no worker). Members 0 and 2 both at step 41: the tie takes the highest member.
+    reports = {"mnist-0": {"rank": 0, "step": 41, "members": [0, 2]}, "mnist-1": None,
+               "mnist-2": {"rank": 1, "step": 41, "members": [0, 2]}}
+    p = plan(job, status, observed(*pods, hang_reports=reports), later(30))
+    assert [(a.verb, a.name) for a in p.actions] == [(DELETE, "mnist-2")]
+    # a silent member is the stuck one; the silent spare is left alone
+    reports = {"mnist-0": {"rank": 0, "step": 41, "members": [0, 1]}, "mnist-1": None, "mnist-2": None}
+    p = plan(job, status, observed(*pods, hang_reports=reports), later(30))
+    assert [(a.verb, a.name) for a in p.actions] == [(DELETE, "mnist-1")]
+    # nothing names the members: only pods that answered are judged, never a silent one
+    reports = {"mnist-0": {"rank": 0, "step": 41}, "mnist-1": None, "mnist-2": {"rank": 1, "step": 40}}
+    p = plan(job, status, observed(*pods, hang_reports=reports), later(30))
+    assert [(a.verb, a.name) for a in p.actions] == [(DELETE, "mnist-2")]
+
+
+def test_members_in_progress_status():
+    from ddp_operator.status import progress_status
+    assert progress_status({"step": 3, "members": [2, 0]})["members"] == [0, 2]
+    assert "members" not in progress_status({"step": 3, "members": ["x"]})
+    assert "members" not in progress_status({"step": 3, "members": [names.MAX_NODES]})
+
+
+def test_stale_beyond_nodes_plus_spares():
+    job, status = _running()
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(1), trainer(2), trainer(3)), later(1))
+    assert _acts(p) == [(DELETE, "mnist-3")]
+
+
+def test_a_vanished_spare_pod_is_counted_like_a_missing_pod():
+    job, status = _running()
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(1)), later(1))
+    assert _acts(p) == [(CREATE, "mnist-2")]
+    assert p.status["attempts"][-1]["reason"] == names.REASON_NODE_MISSING

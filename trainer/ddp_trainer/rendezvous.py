@@ -1,0 +1,182 @@
+"""The ``ddpjob-c10d`` rendezvous backend: torch's c10d rendezvous, made safe for hot spares.
+
+A hot spare is a torchrun agent that waits in the rendezvous while the group is full (``--nnodes=N:N``
+and N agents training), so that a lost node's place is taken without scheduling, pulling, starting a
+container or importing torch. torch's dynamic rendezvous nearly supports it: an agent that arrives when
+the round is complete with ``max_nodes`` participants goes into the *redundancy list*, keeps its heartbeat,
+and once a participant drops out (its heartbeat expired) moves to the wait list and is admitted by the
+next round.
+
+It livelocks, though (torch 2.13, measured: tests/trainer/test_spares.py). An agent that is in the *wait
+list* when a round completes with ``max_nodes`` participants without it stays in the wait list: the join
+operation moves only agents that are in no list to the redundancy list. Every agent polls
+``num_nodes_waiting()`` and restarts its workers for the next round while it is above 0, so the
+participants restart again and again, and each new round again leaves one agent behind in the wait list.
+That happens at every start with N+1 agents and at every recovery where the survivors rejoin at slightly
+different times (the first to rejoin finds the old round complete with fewer than ``max_nodes`` and
+enters the wait list).
+
+This backend is the c10d handler with these rules added:
+
+1. The state write that completes a round with ``max_nodes`` participants also moves every agent left in the
+   wait list to the redundancy list (atomically: the participants never see them waiting), and an agent that
+   finds itself outside a complete round that has ``max_nodes`` participants, in the wait list or in no list,
+   enters the redundancy list whatever its join deadline (redundant agents wait without one, as in torch).
+2. Places in a new round go by priority, not to whichever agent polls first: the participants of the last
+   complete round (the survivors: their /dev/shm holds the training state) first, then the agents that have
+   been in the rendezvous longest (the spare before the pod recreated for the lost one, which usually arrives
+   while the lost agent's heartbeat has not expired yet and so also waits as redundant). An agent waits while
+   the participants plus the agents waiting with a higher priority fill the round. Without it, a quick
+   replacement took the place while the spare kept waiting (measured on a cluster), and with two spares a
+   survivor could be left out, its snapshot with it. The priorities live in the shared state (pickled with it):
+   the last round's participants and, per agent, when it first was a participant or redundant. A
+   higher-priority agent that is not waiting yet (still stopping its workers) is not waited for; survivors
+   rejoin within a second of a loss, well before the lost agent's heartbeat expires and the new round starts.
+
+Everything else (heartbeats, admitting a redundant
+agent when a participant drops out, closing at the end) is torch's. A redundant agent still ends when a
+participant closes the rendezvous at the end of the training: torch raises RendezvousGracefulExitError there,
+its launcher then fails on the missing run result (``'NoneType' object has no attribute 'is_failed'``) and the
+spare's torchrun exits 1; this backend makes SPARE_RELEASED its last log line, which is how the operator tells
+that exit from a failure (docs/contract.md).
+
+torchrun finds the backend through the ``torchrun.handlers`` entry point (the ``ddp_trainer`` dist-info
+next to the package); the operator selects it with ``PET_RDZV_BACKEND=ddpjob-c10d`` for jobs with
+``spec.spares``. It uses torch internals (underscored names), so it checks them when it is created and
+fails with a clear message rather than misbehave on a torch it was not written for.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import sys
+from typing import Any, Callable
+
+BACKEND = "ddpjob-c10d"
+# The last line a released spare's torchrun writes (after torch's traceback): the operator finds it in the
+# termination message (FallbackToLogsOnError) and neither counts nor replaces-as-failed that exit.
+SPARE_RELEASED = "ddpjob-c10d: spare released"
+
+
+_LAST = "ddpjob_last"    # state attribute: the participants of the last complete round
+_ORDER = "ddpjob_order"  # state attribute: node -> when (a counter) it first was a participant or redundant
+
+
+def _priority(state: Any, node: Any) -> tuple[bool, float]:
+    """Higher is first: the last round's participants, then by how long an agent has been in the rendezvous."""
+    return node in getattr(state, _LAST, ()), -getattr(state, _ORDER, {}).get(node, math.inf)
+
+
+def _remember(state: Any, nodes: Any) -> None:
+    order = dict(getattr(state, _ORDER, {}))
+    for node in nodes:
+        order.setdefault(node, max(order.values(), default=0) + 1)
+    setattr(state, _ORDER, order)
+
+
+def _spare_aware(join_op: Callable[[Any, float], Any]) -> Callable[[Any, float], Any]:
+    """Wrap torch's join operation with the rules the module doc describes."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action, _should_keep_alive
+
+    def join(ctx: Any, deadline: float) -> Any:
+        state, me = ctx.state, ctx.node
+        if state.closed and me in state.redundancy_list:
+            _say_released(ctx.settings.run_id)  # torch raises RendezvousGracefulExitError next
+        if state.closed or me in state.participants:
+            return join_op(ctx, deadline)
+        if state.complete and len(state.participants) >= ctx.settings.max_nodes:  # rule 1
+            if me in state.wait_list:
+                return _Action.REMOVE_FROM_WAIT_LIST  # then, on the next turn, the redundancy list
+            if me not in state.redundancy_list:
+                return _Action.ADD_TO_REDUNDANCY_LIST
+            return join_op(ctx, deadline)
+        if not state.complete:  # rule 2
+            mine = _priority(state, me)
+            ahead = sum(1 for n in state.wait_list if n != me and _priority(state, n) > mine)
+            if len(state.participants) + ahead >= ctx.settings.max_nodes:
+                if me not in state.wait_list:
+                    return _Action.ADD_TO_WAIT_LIST
+                return _Action.KEEP_ALIVE if _should_keep_alive(ctx) else _Action.SYNC
+        return join_op(ctx, deadline)
+
+    return join
+
+
+def _say_released(run_id: str) -> None:
+    """Write SPARE_RELEASED at exit: after the traceback torch's launcher prints, so it is the log's last line."""
+    def say() -> None:
+        print(f"{SPARE_RELEASED}: rendezvous {run_id} was closed while this agent waited as a hot spare "
+              f"(a participant ended); exit 1 is torch's", file=sys.stderr, flush=True)
+
+    atexit.register(say)
+
+
+def _round_complete(state: Any, settings: Any) -> None:
+    """In the state write that completes a round: remember who trained (rule 2) and, when the round is full, park
+    the agents left in the wait list as redundant (rule 1).
+
+    Parking them in their own join loop alone is too late: it runs up to a second after the round completed
+    (torch polls the state once a second), and the participants' agents, which poll ``num_nodes_waiting()``
+    every monitor interval, would see them waiting and restart first."""
+    if not state.complete:
+        return
+    if len(state.participants) >= settings.max_nodes and state.wait_list:
+        state.redundancy_list.update(state.wait_list)
+        state.wait_list.clear()
+    setattr(state, _LAST, set(state.participants))
+    _remember(state, sorted(state.participants, key=_priority_key(state)))
+    _remember(state, state.redundancy_list)
+    alive = set(state.last_heartbeats)
+    setattr(state, _ORDER, {n: i for n, i in getattr(state, _ORDER, {}).items() if n in alive})  # forget the dead
+
+
+def _priority_key(state: Any) -> Callable[[Any], tuple[float, str]]:
+    order = getattr(state, _ORDER, {})
+    return lambda node: (order.get(node, math.inf), repr(node))
+
+
+def create_handler(params: Any) -> Any:
+    """torchrun's handler creator for ``--rdzv-backend=ddpjob-c10d`` (same parameters as c10d)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+
+    needed = ("_DistributedRendezvousOpExecutor", "_RendezvousJoinOp", "_Action", "_should_keep_alive")
+    missing = [n for n in needed if not hasattr(dr, n)]
+    if missing:
+        raise RuntimeError(f"rendezvous backend {BACKEND}: this torch lacks {', '.join(missing)}; "
+                           f"use --rdzv-backend=c10d (without spares)")
+
+    class _Executor(dr._DistributedRendezvousOpExecutor):
+        def run(self, state_handler: Any, deadline: float, update_deadline: Any = None) -> None:
+            if isinstance(state_handler, dr._RendezvousJoinOp):
+                state_handler = _spare_aware(state_handler)
+            super().run(state_handler, deadline, update_deadline)
+
+        def _add_to_participants(self) -> None:
+            super()._add_to_participants()
+            _round_complete(self._state, self._settings)
+
+        def _mark_rendezvous_complete(self) -> None:
+            super()._mark_rendezvous_complete()
+            _round_complete(self._state, self._settings)
+
+        def _add_to_redundancy_list(self) -> None:
+            super()._add_to_redundancy_list()
+            _remember(self._state, [self._node])
+
+    backend, store = create_backend(params)
+    handler = dr.create_handler(store, backend, params)
+    for attr in ("_op_executor", "_this_node", "_state_holder", "_settings", "_backend_name"):
+        if not hasattr(handler, attr):
+            raise RuntimeError(f"rendezvous backend {BACKEND}: this torch's handler lacks {attr}; "
+                               f"use --rdzv-backend=c10d (without spares)")
+    handler._op_executor = _Executor(handler._this_node, handler._state_holder, handler._settings)
+    handler._backend_name = BACKEND  # torchrun checks that the handler is of the backend it asked for
+    return handler
+
+
+def get_handler() -> Callable[[Any], Any]:
+    """The ``torchrun.handlers`` entry point: torch calls it and registers what it returns under the entry
+    point's name."""
+    return create_handler
