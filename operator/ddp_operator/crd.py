@@ -34,7 +34,7 @@ DEFAULTS: dict[str, Any] = {
         "joinTimeoutSeconds": 600,
         "lastCallTimeoutSeconds": 10,
         "keepAliveIntervalSeconds": 1,
-        "keepAliveMaxAttempts": 2,
+        "keepAliveMaxAttempts": 3,
         "maxRestarts": 10,
     },
     "failurePolicy": {
@@ -316,7 +316,7 @@ def _spec_schema() -> dict:
                     minimum=0, maximum=MAXIMA["lastCallTimeoutSeconds"], default=t["lastCallTimeoutSeconds"]),
                 "keepAliveIntervalSeconds": _int(
                     "c10d keep_alive_interval: heartbeat period. A dead node is dropped after "
-                    "interval x maxAttempts (2 s by default), and the group cannot re-form before: it bounds "
+                    "interval x maxAttempts (3 s by default), and the group cannot re-form before: it bounds "
                     "recovery time. A live agent that misses that many heartbeats loses nothing while it "
                     "trains: it only rejoins at the next rendezvous.",
                     minimum=1, maximum=MAXIMA["keepAliveIntervalSeconds"], default=t["keepAliveIntervalSeconds"]),

@@ -19,7 +19,7 @@ def test_contract_variables():
         "PET_RDZV_ENDPOINT": "mnist-rdzv.mnist.ml.svc.cluster.local:29400",
         "PET_RDZV_ID": "0b5c-uid-2",
         "PET_RDZV_CONF": "is_host=0,join_timeout=600,last_call_timeout=10,keep_alive_interval=1,"
-                         "keep_alive_max_attempt=2",
+                         "keep_alive_max_attempt=3",
         "PET_LOCAL_ADDR": {"fieldRef": {"fieldPath": "status.podIP"}},
         "PET_MAX_RESTARTS": "10",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
