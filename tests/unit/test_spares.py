@@ -125,11 +125,16 @@ def test_a_released_spare_is_recorded_never_counted_even_before_the_success_is_s
     assert q.status["restarts"] == 0 and q.status["phase"] == "Running"
 
 
-def test_success_stops_the_spares_at_once_without_counting():
+def _rank0_finished(members: str):
+    """A running job with a spare whose rank 0 (pod 0) exited 0 reporting `members`, the other two pods running."""
     job, status = _running()
-    report = '{"rank": 0, "step": 120, "final": true, "members": [0, 2]}'
-    p = plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0, message=report),
-                                   trainer(1), trainer(2)), later(1))
+    report = '{"rank": 0, "step": 120, "final": true, "members": %s}' % members
+    return job, status, plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0, message=report),
+                                                   trainer(1), trainer(2)), later(1))
+
+
+def test_success_stops_the_spares_at_once_without_counting():
+    job, status, p = _rank0_finished("[0, 2]")
     assert (DELETE, "mnist-1") in _acts(p) and (DELETE, "mnist-2") not in _acts(p)
     assert p.status["restarts"] == 0
     # without members named anywhere: once spec.nodes trainers exited 0, the rest are spares
@@ -147,10 +152,7 @@ def test_success_stops_the_spares_at_once_without_counting():
 
 
 def test_success_with_one_member_still_running_waits_for_it():
-    job, status = _running()
-    report = '{"rank": 0, "step": 120, "final": true, "members": [0, 1]}'
-    p = plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0, message=report),
-                                   trainer(1), trainer(2)), later(1))
+    _, _, p = _rank0_finished("[0, 1]")
     assert (DELETE, "mnist-2") in _acts(p) and (DELETE, "mnist-1") not in _acts(p)
     assert p.status["phase"] == "Running"
 
