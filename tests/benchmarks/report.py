@@ -74,6 +74,14 @@ def e2e_rank0(doc: Doc) -> str:
             f"{_survived(doc, 'rank0')}/{_count(doc, 'rank0')} survived, {_lost(doc, 'rank0')}")
 
 
+def e2e_spare(doc: Doc) -> str:
+    r = doc["result"]
+    if "spare_recovery_s_p50" not in r:
+        return "not recorded yet (this result predates spare kills)"
+    return (f"p50 {_n(r.get('spare_recovery_s_p50'), ' s')}, {_survived(doc, 'spare')}/{_count(doc, 'spare')} "
+            f"survived, the spare took the place {r.get('spares_used')}×, {_lost(doc, 'spare')}")
+
+
 def trainer_recovery(doc: Doc) -> str:
     r = doc["result"]
     return (f"p50 {_n(r.get('recovery_s_p50'), ' s')}, max {_n(r.get('recovery_s_max'), ' s')}, "
@@ -246,6 +254,8 @@ ROWS: list[tuple[str, str, Callable[[Doc], str], str, str]] = [
     ("non-rank-0 pod killed → first resumed step (on the cluster)", "e2e_recovery", e2e_worker, "≤ 5 s",
      "make bench-e2e-recovery"),
     ("rank 0's pod killed → first resumed step", "e2e_recovery", e2e_rank0, "≤ 5 s", "make bench-e2e-recovery"),
+    ("a training member killed in a job with `spec.spares: 1` → first resumed step", "e2e_recovery", e2e_spare,
+     "≤ 3 s", "make bench-e2e-recovery"),
     ("same, agents on loopback (`ddp_trainer.launch`, store process), node killed, replacement at once",
      "trainer_recovery", trainer_recovery, "≤ 2 s",
      "make bench-trainer-recovery"),
