@@ -7,7 +7,7 @@ the round is complete with ``max_nodes`` participants goes into the *redundancy 
 and once a participant drops out (its heartbeat expired) moves to the wait list and is admitted by the
 next round.
 
-It livelocks, though (torch 2.13, measured: tests/trainer/test_spares.py). An agent that is in the *wait
+It livelocks, though (torch 2.13, measured: tests/trainer/test_trainer_spares.py). An agent that is in the *wait
 list* when a round completes with ``max_nodes`` participants without it stays in the wait list: the join
 operation moves only agents that are in no list to the redundancy list. Every agent polls
 ``num_nodes_waiting()`` and restarts its workers for the next round while it is above 0, so the
