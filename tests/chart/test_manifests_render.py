@@ -64,7 +64,8 @@ def test_sample_fits_the_crd_schema(sample):
     jsonschema.validate(job, _ddpjob_schema())
     containers = job["spec"]["template"]["spec"]["containers"]
     trainer = next(c for c in containers if c["name"] == "trainer")
-    assert trainer["command"][0] == "torchrun"
+    # torchrun itself, or the same torchrun tuned for fast recovery (trainer/ddp_trainer/launch.py)
+    assert trainer["command"][0] == "torchrun" or trainer["command"][:3] == ["python", "-m", "ddp_trainer.launch"]
     assert trainer["image"] == "localhost/ddp-trainer:0.1.0"
     assert trainer["imagePullPolicy"] == "IfNotPresent"
 
