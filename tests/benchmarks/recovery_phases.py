@@ -102,8 +102,9 @@ def milestones(*, kill: float, restored: float, first_step: float, victim: str,
     # the pod's name followed by a space or a quote: "pod job-1 was deleted", never job-10
     named = re.compile(rf"\bpod {re.escape(victim)}\b(?!-)")
     m["operator_saw"] = _first(operator, kill, lambda s: bool(named.search(s)) and "created" not in s)
-    m["replacement_created"] = _first(operator, kill, lambda s: bool(re.search(rf"created Pod {re.escape(victim)}$",
-                                                                            s.rstrip())))
+    # text or JSON log lines ("...created Pod job-1" or "...created Pod job-1", ...}): never job-10
+    created = re.compile(rf"created Pod {re.escape(victim)}\b(?!-)")
+    m["replacement_created"] = _first(operator, kill, lambda s: bool(created.search(s)))
     m["scheduled"] = scheduled if replacement is not None else None
     sessions = {pod: _sessions(lines, kill, restored) for pod, lines in members.items()}
     last = {pod: s[-1] for pod, s in sessions.items() if s}

@@ -75,5 +75,11 @@ def test_a_pod_named_like_the_victim_is_not_the_victim():
     assert rp.since_kill(_milestones(operator=other))["operator_saw"] == 0.3
 
 
+def test_the_operators_json_log_lines_count_too():
+    json_lines = [(t, '{"message": "%s", "levelname": "INFO"}' % line.split("] ", 2)[-1]) for t, line in OPERATOR]
+    m = rp.since_kill(_milestones(operator=json_lines))
+    assert m["operator_saw"] == 0.3 and m["replacement_created"] == 0.4
+
+
 def test_medians_skip_missing_values():
     assert rp.medians([{"a": 1.0, "b": None}, {"a": 3.0, "b": 2.0}, {"a": 2.0}]) == {"a": 2.0, "b": 2.0}
