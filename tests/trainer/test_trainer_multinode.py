@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from ddp_trainer.testing import REPO_TRAINER_DIR, LocalCluster, descendants, recovery_after_kill
+from ddp_trainer.testing import REPO_TRAINER_DIR, LocalCluster, descendants, parent_pid, recovery_after_kill
 from tests.trainer.digits_job import DIGITS_ARGS, JOB_TIMEOUT, SLOW, final_event
 
 pytestmark = pytest.mark.slow
@@ -253,9 +253,7 @@ def _forked_workers(node) -> list[int]:
     out = []
     for pid in descendants(node.proc.pid):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rpartition(")")[2].split()[1])
-            with open(f"/proc/{ppid}/cmdline", "rb") as f:
+            with open(f"/proc/{parent_pid(pid)}/cmdline", "rb") as f:
                 if b"multiprocessing.forkserver" in f.read():
                     out.append(pid)
         except OSError:

@@ -54,18 +54,24 @@ def pidns_available() -> bool:
     return _PIDNS
 
 
+def parent_pid(pid: int | str) -> int | None:
+    """The parent of process `pid` from /proc (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(")") + 2 :].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
+        ppid = parent_pid(entry)
+        if ppid is not None:
+            children.setdefault(ppid, []).append(int(entry))
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
