@@ -281,8 +281,9 @@ def _spec_schema() -> dict:
             "recreated pod becomes the spare. Spares never change the world size, never count as training nodes "
             "(status.spares, `kubectl get` NODES 2/2 +1) and never delay success: they are stopped once the "
             f"training completed. Needs a fixed-size job (minNodes == maxNodes == nodes, the default): torchrun "
-            f"admits a waiting agent as a training node whenever fewer than maxNodes train; so spec.nodes cannot "
-            f"change either (kubectl scale is refused). Needs the trainer image's ddp_trainer package: the pods "
+            f"admits a waiting agent as a training node whenever fewer than maxNodes train. spec.nodes may still "
+            f"change (kubectl scale): the pods follow it through their annotation {names.NODES_ANNOTATION} and "
+            f"the group re-forms at the new size. Needs the trainer image's ddp_trainer package: the pods "
             f"use its rendezvous backend {names.RDZV_BACKEND_SPARES}. Immutable.",
             minimum=0, maximum=names.MAX_SPARES, default=d["spares"]),
         "nprocPerNode": {
@@ -490,14 +491,12 @@ def _spec_schema() -> dict:
         ("minNodes", "maxNodes", "spares", "nprocPerNode", "ompNumThreads", "template", "torchrun", "shm",
          "checkpoint")
     ] + [
-        # The spares' rendezvous size is spec.nodes, fixed in their environment when the pods were created.
-        _rule("!has(self.spares) || self.spares == 0 || self.nodes == oldSelf.nodes",
-              "spec.nodes cannot change on a job with spec.spares (kubectl scale is refused): every pod's "
-              "rendezvous size was fixed at creation; delete and recreate the DDPJob to change it",
-              ".nodes", "FieldValueForbidden"),
-        # Without an explicit range, nodes is the range: it cannot change either.
-        _rule("(has(self.minNodes) && has(self.maxNodes)) || self.nodes == oldSelf.nodes",
-              "spec.nodes can only change when spec.minNodes and spec.maxNodes set an elastic range",
+        # Without an explicit range, nodes is the range: it cannot change either, except with spares, whose pods
+        # follow spec.nodes through an annotation (ddp_trainer.rendezvous, rule 3).
+        _rule("(has(self.minNodes) && has(self.maxNodes)) || (has(self.spares) && self.spares > 0) || "
+              "self.nodes == oldSelf.nodes",
+              "spec.nodes can only change when spec.minNodes and spec.maxNodes set an elastic range, or on a job "
+              "with spec.spares",
               ".nodes", "FieldValueForbidden"),
     ]
     return _obj("Desired state of a DDPJob.", props, required=["nodes", "template"], rules=rules)

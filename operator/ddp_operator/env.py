@@ -72,6 +72,8 @@ def trainer_env(job: Job, index: int, group: int) -> list[dict]:
         _var(names.ENV_JOB_NAME, job.name),
         _var(names.ENV_JOB_NAMESPACE, job.namespace),
         _var(names.ENV_POD_INDEX, index),
+        # The rendezvous size follows spec.nodes through this file, so a job with spares can be scaled (pod.py).
+        *([_var(names.ENV_NODES_FILE, f"{names.NODES_DIR}/{names.NODES_FILE}")] if s.spares else []),
         *([_var(names.ENV_CHECKPOINT_DIR, s.checkpoint.mount_path)] if s.checkpoint else []),
         _var(names.ENV_SNAPSHOT_DIR, names.SNAPSHOT_DIR),
         _var(names.ENV_PROGRESS_PORT, names.PROGRESS_PORT),

@@ -53,7 +53,7 @@ from ddp_operator.k8s import ChildConflict, describe_error
 from ddp_operator.netpol import NetworkPolicyConfig
 from ddp_operator.observed import NodeState, PodState, observe_pod
 from ddp_operator.plan import (
-    CREATE, DELETE, DELETE_JOB, FORCE_DELETE, Observed, Plan, invalid, node_lost_candidates, plan, stuck_pods,
+    CREATE, DELETE, DELETE_JOB, FORCE_DELETE, PATCH, Observed, Plan, invalid, node_lost_candidates, plan, stuck_pods,
 )
 from ddp_operator.spec import SpecError, parse_job
 from ddp_operator.status import last_recovery, newer_progress, progress_status
@@ -451,6 +451,9 @@ class Reconciler:
             elif action.verb == FORCE_DELETE:
                 log.warning("[%s/%s] force-deleting pod %s on a NotReady or lost node", *key, action.name)
                 self.api.delete_pod(namespace, action.name, action.uid, force=True)
+            elif action.verb == PATCH:
+                log.info("[%s/%s] patching pod %s: %s", *key, action.name, action.body)
+                self.api.patch_pod(namespace, action.name, action.uid, action.body or {})
             elif action.verb == DELETE_JOB:
                 log.info("[%s/%s] ttlSecondsAfterFinished expired; deleting the job", *key)
                 self.api.delete_job(namespace, action.name, body["metadata"]["uid"])

@@ -137,6 +137,17 @@ class Api:
             if e.status not in (404, 409):
                 raise
 
+    def patch_pod(self, namespace: str, name: str, uid: str | None, patch: Mapping[str, Any]) -> None:
+        """Merge-patch a pod's metadata (only this UID: the UID in the patch is the API server's precondition)."""
+        metrics.API_WRITES.labels("patch", "Pod").inc()
+        body = {**patch, "metadata": {**(patch.get("metadata") or {}), **({"uid": uid} if uid else {})}}
+        try:
+            self.core.patch_namespaced_pod(name, namespace, body, _content_type=MERGE_PATCH,
+                                           _request_timeout=REQUEST_TIMEOUT_SECONDS)
+        except ApiException as e:
+            if e.status not in (404, 409):  # gone, or a newer pod of that name: the next pass sees it
+                raise
+
     def delete_network_policy(self, namespace: str, name: str, uid: str | None) -> None:
         metrics.API_WRITES.labels("delete", "NetworkPolicy").inc()
         body = {"preconditions": {"uid": uid}} if uid else {}

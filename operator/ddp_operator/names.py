@@ -23,8 +23,14 @@ RDZV_POD_SUFFIX = "rdzv"
 SHM_VOLUME = "dshm"
 SHM_PATH = "/dev/shm"
 CHECKPOINT_VOLUME = "checkpoint"
+# Jobs with spares: spec.nodes in a pod annotation, which the kubelet writes into a file of a downward API volume;
+# the rendezvous backend (ddpjob-c10d) follows it, so `kubectl scale` re-forms the group at the new size.
+NODES_ANNOTATION = f"{GROUP}/nodes"
+NODES_VOLUME = "ddpjob-nodes"
+NODES_DIR = "/etc/ddpjob"
+NODES_FILE = "nodes"
 # Volume names the operator adds to training pods; a template may not use them (spec.checkpoint / spec.shm).
-OPERATOR_VOLUMES = (SHM_VOLUME, CHECKPOINT_VOLUME)
+OPERATOR_VOLUMES = (SHM_VOLUME, CHECKPOINT_VOLUME, NODES_VOLUME)
 TERMINATION_LOG = "/dev/termination-log"
 NETWORK_POLICY_API_VERSION = "networking.k8s.io/v1"
 
@@ -76,6 +82,8 @@ ENV_PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
 ENV_JOB_NAME = "DDPJOB_NAME"
 ENV_JOB_NAMESPACE = "DDPJOB_NAMESPACE"
 ENV_POD_INDEX = "DDPJOB_POD_INDEX"
+# The wanted number of training nodes, a file the kubelet keeps (NODES_ANNOTATION); jobs with spares only.
+ENV_NODES_FILE = "DDPJOB_NODES_FILE"
 ENV_CHECKPOINT_DIR = "DDPJOB_CHECKPOINT_DIR"
 ENV_SNAPSHOT_DIR = "DDPJOB_SNAPSHOT_DIR"
 ENV_PROGRESS_PORT = "DDPJOB_PROGRESS_PORT"

@@ -71,6 +71,8 @@ class PodState:
     restart_message: str = ""
     restart_finished_at: datetime | None = None
     restarting: bool = False
+    # The number of training nodes the pod was told (names.NODES_ANNOTATION; jobs with spares), or None.
+    nodes_annotation: str | None = None
 
     @property
     def terminal(self) -> bool:
@@ -220,6 +222,7 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
         restart_message=last_message[-MESSAGE_TAIL:],
         restart_finished_at=parse_time(last.get("finishedAt")),
         restarting=restarting and role == names.ROLE_TRAINER,
+        nodes_annotation=(meta.get("annotations") or {}).get(names.NODES_ANNOTATION),
     )
 
 

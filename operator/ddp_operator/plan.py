@@ -52,7 +52,9 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
   that are not members (rank 0's final report, else status.progress.members; without either, all of them once
   spec.nodes trainers exited 0) are stopped at once. The hang rule judges members only (from the hang reports,
   else status.progress; without either, only pods that answered). spec.spares needs minNodes == maxNodes == nodes
-  and makes spec.nodes unchangeable (admission refuses both; spec.py checks again).
+  (admission refuses it; spec.py checks again). spec.nodes may change: every live current trainer pod of a job
+  with spares carries spec.nodes in its annotation (names.NODES_ANNOTATION, patched with a UID precondition
+  before any create), which its rendezvous backend follows (pod.py).
 - A child name held by an object the job does not own (a foreign `<job>-0` pod or `<job>` Service) sets
   condition ReplicaFailure=True, reason ChildConflict, naming the object; the job waits (its create is retried)
   until the object is removed, then the condition turns False.
@@ -89,7 +91,7 @@ from ddp_operator.env import rdzv_endpoint, rdzv_id
 from ddp_operator.labels import selector_string, trainer_selector
 from ddp_operator.netpol import NetworkPolicyConfig, render_network_policy, wanted
 from ddp_operator.observed import NodeState, PodState, format_time, parse_time
-from ddp_operator.pod import render_trainer_pod, trainer_pod_name
+from ddp_operator.pod import nodes_annotation, render_trainer_pod, trainer_pod_name
 from ddp_operator.rdzv import render_rdzv_pod
 from ddp_operator.service import render_service
 from ddp_operator.spec import Job
@@ -102,15 +104,16 @@ CREATE = "create"
 DELETE = "delete"
 FORCE_DELETE = "force-delete"
 DELETE_JOB = "delete-job"
+PATCH = "patch"
 
 
 @dataclass(frozen=True)
 class Action:
-    verb: str            # create | delete | force-delete | delete-job
+    verb: str            # create | delete | force-delete | delete-job | patch
     kind: str            # Pod | Service | NetworkPolicy | DDPJob
     name: str
-    body: Mapping[str, Any] | None = None
-    uid: str | None = None  # precondition for deletes: never delete a newer pod of the same name
+    body: Mapping[str, Any] | None = None  # the object to create, or the merge patch
+    uid: str | None = None  # precondition for deletes and patches: never touch a newer pod of the same name
     grace_seconds: int | None = None  # a delete's grace period; None: the pod's own
 
 
@@ -463,6 +466,18 @@ class _Pass:
             self.extra_events.append(Event("Normal", names.REASON_SCALED,
                                            f"spec.nodes changed from {before} to {after}; "
                                            f"{'adding' if after > before else 'removing'} training pods"))
+
+    def resized(self) -> None:
+        """Jobs with spares: every live current trainer pod's annotation says spec.nodes (the rendezvous follows it,
+        pod.py), so `kubectl scale` re-forms the group at the new size; patched before new pods are created."""
+        if not self.job.spec.spares:
+            return
+        wanted = nodes_annotation(self.job)
+        for p in self.live:
+            if self.current(p) and not p.deleting and not p.terminal and \
+                    p.nodes_annotation != wanted[names.NODES_ANNOTATION]:
+                self.actions.append(Action(PATCH, "Pod", p.name, {"metadata": {"annotations": wanted}}, uid=p.uid))
+
     def network_policy(self) -> None:
         """Create the NetworkPolicy before any pod when wanted; delete our own when it no longer is."""
         obs = self.observed
@@ -770,6 +785,7 @@ class _Pass:
             return
         self.scaled()
         self.stale()
+        self.resized()
         self.create_missing()
         self.active_phase()
         self.child_conflicts()

@@ -29,6 +29,8 @@ def _trainer_container(job: Job, container: dict, index: int, group: int) -> dic
         mounts.append({"name": names.SHM_VOLUME, "mountPath": names.SHM_PATH})
     if job.spec.checkpoint and not _has_mount(c, job.spec.checkpoint.mount_path):
         mounts.append({"name": names.CHECKPOINT_VOLUME, "mountPath": job.spec.checkpoint.mount_path})
+    if job.spec.spares:
+        mounts.append({"name": names.NODES_VOLUME, "mountPath": names.NODES_DIR, "readOnly": True})
     if mounts:
         c["volumeMounts"] = mounts
     # The trainer's final JSON goes to /dev/termination-log; a crash leaves the log tail instead, which is
@@ -75,6 +77,13 @@ def render_trainer_pod(job: Job, index: int, group: int) -> dict:
         volumes.append({"name": names.SHM_VOLUME, "emptyDir": empty_dir})
     if job.spec.checkpoint:  # spec.py rejects a template volume of the same name
         volumes.append({"name": names.CHECKPOINT_VOLUME, **copy.deepcopy(dict(job.spec.checkpoint.volume))})
+    annotations = dict(meta.get("annotations") or {})
+    if job.spec.spares:
+        # The kubelet rewrites the file when the annotation changes (plan.py keeps it equal to spec.nodes).
+        annotations.update(nodes_annotation(job))
+        volumes.append({"name": names.NODES_VOLUME, "downwardAPI": {"items": [{
+            "path": names.NODES_FILE,
+            "fieldRef": {"fieldPath": f"metadata.annotations['{names.NODES_ANNOTATION}']"}}]}})
     if volumes:
         spec["volumes"] = volumes
     return {
@@ -82,6 +91,11 @@ def render_trainer_pod(job: Job, index: int, group: int) -> dict:
         "kind": "Pod",
         "metadata": child_metadata(
             job, name, {**(meta.get("labels") or {}), **pod_labels(job, names.ROLE_TRAINER, group, index)},
-            meta.get("annotations")),
+            annotations),
         "spec": spec,
     }
+
+
+def nodes_annotation(job: Job) -> dict[str, str]:
+    """The annotation that tells a pod of a job with spares how many nodes train (ddp_trainer.rendezvous, rule 3)."""
+    return {names.NODES_ANNOTATION: str(job.spec.nodes)}

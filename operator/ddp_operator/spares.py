@@ -2,7 +2,8 @@
 from a failure. Pure.
 
 A job with spares runs spec.nodes + spec.spares identical trainer pods (`<job>-0` ...) with a rendezvous of
-exactly spec.nodes (PET_NNODES=nodes:nodes, backend ddpjob-c10d, see ddp_trainer.rendezvous). The rendezvous,
+exactly spec.nodes (PET_NNODES=nodes:nodes, backend ddpjob-c10d, see ddp_trainer.rendezvous; after a scale, the
+size in each pod's names.NODES_ANNOTATION, which the backend follows). The rendezvous,
 not the pod index, decides which pods train: the first spec.nodes agents to join; the others wait in its
 redundancy list. When a member is lost, a waiting agent takes its place in the next round and the pod recreated
 for the lost one becomes the spare (replenished). The operator cannot see the rendezvous, so:

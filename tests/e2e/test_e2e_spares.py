@@ -1,12 +1,15 @@
 """Hot spares on a real cluster: a 2-node digits job with `spares: 1` runs 3 pods, 2 of which train; a training
 member is force-deleted, the spare takes its place (peer recovery, at most one step lost), the recreated pod
-becomes the spare, and the job succeeds with the failure counted once and the spare never counted.
+becomes the spare, and the job succeeds with the failure counted once and the spare never counted. A job with a
+spare scaled from 2 to 3 nodes trains with 3 and keeps its spare.
 
 Which pods train is the rendezvous' choice: the test reads it from rank 0's progress report (`members`, pod
 indices). The kill -> first resumed step time is printed, not asserted (the machine has two busy cores).
 """
 
 from __future__ import annotations
+
+import time
 
 from tests.e2e import harness as h
 
@@ -45,10 +48,6 @@ def test_spare_takes_a_lost_members_place_and_is_replenished(kubectl, ns):
     assert h.progress(kubectl, ns, spare) is None
     assert not [e for e in h.events(h.pod_logs(kubectl, ns, spare)) if e.event == "session"]
 
-    # `kubectl scale` is refused with the reason (every pod's rendezvous size was fixed at creation).
-    scaled = kubectl("scale", f"ddpj/{job}", "-n", ns, "--replicas=3", check=False)
-    assert scaled.returncode != 0 and "spec.nodes cannot change on a job with spec.spares" in scaled.stderr, scaled
-
     # Force-delete the training member that is not rank 0: the survivor keeps rank 0's snapshot.
     victim = next(f"{job}-{i}" for i in members if f"{job}-{i}" != rank0)
     before = _uids(kubectl, ns, job)
@@ -77,3 +76,39 @@ def test_spare_takes_a_lost_members_place_and_is_replenished(kubectl, ns):
     acc = h.final_accuracy(kubectl, ns, job)
     assert acc is not None and acc >= 0.90, acc
     assert (st.get("progress") or {}).get("worldSize") == 2, st.get("progress")
+
+
+def test_scale_of_a_job_with_a_spare_grows_the_world_and_keeps_the_spare(kubectl, ns):
+    """`kubectl scale --replicas=3` of a 2-node job with `spares: 1`: the pods are told the new size through their
+    annotation (the kubelet rewrites the downward API file the rendezvous backend reads), a fourth pod is created,
+    the group re-forms with 3 training nodes, resuming where it was (not from step 0), one pod still waits as the
+    spare (NODES 3/3 +1), nothing is counted as a failure and the job succeeds with world size 3."""
+    job = "sps"
+    h.apply(kubectl, ns, h.digits_job(job, nodes=2, step_delay=STEP_DELAY, epochs=12, spec={"spares": 1}))
+    _, prog = h.wait_rank0_step(kubectl, ns, job, 15, 300)
+    _status_is(kubectl, ns, job, "2/2 +1", 120)
+    assert prog["worldSize"] == 2, prog
+    kubectl("scale", f"ddpj/{job}", "-n", ns, "--replicas=3")
+    scaled_at = time.time()
+
+    def grown():
+        found = h.rank0(kubectl, ns, job)
+        if h.status(kubectl, ns, job).get("phase") in ("Failed", "Succeeded"):
+            raise h.PhaseError(f"{ns}/{job} ended before it trained with 3 nodes")
+        return found if found and found[1].get("worldSize") == 3 else None
+    _, after = h.wait_for_or_raise(grown, 180, "rank 0 training in a world of 3", h.PhaseError)
+    print(f"scale 2 -> 3 with a spare: training with world size 3 {time.time() - scaled_at:.1f} s after the scale; "
+          f"step {prog['step']} -> {after['step']}")
+    assert after["step"] >= prog["step"] and len(after["members"]) == 3, (prog, after)
+    assert (after.get("recovery") or {}).get("resumedFrom") in ("peer", "local"), after
+    st = _status_is(kubectl, ns, job, "3/3 +1", 120)
+    assert st["spares"] == {"desired": 1, "running": 1, "ready": 1}, st
+    assert sorted(_uids(kubectl, ns, job)) == [f"{job}-{i}" for i in range(4)]
+    (spare_index,) = set(range(4)) - set(after["members"])
+    assert h.progress(kubectl, ns, f"{job}-{spare_index}") is None  # the spare runs no worker
+
+    st = h.wait_phase(kubectl, ns, job, "Succeeded", SUCCEED_TIMEOUT)
+    assert st.get("restarts", 0) == 0, f"a scale is not a failure: {st}"
+    assert (st.get("progress") or {}).get("worldSize") == 3, st.get("progress")
+    acc = h.final_accuracy(kubectl, ns, job)
+    assert acc is not None and acc >= 0.90, acc

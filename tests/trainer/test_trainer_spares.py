@@ -16,6 +16,7 @@ The operator's default (2 s x 3) leaves the same margin.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -75,6 +76,56 @@ def test_idle_agents_spare_waits_and_replacement_parks(tmp_path):
         rcs = cluster.wait_exit([survivor, spare, replacement], timeout=120)
         print("exit codes (the replacement is the spare at the end):", rcs)
         assert rcs == {survivor.name: 0, spare.name: 0, replacement.name: SPARE_EXIT_CODE}, cluster.dump()
+
+
+def _worlds_since(cluster: LocalCluster, offsets: dict[str, int]) -> dict[str, list[int]]:
+    """Per agent, the world sizes of the workers it started after `offsets` (characters of its log)."""
+    out = {}
+    for n in cluster.nodes:
+        text = n.log_path.read_text(errors="replace")[offsets.get(n.name, 0):]
+        out[n.name] = [int(m) for m in re.findall(r"worker-start pod=\S+ rank=\d+ world=(\d+)", text)]
+    return out
+
+
+def _offsets(cluster: LocalCluster) -> dict[str, int]:
+    return {n.name: len(n.log_path.read_text(errors="replace")) for n in cluster.nodes}
+
+
+def test_group_follows_the_wanted_size_and_spares_stay_spares(tmp_path):
+    """Rule 3 of ddpjob-c10d (`kubectl scale` of a job with spares): 4 agents started with ``--nnodes=2:2`` and the
+    size file (the pod annotation the operator keeps) saying 2: two train, two wait. The file says 3: the group
+    re-forms with 3 workers and one agent still waits; the file says 2 again: it re-forms with 2 and two wait. No
+    agent is admitted beyond the wanted size, and at the end the members exit 0 and the spares are released."""
+    size = tmp_path / "nodes"
+    size.write_text("2\n")
+    env = {"IDLE_SECONDS": "30", "DDPJOB_NODES_FILE": str(size)}
+    with LocalCluster(tmp_path, module=IDLE_WORKER, rdzv_id="resize", store_process=True, rdzv_backend=BACKEND,
+                      rdzv_conf=KEEP_ALIVE, env=env) as cluster:
+        cluster.start_store()
+        for i in range(4):
+            cluster.start_node(env={"DDPJOB_POD_INDEX": str(i)})
+        _wait(lambda: sum(map(len, _worlds_since(cluster, {}).values())) >= 2, 120, "two workers", cluster)
+        time.sleep(3)  # a spare that was going to be admitted would be by now
+        first = _worlds_since(cluster, {})
+        assert sorted(map(len, first.values())) == [0, 0, 1, 1] and {w for ws in first.values() for w in ws} == {2}, first
+
+        for wanted, waiting in ((3, 1), (2, 2)):
+            offsets = _offsets(cluster)
+            size.write_text(f"{wanted}\n")
+            _wait(lambda: sum(1 for ws in _worlds_since(cluster, offsets).values() if wanted in ws) >= wanted, 120,
+                  f"{wanted} workers in a world of {wanted}", cluster)
+            time.sleep(4)  # more than a keep-alive expiry: the group holds still at the new size
+            worlds = _worlds_since(cluster, offsets)
+            print(f"wanted {wanted}: worker starts since the change {worlds}")
+            trained = [name for name, ws in worlds.items() if ws and ws[-1] == wanted]
+            assert len(trained) == wanted, worlds
+            assert all(w == wanted for ws in worlds.values() for w in ws[-1:]), worlds
+            assert len(cluster.nodes) - len(trained) == waiting
+            assert all("group size is now" in n.log_path.read_text() for n in cluster.nodes), cluster.dump()
+
+        rcs = cluster.wait_exit(timeout=120)
+        print("exit codes:", rcs)
+        assert sorted(rcs.values()) == [0, 0, SPARE_EXIT_CODE, SPARE_EXIT_CODE], cluster.dump()
 
 
 def test_spare_takes_a_killed_nodes_place_bitwise(tmp_path, reference):

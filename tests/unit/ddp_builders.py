@@ -40,7 +40,7 @@ def make_job(**spec):
 def pod(name, *, role="trainer", index=None, group=0, phase="Running", exit_code=None, reason=None,
         message=None, deleting_since=None, node="node-1", disruption=None, status_reason=None, uid=None,
         ready=None, finished_at=None, restart_policy="OnFailure", restart_count=0, last_exit_code=None,
-        last_reason=None, last_message=None, waiting=None):
+        last_reason=None, last_message=None, waiting=None, annotations=None):
     """A pod as the API server shows it. Trainer pods default to restartPolicy OnFailure (as rendered): a trainer
     `exit_code` != 0 in a Running pod is then a failure the kubelet restarts in place; `restart_count` and
     `last_*` describe the container's restarts (lastState.terminated), `waiting` its waiting reason."""
@@ -68,6 +68,8 @@ def pod(name, *, role="trainer", index=None, group=0, phase="Running", exit_code
     if disruption:
         conditions.append({"type": "DisruptionTarget", "status": "True", "reason": disruption})
     meta = {"name": name, "uid": uid or f"uid-{name}-{group}", "labels": labels}
+    if annotations:
+        meta["annotations"] = dict(annotations)
     if deleting_since is not None:
         meta["deletionTimestamp"] = format_time(deleting_since)
     status = {"phase": phase, "containerStatuses": [cs], "conditions": conditions}

@@ -4,10 +4,17 @@ import pytest
 
 from ddp_operator import crd, names
 from ddp_operator.env import trainer_env
-from ddp_operator.plan import CREATE, DELETE, plan
+from ddp_operator.plan import CREATE, DELETE, PATCH, plan
+from ddp_operator.pod import render_trainer_pod
 from ddp_operator.spec import SpecError, parse_job
 
-from ddp_builders import NOW, job_body, later, make_job, observed, rdzv, trainer
+import ddp_builders
+from ddp_builders import NOW, job_body, later, make_job, observed, rdzv
+
+
+def trainer(index, nodes=2, **kw):
+    """A trainer pod of a job with spares, told (by its annotation) that `nodes` train."""
+    return ddp_builders.trainer(index, annotations={names.NODES_ANNOTATION: str(nodes)}, **kw)
 
 RELEASED_LOG = ("Traceback (most recent call last):\n  ...\n    if result.is_failed():\n"
                 "AttributeError: 'NoneType' object has no attribute 'is_failed'\n"
@@ -51,13 +58,15 @@ def test_fixed_range_spelled_out_is_fine():
     assert make_job(spares=1, minNodes=2, maxNodes=2).spec.spares == 1
 
 
-def test_crd_documents_spares_and_refuses_elastic_jobs_and_scaling():
+def test_crd_documents_spares_and_refuses_elastic_jobs_but_not_scaling():
     spec = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     field = spec["properties"]["spares"]
     assert field["default"] == 0 and field["maximum"] == names.MAX_SPARES and "Hot spares" in field["description"]
     messages = " ".join(r["message"] for r in spec["x-kubernetes-validations"])
     assert "spec.spares needs a fixed-size job" in messages
-    assert "spec.nodes cannot change on a job with spec.spares" in messages
+    nodes_rule = next(r for r in spec["x-kubernetes-validations"] if "spec.nodes can only change" in r["message"])
+    assert "self.spares > 0" in nodes_rule["rule"] and "or on a job with spec.spares" in nodes_rule["message"]
+    assert names.NODES_ANNOTATION in field["description"]
     assert "spec.spares is immutable" in messages
 
 
@@ -66,8 +75,43 @@ def test_spares_use_the_ddpjob_backend_and_a_rendezvous_of_nodes():
     env = {e["name"]: e.get("value") for e in trainer_env(make_job(spares=1), 2, 0)}
     assert env[names.ENV_RDZV_BACKEND] == names.RDZV_BACKEND_SPARES == "ddpjob-c10d"
     assert env[names.ENV_NNODES] == "2:2" and env[names.ENV_POD_INDEX] == "2"
+    assert env[names.ENV_NODES_FILE] == f"{names.NODES_DIR}/{names.NODES_FILE}"
     plain = {e["name"]: e.get("value") for e in trainer_env(make_job(), 0, 0)}
-    assert plain[names.ENV_RDZV_BACKEND] == "c10d"
+    assert plain[names.ENV_RDZV_BACKEND] == "c10d" and names.ENV_NODES_FILE not in plain
+
+
+def test_spare_pods_carry_the_size_annotation_and_its_file():
+    pod = render_trainer_pod(make_job(spares=1), 2, 0)
+    assert pod["metadata"]["annotations"][names.NODES_ANNOTATION] == "2"
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == names.NODES_VOLUME]
+    (item,) = volume["downwardAPI"]["items"]
+    assert item == {"path": names.NODES_FILE,
+                    "fieldRef": {"fieldPath": f"metadata.annotations['{names.NODES_ANNOTATION}']"}}
+    trainer_c = next(c for c in pod["spec"]["containers"] if c["name"] == names.TRAINER_CONTAINER)
+    assert {"name": names.NODES_VOLUME, "mountPath": names.NODES_DIR, "readOnly": True} in trainer_c["volumeMounts"]
+    plain = render_trainer_pod(make_job(), 0, 0)
+    assert names.NODES_ANNOTATION not in (plain["metadata"].get("annotations") or {})
+    assert all(v["name"] != names.NODES_VOLUME for v in plain["spec"]["volumes"])
+
+
+def test_scaling_a_job_with_spares_patches_every_live_pod_then_adds_one():
+    """kubectl scale 2 -> 3: the running pods are told the new size (patch, UID precondition) and a fourth pod is
+    created with it; pods already told are left alone, as are pods being deleted."""
+    job, status = _running()
+    scaled = make_job(spares=1, nodes=3)
+    pods = [trainer(0), trainer(1, nodes=3), trainer(2, deleting_since=NOW)]
+    p = plan(scaled, status, observed(rdzv(), *pods), later(1))
+    patches = [a for a in p.actions if a.verb == PATCH]
+    assert [(a.kind, a.name, a.uid) for a in patches] == [("Pod", "mnist-0", "uid-mnist-0-0")]
+    assert patches[0].body == {"metadata": {"annotations": {names.NODES_ANNOTATION: "3"}}}
+    created = [a for a in p.actions if a.verb == CREATE]
+    assert [a.name for a in created] == ["mnist-3"]
+    assert created[0].body["metadata"]["annotations"][names.NODES_ANNOTATION] == "3"
+    assert p.actions.index(patches[0]) < p.actions.index(created[0])
+    assert any(e.reason == names.REASON_SCALED for e in p.events)
+    # scale down 3 -> 2: pod 3 is deleted, the others are told 2
+    down = plan(job, p.status, observed(rdzv(), *(trainer(i, nodes=3) for i in range(4))), later(2))
+    assert _acts(down) == [(DELETE, "mnist-3"), (PATCH, "mnist-0"), (PATCH, "mnist-1"), (PATCH, "mnist-2")]
 
 
 # --- planner ----------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ POD_INDEX = "DDPJOB_POD_INDEX"
 CHECKPOINT_DIR = "DDPJOB_CHECKPOINT_DIR"
 SNAPSHOT_DIR = "DDPJOB_SNAPSHOT_DIR"
 PROGRESS_PORT = "DDPJOB_PROGRESS_PORT"
+NODES_FILE = "DDPJOB_NODES_FILE"  # jobs with spares: the wanted group size (ddp_trainer.rendezvous, rule 3)
 
 # trainer-only knobs (not set by the operator; useful in tests and for users)
 CHECKPOINT_EVERY = "DDPJOB_CHECKPOINT_EVERY"

@@ -33,6 +33,14 @@ This backend is the c10d handler with these rules added:
    higher-priority agent that is not waiting yet (still stopping its workers) is not waited for; survivors
    rejoin within a second of a loss, well before the lost agent's heartbeat expires and the new round starts.
 
+3. The group size follows the job (``kubectl scale`` of a job with spares). The operator keeps the wanted number
+   of training nodes (spec.nodes) in an annotation of every pod, which the kubelet writes into a downward API
+   file named by ``DDPJOB_NODES_FILE``. The backend reads it before every step of a join and whenever the agent
+   asks ``num_nodes_waiting()`` (each monitor interval): a new size becomes the round's min and max nodes, and
+   a training agent that sees it reports a waiting node, so every agent stops its workers and the group re-forms
+   at the new size (the spares stay spares: places go by rule 2). Agents that read the file a little later take
+   part in one more re-form; the size in the pod's ``PET_NNODES`` is only the starting value.
+
 Everything else (heartbeats, admitting a redundant
 agent when a participant drops out, closing at the end) is torch's. A redundant agent still ends when a
 participant closes the rendezvous at the end of the training: torch raises RendezvousGracefulExitError there,
@@ -49,15 +57,22 @@ fails with a clear message rather than misbehave on a torch it was not written f
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import logging
 import math
+import os
 import sys
 from typing import Any, Callable
+
+from . import env as envmod
 
 BACKEND = "ddpjob-c10d"
 # The last line a released spare's torchrun writes (after torch's traceback): the operator finds it in the
 # termination message (FallbackToLogsOnError) and neither counts nor replaces-as-failed that exit.
 SPARE_RELEASED = "ddpjob-c10d: spare released"
 
+
+log = logging.getLogger(__name__)
 
 _LAST = "ddpjob_last"    # state attribute: the participants of the last complete round
 _ORDER = "ddpjob_order"  # state attribute: node -> when (a counter) it first was a participant or redundant
@@ -75,11 +90,46 @@ def _remember(state: Any, nodes: Any) -> None:
     setattr(state, _ORDER, order)
 
 
-def _spare_aware(join_op: Callable[[Any, float], Any]) -> Callable[[Any, float], Any]:
+def wanted_nodes(path: str | None) -> int | None:
+    """The number of training nodes the operator wants (rule 3), or None when there is no such file or it holds no
+    positive number (not written yet, or being rewritten)."""
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            value = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    return value if value > 0 else None
+
+
+class _Size:
+    """Rule 3: the handler's and its executor's settings follow the wanted size."""
+
+    def __init__(self, handler: Any, path: str | None) -> None:
+        self._handler, self._path = handler, path
+
+    def follow(self) -> Any | None:
+        """The new settings when the wanted size differs from the round size in force, else None."""
+        wanted = wanted_nodes(self._path)
+        current = self._handler._settings
+        if wanted is None or wanted == current.min_nodes == current.max_nodes:
+            return None
+        settings = dataclasses.replace(current, min_nodes=wanted, max_nodes=wanted)
+        self._handler._settings = settings
+        self._handler._op_executor._settings = settings
+        log.warning("%s: the group size is now %d training nodes (was %d:%d, from %s)", BACKEND, wanted,
+                    current.min_nodes, current.max_nodes, self._path)
+        return settings
+
+
+def _spare_aware(join_op: Callable[[Any, float], Any], size: _Size | None = None) -> Callable[[Any, float], Any]:
     """Wrap torch's join operation with the rules the module doc describes."""
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action, _should_keep_alive
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action, _RendezvousContext, _should_keep_alive
 
     def join(ctx: Any, deadline: float) -> Any:
+        if size is not None and (settings := size.follow()) is not None:  # rule 3
+            ctx = _RendezvousContext(ctx.node, ctx.state, settings)
         state, me = ctx.state, ctx.node
         if state.closed and me in state.redundancy_list:
             _say_released(ctx.settings.run_id)  # torch raises RendezvousGracefulExitError next
@@ -141,16 +191,19 @@ def create_handler(params: Any) -> Any:
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 
-    needed = ("_DistributedRendezvousOpExecutor", "_RendezvousJoinOp", "_Action", "_should_keep_alive")
+    needed = ("_DistributedRendezvousOpExecutor", "_RendezvousJoinOp", "_RendezvousContext", "_Action",
+              "_should_keep_alive")
     missing = [n for n in needed if not hasattr(dr, n)]
     if missing:
         raise RuntimeError(f"rendezvous backend {BACKEND}: this torch lacks {', '.join(missing)}; "
                            f"use --rdzv-backend=c10d (without spares)")
 
+    size: _Size | None = None
+
     class _Executor(dr._DistributedRendezvousOpExecutor):
         def run(self, state_handler: Any, deadline: float, update_deadline: Any = None) -> None:
             if isinstance(state_handler, dr._RendezvousJoinOp):
-                state_handler = _spare_aware(state_handler)
+                state_handler = _spare_aware(state_handler, size)
             super().run(state_handler, deadline, update_deadline)
 
         def _add_to_participants(self) -> None:
@@ -173,6 +226,17 @@ def create_handler(params: Any) -> Any:
                                f"use --rdzv-backend=c10d (without spares)")
     handler._op_executor = _Executor(handler._this_node, handler._state_holder, handler._settings)
     handler._backend_name = BACKEND  # torchrun checks that the handler is of the backend it asked for
+    size = _Size(handler, os.environ.get(envmod.NODES_FILE))
+    size.follow()
+    waiting = handler.num_nodes_waiting
+
+    def num_nodes_waiting() -> int:
+        """torch's count; at least 1 when the wanted size changed, so that a training agent re-forms (rule 3)."""
+        resized = size.follow() is not None
+        count = waiting()
+        return max(count, 1) if resized else count
+
+    handler.num_nodes_waiting = num_nodes_waiting
     return handler
 
 

@@ -90,10 +90,11 @@ watch and annotate the objects it handles: no secrets, no configmaps, no pods/ex
   resources: [ddpjobs/finalizers]
   verbs: [update]
 # Children: created with owner references, so garbage collection removes them with the job. Reads come from
-# kopf's watches (list, watch); get only to see who owns an object that holds a child's name (409); tests/rbac_needs.py derives every verb from the code.
+# kopf's watches (list, watch); get only to see who owns an object that holds a child's name (409); patch only
+# for the pod annotation that tells a job with spares its size; tests/rbac_needs.py derives every verb from the code.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch, create, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [services]
   verbs: [get, list, watch, create]
