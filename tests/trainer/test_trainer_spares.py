@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -126,6 +127,33 @@ def test_group_follows_the_wanted_size_and_spares_stay_spares(tmp_path):
         rcs = cluster.wait_exit(timeout=120)
         print("exit codes:", rcs)
         assert sorted(rcs.values()) == [0, 0, SPARE_EXIT_CODE, SPARE_EXIT_CODE], cluster.dump()
+
+
+def test_a_stopped_member_leaves_so_the_spare_need_not_wait_for_its_heartbeats(tmp_path):
+    """ddp_trainer.launch (item 3): a member's agent stopped by SIGTERM, as the kubelet stops a deleted pod, leaves
+    the rendezvous round while it stops its workers. Keep-alives of 10 s x 3 make the heartbeat expiry 30 s: the
+    spare trains well before it could have expired (it can only take the place once the member left), and the
+    stopped agent says that it left."""
+    expiry = 30
+    env = {"IDLE_SECONDS": "60"}
+    with LocalCluster(tmp_path, module=IDLE_WORKER, rdzv_id="leave", store_process=True, rdzv_backend=BACKEND,
+                      rdzv_conf={"keep_alive_interval": "10", "keep_alive_max_attempt": "3"}, env=env,
+                      launcher="ddp_trainer.launch") as cluster:
+        cluster.start_store()
+        for i in range(3):
+            cluster.start_node(env={"DDPJOB_POD_INDEX": str(i)})
+        _wait(lambda: sum(_worker_starts(cluster).values()) >= 2, 120, "two workers", cluster)
+        time.sleep(2)
+        starts = _worker_starts(cluster)
+        spare = next(n for n in cluster.nodes if starts[n.name] == 0)
+        victim = next(n for n in cluster.nodes if starts[n.name] == 1)
+        stopped_at = cluster.kill(victim, signal.SIGTERM)
+        _wait(lambda: _worker_starts(cluster)[spare.name] == 1, expiry - 10, "the spare's worker, before the "
+              "stopped member's heartbeats could expire", cluster)
+        print(f"the spare trains {time.time() - stopped_at:.2f} s after the SIGTERM (heartbeat expiry: {expiry} s)")
+        assert victim.proc.wait(timeout=30) != 0
+        assert "left the rendezvous (stopping on a signal)" in victim.log_path.read_text(), cluster.dump()
+        assert "world=2" in spare.log_path.read_text()
 
 
 def test_spare_takes_a_killed_nodes_place_bitwise(tmp_path, reference):

@@ -1,7 +1,7 @@
 """`python -m ddp_trainer.launch` — torchrun, tuned for fast recovery.
 
 Takes exactly torchrun's arguments and `PET_*` variables (it *is* torchrun: torch's own parser, elastic agent and
-c10d rendezvous) and changes two things that cost seconds on every recovery (docs/recovery.md, "Where the seconds
+c10d rendezvous) and changes three things that cost seconds on every recovery (docs/recovery.md, "Where the seconds
 go"):
 
 1. **Workers fork from a warm process.** torchrun starts every worker as a fresh interpreter (`python -u -m
@@ -14,6 +14,13 @@ go"):
 2. **The rendezvous is polled every `DDPJOB_RDZV_POLL_SECONDS` (0.1 s)** instead of torch's fixed 1 s while an
    agent waits for the others, so a round completes within a tenth of a second of its last member arriving. Each
    poll is one small read of the rendezvous state from the store pod.
+3. **A stopped agent leaves the rendezvous.** torchrun's agent dies on SIGTERM (the kubelet's first signal when a
+   pod is deleted, evicted or preempted, even with `--force --grace-period=0`) without leaving the round it
+   trains in, so the others cannot form the next round before its heartbeats expire (keep-alive interval x
+   attempts, 3 s by default). Here the signal also starts a thread that takes this node out of the round's
+   participants, as the agent itself does before it rejoins, while the agent stops its workers; the agent waits
+   up to LEAVE_TIMEOUT_S for it before it exits. With a hot spare waiting, the next round then forms as soon as
+   the survivors rejoin. A SIGKILL (OOM, node loss) still takes the heartbeat expiry.
 
 CUDA stays correct: the forkserver imports torch but never initialises CUDA (torch initialises it lazily, in the
 worker, after the fork); nothing here touches a device. What torchrun cannot run as a Python script or module
@@ -30,6 +37,7 @@ import os
 import runpy
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +51,10 @@ PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch.utils
            "ddp_trainer.run", "ddp_trainer.session", "ddp_trainer.sampler", "ddp_trainer.syncbn")
 START_METHOD = "forkserver"
 DEFAULT_RDZV_POLL_S = 0.1
+# How long a stopping agent waits for its node to leave the rendezvous (a few store round trips when it is up).
+LEAVE_TIMEOUT_S = 2.0
+
+log = logging.getLogger(__name__)
 
 
 def run_program(kind: str, target: str, *argv: str) -> None:
@@ -83,16 +95,84 @@ def start_forkserver() -> threading.Thread:
     return thread
 
 
+def leave_rendezvous(handler: Any, timeout: float = LEAVE_TIMEOUT_S) -> bool:
+    """Take this node out of the participants of its rendezvous round (torch's exit operation, which the agent runs
+    before every rejoin) and stop its heartbeats. False when the handler is not torch's dynamic one (or this torch
+    lacks what it uses), the heartbeat thread holds on, or the store does not answer in time."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    needed = ("_op_executor", "_heartbeat_lock", "_stop_heartbeats", "_this_node")
+    if not isinstance(handler, dr.DynamicRendezvousHandler) or not hasattr(dr, "_RendezvousExitOp") or \
+            not all(hasattr(handler, n) for n in needed):
+        return False
+    handler._stop_heartbeats()
+    if not handler._heartbeat_lock.acquire(timeout=timeout):
+        return False
+    try:
+        handler._op_executor.run(dr._RendezvousExitOp(), time.monotonic() + timeout)
+    except Exception as e:  # noqa: BLE001 - dying anyway: the heartbeat expiry removes the node instead
+        log.warning("could not leave the rendezvous: %s: %s", type(e).__name__, e)
+        return False
+    finally:
+        handler._heartbeat_lock.release()
+    print(f"ddp_trainer.launch: node {handler._this_node} left the rendezvous (stopping on a signal)",
+          file=sys.stderr, flush=True)
+    return True
+
+
+class _Leaver:
+    """Item 3 of the module doc: the rendezvous handlers this agent made, and the thread that leaves them."""
+
+    def __init__(self) -> None:
+        self.handlers: list[Any] = []
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._leave, name="ddp-leave-rendezvous", daemon=True)
+            self.thread.start()
+
+    def _leave(self) -> None:
+        for handler in self.handlers:
+            leave_rendezvous(handler)
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join(LEAVE_TIMEOUT_S)
+
+
 def _tune_torchrun(poll_s: float) -> None:
-    """Patch the four places of torch's launcher this module changes (torch is imported here, not before)."""
+    """Patch the six places of torch's launcher this module changes (torch is imported here, not before)."""
     from torch._logging._internal import TorchLogsFormatter
     from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous, utils
+    from torch.distributed.elastic.multiprocessing import api as mp_api
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, SignalException
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous, registry, utils
+    from torch.distributed.launcher import api as launcher_api
 
     torch_config_from_args = torchrun.config_from_args
     torch_poll = MultiprocessContext._poll
     torch_format = TorchLogsFormatter.format
+    torch_get_handler = registry.get_rendezvous_handler
+    torch_on_signal = mp_api._terminate_process_handler
+    torch_launch_agent = launcher_api.launch_agent
+    leaver = _Leaver()
+
+    def get_rendezvous_handler(params: Any) -> Any:
+        handler = torch_get_handler(params)
+        leaver.handlers.append(handler)
+        return handler
+
+    def on_signal(signum: int, frame: Any) -> None:
+        leaver.start()  # side by side with the agent stopping its workers
+        torch_on_signal(signum, frame)
+
+    def launch_agent(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return torch_launch_agent(*args, **kwargs)
+        except SignalException:
+            leaver.wait()
+            raise
 
     def config_from_args(args: Any) -> tuple[Any, Any, list[str]]:
         config, cmd, cmd_args = torch_config_from_args(args)
@@ -134,6 +214,9 @@ def _tune_torchrun(poll_s: float) -> None:
     TorchLogsFormatter.format = format_without_dynamo
     MultiprocessContext._poll = poll_counting_clean_exits
     dynamic_rendezvous._delay = delay
+    registry.get_rendezvous_handler = get_rendezvous_handler
+    mp_api._terminate_process_handler = on_signal
+    launcher_api.launch_agent = launch_agent
 
 
 def main(argv: Sequence[str] | None = None) -> None:
