@@ -57,7 +57,10 @@ def parse_args() -> argparse.Namespace:
                         "the one it replaces in the same run")
     p.add_argument("--compare-command", metavar="COMMAND", default="",
                    help="the compared jobs' trainer command instead of the sample's (e.g. "
-                        "'torchrun -m ddp_trainer.examples.digits': stock torchrun against ddp_trainer.launch)")
+                        "'torchrun -m ddp_trainer.examples.digits': stock torchrun against ddp_trainer.launch; "
+                        "'env DDPJOB_FORKSERVER=exec python -m ddp_trainer.launch -m ddp_trainer.examples.digits')")
+    p.add_argument("--compare-target", choices=("worker", "spare"), default="worker",
+                   help="what the compared jobs lose: a non-rank-0 pod, or a member of a job with spares: 1")
     results.add_record_arg(p)
     a = p.parse_args()
     if a.quick:
@@ -87,7 +90,7 @@ class Bench:
         spec: dict = {"failurePolicy": {"backoffLimit": 4 * self.a.kills + 4}}
         if variant == "compare" and self.a.compare:
             spec["torchrun"] = compare_settings(self.a.compare)
-        if variant == "spares":
+        if variant == "spares" or (variant == "compare" and self.a.compare_target == "spare"):
             spec["spares"] = 1
         # LOGLEVEL=INFO: torchrun's agent logs its rendezvous (recovery_phases.py reads those lines)
         job = h.digits_job(name, nodes=2, step_delay=self.a.step_delay, epochs=self.a.epochs,
@@ -165,7 +168,7 @@ class Bench:
     def run(self) -> None:
         current: dict[str, tuple[str, int]] = {}  # variant -> (its job, the step of its next kill)
         for target, variant in [("worker", "default"), ("rank0", "default"), ("spare", "spares")] + \
-                ([("worker", "compare")] if self.a.compare or self.a.compare_command else []):
+                ([(self.a.compare_target, "compare")] if self.a.compare or self.a.compare_command else []):
             for _ in range(self.a.kills):
                 job, next_step = current.get(variant, (None, 10**9))
                 if next_step >= 10**9 or self.steps_left(next_step) < self.a.gap_steps + 5:

@@ -42,6 +42,7 @@ for _path in (REPO, REPO / "trainer"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 from ddp_trainer.testing import StepsLostError, steps_lost  # noqa: E402  the one definition of steps lost
+from ddp_trainer.testing import forked_workers, parent_pid  # noqa: E402
 from tests import tools  # noqa: E402
 from tests.conftest import (  # noqa: E402  the suite's cluster helpers, shared with the benchmarks
     Cluster,
@@ -502,25 +503,15 @@ def _environ(pid: str) -> dict[str, str] | None:
 
 
 def _ppid(pid: str) -> str | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[1]
-    except (OSError, IndexError):
-        return None
-
-
-def _forkserver(pid: str | None) -> bool:
-    try:
-        return b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
+    parent = parent_pid(pid)
+    return None if parent is None else str(parent)
 
 
 def pod_processes(namespace: str, job: str, index: int) -> dict[str, list[int]]:
     """{"agents": [...], "workers": [...]}: the torchrun agent(s) of pod `index` (no LOCAL_RANK, parent not
     one of the pod's processes) and its workers: started by torchrun (LOCAL_RANK in the environment they were
     started with, parent without it: not DataLoader workers) or forked by ddp_trainer.launch's forkserver (their
-    environment is set after the fork, so /proc shows the forkserver's)."""
+    environment is set after the fork, so /proc shows the forkserver's: ddp_trainer.testing.forked_workers)."""
     mine: dict[str, dict[str, str]] = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -530,12 +521,9 @@ def pod_processes(namespace: str, job: str, index: int) -> dict[str, list[int]]:
                 and env.get("DDPJOB_POD_INDEX") == str(index):
             mine[d] = env
     agents = [int(p) for p, env in mine.items() if "LOCAL_RANK" not in env and _ppid(p) not in mine]
-    # A forked process shows its parent's command line: the forkserver is the one whose parent does not.
-    servers = {p for p in mine if _forkserver(p) and not _forkserver(_ppid(p))}
-    workers = [int(p) for p, env in mine.items()
-               if ("LOCAL_RANK" in env and "LOCAL_RANK" not in mine.get(_ppid(p) or "", {}))
-               or _ppid(p) in servers]
-    return {"agents": sorted(agents), "workers": sorted(workers)}
+    workers = {int(p) for p, env in mine.items()
+               if "LOCAL_RANK" in env and "LOCAL_RANK" not in mine.get(_ppid(p) or "", {})}
+    return {"agents": sorted(agents), "workers": sorted(workers | set(forked_workers(mine)))}
 
 
 # --------------------------------------------------------------------------------------------

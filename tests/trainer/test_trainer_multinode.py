@@ -16,7 +16,9 @@ import time
 import urllib.request
 
 import pytest
-from ddp_trainer.testing import REPO_TRAINER_DIR, LocalCluster, descendants, free_port, parent_pid, recovery_after_kill
+from ddp_trainer.testing import (
+    REPO_TRAINER_DIR, LocalCluster, descendants, forked_workers, free_port, recovery_after_kill,
+)
 from tests.trainer.digits_job import DIGITS_ARGS, JOB_TIMEOUT, SLOW, final_event
 
 pytestmark = pytest.mark.slow
@@ -258,17 +260,9 @@ def test_sigterm_while_blocked_in_collective(tmp_path):
 
 
 def _forked_workers(node) -> list[int]:
-    """The node's processes forked by its forkserver (the workers: their environment is set after the fork,
-    so /proc shows the forkserver's, without LOCAL_RANK)."""
-    out = []
-    for pid in descendants(node.proc.pid):
-        try:
-            with open(f"/proc/{parent_pid(pid)}/cmdline", "rb") as f:
-                if b"multiprocessing.forkserver" in f.read():
-                    out.append(pid)
-        except OSError:
-            continue
-    return out
+    """The node's workers forked by its forkserver (their environment is set after the fork, so /proc shows the
+    forkserver's, without LOCAL_RANK)."""
+    return forked_workers(descendants(node.proc.pid))
 
 
 def test_forkserver_launcher_recovers_bitwise_with_forked_workers(tmp_path, reference):

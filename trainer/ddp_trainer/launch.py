@@ -7,10 +7,13 @@ go"):
 1. **Workers fork from a warm process.** torchrun starts every worker as a fresh interpreter (`python -u -m
    module` / `python -u script.py`) that imports torch again — 1.5–2 s per worker on a small CPU, on the critical
    path each time the group re-forms. Here workers are forked from a multiprocessing *forkserver* that imported
-   torch and ddp_trainer once. The forkserver is started first thing, before this process imports torch, so in a
-   new pod both imports run side by side and the forkserver is warm by the time the agent has joined the
-   rendezvous. The script runs as `__main__` in the forked child (runpy), with the same argv, environment (RANK,
-   LOCAL_RANK, MASTER_ADDR, … set by the agent), stdout/stderr and exit code as under torchrun.
+   torch and ddp_trainer once. torch is imported once per pod: the agent imports it, then the forkserver is
+   *forked* from the agent (instead of multiprocessing's exec of a fresh interpreter that would import torch a
+   second time, side by side with the agent's import on the same cores) and imports the rest of PRELOAD while
+   the agent joins the rendezvous. ``DDPJOB_FORKSERVER=exec`` keeps multiprocessing's own start, begun before the
+   agent imports torch (the two imports then run side by side). The script runs as `__main__` in the forked
+   child (runpy), with the same argv, environment (RANK, LOCAL_RANK, MASTER_ADDR, … set by the agent),
+   stdout/stderr and exit code as under torchrun.
 2. **The rendezvous is polled every `DDPJOB_RDZV_POLL_SECONDS` (0.1 s)** instead of torch's fixed 1 s while an
    agent waits for the others, so a round completes within a tenth of a second of its last member arriving. Each
    poll is one small read of the rendezvous state from the store pod.
@@ -20,10 +23,12 @@ go"):
    attempts, 3 s by default). Here the signal also starts a thread that takes this node out of the round's
    participants, as the agent itself does before it rejoins, while the agent stops its workers; the agent waits
    up to LEAVE_TIMEOUT_S for it before it exits. With a hot spare waiting, the next round then forms as soon as
-   the survivors rejoin. A SIGKILL (OOM, node loss) still takes the heartbeat expiry.
+   the survivors rejoin. A SIGKILL (OOM, node loss) still takes the heartbeat expiry. ``DDPJOB_LEAVE_ON_SIGNAL=0``
+   turns it off.
 
-CUDA stays correct: the forkserver imports torch but never initialises CUDA (torch initialises it lazily, in the
-worker, after the fork); nothing here touches a device. What torchrun cannot run as a Python script or module
+CUDA stays correct: the agent and the forkserver import torch but never initialise CUDA (torch initialises it
+lazily, in the worker, after the fork); the forkserver is forked before torchrun parses its arguments, while the
+agent has no other thread (else it is exec'd as multiprocessing does); nothing here touches a device. What torchrun cannot run as a Python script or module
 (`--no-python`, `--run-path`) is handed to torchrun unchanged, and plain `torchrun` keeps working with every
 script: this launcher is an opt-in for images that have ddp_trainer (the samples use it).
 """
@@ -33,6 +38,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.util
 import os
 import runpy
 import sys
@@ -42,7 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .env import RDZV_POLL, get_float
+from .env import FORKSERVER, LEAVE_ON_SIGNAL, RDZV_POLL, ConfigError, get_float, get_int, get_str
 
 # Imported once by the forkserver; every worker inherits them (copy-on-write) instead of importing them.
 # torch._inductor (and torch._dynamo under it) is imported lazily by torch.use_deterministic_algorithms,
@@ -50,6 +56,11 @@ from .env import RDZV_POLL, get_float
 PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch.utils.data", "torch._inductor", "numpy",
            "ddp_trainer.run", "ddp_trainer.session", "ddp_trainer.sampler", "ddp_trainer.syncbn")
 START_METHOD = "forkserver"
+FORKSERVER_MODES = ("fork", "exec")  # DDPJOB_FORKSERVER: how the forkserver starts (item 1)
+# Process names (/proc/<pid>/comm, what ps and top show): a forked forkserver and its workers show the agent's
+# command line, so they are told apart by name.
+FORKSERVER_NAME = "ddp-forkserver"
+WORKER_NAME = "ddp-worker"
 DEFAULT_RDZV_POLL_S = 0.1
 # How long a stopping agent waits for its node to leave the rendezvous (a few store round trips when it is up).
 LEAVE_TIMEOUT_S = 2.0
@@ -57,8 +68,19 @@ LEAVE_TIMEOUT_S = 2.0
 log = logging.getLogger(__name__)
 
 
+def name_process(name: str) -> None:
+    """Set this process's name (/proc/<pid>/comm, at most 15 bytes); nothing where prctl is missing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def run_program(kind: str, target: str, *argv: str) -> None:
     """The worker: run a module (`kind` "module") or a script path as `__main__`, as `python -u` would."""
+    name_process(WORKER_NAME)
     sys.argv = [target, *argv]
     try:
         if kind == "module":
@@ -88,11 +110,49 @@ def forked(cmd: object, cmd_args: Sequence[str]) -> tuple[str, str, list[str]] |
 
 
 def start_forkserver() -> threading.Thread:
-    """Start the forkserver in the background (its imports overlap this process's)."""
+    """Start multiprocessing's own forkserver (a fresh interpreter) in the background: its imports overlap this
+    process's (DDPJOB_FORKSERVER=exec)."""
     multiprocessing.set_forkserver_preload(list(PRELOAD))
     thread = threading.Thread(target=multiprocessing.forkserver.ensure_running, name="ddp-forkserver", daemon=True)
     thread.start()
     return thread
+
+
+def fork_forkserver() -> bool:
+    """Start the forkserver as a fork of this process, which has imported torch (item 1 of the module doc). False,
+    and nothing started, when this process runs another thread (a fork would copy its locks mid-use)."""
+    if threading.active_count() != 1:
+        return False
+    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    spawnv_passfds = multiprocessing.util.spawnv_passfds
+
+    def fork_passfds(path: str, args: Sequence[str], passfds: Sequence[int]) -> int:
+        # multiprocessing runs the forkserver as `python -c "from multiprocessing.forkserver import main; main(...)"`
+        # with `passfds` kept open: run that same code in a child of this process instead.
+        if list(args[-2:-1]) != ["-c"] or "multiprocessing.forkserver" not in args[-1]:
+            return spawnv_passfds(path, args, passfds)  # the resource tracker, as before
+        pid = os.fork()
+        if pid:
+            return pid
+        try:
+            keep = {0, 1, 2, *map(int, passfds)}
+            for fd in [int(f) for f in os.listdir("/proc/self/fd")]:
+                if fd not in keep:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            name_process(FORKSERVER_NAME)
+            exec(args[-1], {"__name__": "__ddp_forkserver__"})  # noqa: S102 - multiprocessing's own command
+        finally:
+            os._exit(0)
+
+    multiprocessing.util.spawnv_passfds = fork_passfds
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        multiprocessing.util.spawnv_passfds = spawnv_passfds
+    return True
 
 
 def leave_rendezvous(handler: Any, timeout: float = LEAVE_TIMEOUT_S) -> bool:
@@ -141,7 +201,7 @@ class _Leaver:
             self.thread.join(LEAVE_TIMEOUT_S)
 
 
-def _tune_torchrun(poll_s: float) -> None:
+def _tune_torchrun(poll_s: float, leave_on_signal: bool = True) -> None:
     """Patch the six places of torch's launcher this module changes (torch is imported here, not before)."""
     from torch._logging._internal import TorchLogsFormatter
     from torch.distributed import run as torchrun
@@ -214,20 +274,31 @@ def _tune_torchrun(poll_s: float) -> None:
     TorchLogsFormatter.format = format_without_dynamo
     MultiprocessContext._poll = poll_counting_clean_exits
     dynamic_rendezvous._delay = delay
-    registry.get_rendezvous_handler = get_rendezvous_handler
-    mp_api._terminate_process_handler = on_signal
-    launcher_api.launch_agent = launch_agent
+    if leave_on_signal:
+        registry.get_rendezvous_handler = get_rendezvous_handler
+        mp_api._terminate_process_handler = on_signal
+        launcher_api.launch_agent = launch_agent
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     poll_s = get_float(RDZV_POLL, DEFAULT_RDZV_POLL_S, minimum=0.0)
     assert poll_s is not None
-    # First, before torch is imported here. Workers torchrun does not start as Python (--no-python, --run-path)
-    # never use it; it exits with this process.
-    start_forkserver()
-    from torch.distributed import run as torchrun
+    # Workers torchrun does not start as Python (--no-python, --run-path) never use the forkserver; it exits with
+    # this process.
+    mode = get_str(FORKSERVER, FORKSERVER_MODES[0])
+    if mode not in FORKSERVER_MODES:
+        raise ConfigError(f"{FORKSERVER} must be one of {', '.join(FORKSERVER_MODES)}, got {mode!r}")
+    if mode == "exec":
+        start_forkserver()  # first, before torch is imported here
+        from torch.distributed import run as torchrun
+    else:
+        import torch  # noqa: F401 - once, for the agent and (forked) the forkserver
 
-    _tune_torchrun(poll_s)
+        from torch.distributed import run as torchrun
+        if not fork_forkserver():
+            start_forkserver()
+
+    _tune_torchrun(poll_s, leave_on_signal=get_int(LEAVE_ON_SIGNAL, 1, minimum=0) != 0)
     torchrun.main(list(sys.argv[1:] if argv is None else argv))
 
 

@@ -64,6 +64,24 @@ def parent_pid(pid: int | str) -> int | None:
         return None
 
 
+def process_name(pid: int | str) -> str:
+    """/proc/<pid>/comm ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def forked_workers(pids: Iterable[int | str]) -> list[int]:
+    """Of `pids`, the workers ddp_trainer.launch forked from its forkserver: named launch.WORKER_NAME by
+    run_program, with a parent that is not (a DataLoader worker forked from a worker inherits the name)."""
+    from .launch import WORKER_NAME
+
+    return sorted(int(p) for p in pids
+                  if process_name(p) == WORKER_NAME and process_name(parent_pid(p) or 0) != WORKER_NAME)
+
+
 def descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
