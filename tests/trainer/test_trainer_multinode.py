@@ -287,3 +287,7 @@ def test_forkserver_launcher_recovers_bitwise_with_forked_workers(tmp_path, refe
         assert final_event(cluster)["weights_sha256"] == reference["digest"], cluster.dump()
         sessions = [e for e in cluster.events("session") if e.time >= killed_at]
         assert sessions and all(float(e["init_called"]) >= float(e["process_started"]) for e in sessions), sessions
+        # the agent's own start, not its forkserver's (forked from it after torch's import, with its command line)
+        for e in sessions:
+            node = cluster.node(e.node)
+            assert abs(float(e["agent_started"]) - node.started) < 1.0, (e, node.started)

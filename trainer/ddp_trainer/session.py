@@ -186,13 +186,18 @@ AGENT_COMMANDS = (b"torchrun", b"torch.distributed.run", b"ddp_trainer.launch")
 
 def agent_start_time() -> float | None:
     """When this worker's torchrun agent started: the nearest ancestor running torchrun (or ddp_trainer.launch,
-    whose workers are children of a forkserver). In a pod that is the container's first process."""
+    whose workers are children of a forkserver, itself forked from the agent: same command line, named
+    launch.FORKSERVER_NAME). In a pod that is the container's first process."""
+    from .launch import FORKSERVER_NAME
+
     try:
         pid = int(_stat("self")[1])
         while pid >= 1:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 command = f.read()
-            if any(name in command for name in AGENT_COMMANDS):
+            with open(f"/proc/{pid}/comm") as f:
+                forkserver = f.read().strip() == FORKSERVER_NAME
+            if not forkserver and any(name in command for name in AGENT_COMMANDS):
                 return process_start_time(pid)
             pid = int(_stat(pid)[1]) if pid > 1 else 0
         return None
