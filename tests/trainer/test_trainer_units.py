@@ -7,6 +7,7 @@ import struct
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -304,3 +305,31 @@ def test_launch_preload_never_touches_cuda():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
     assert p.returncode == 0, p.stderr
     assert "cuda calls: [] False" in p.stdout, p.stdout + p.stderr
+
+
+def test_rendezvous_newcomer_waits_for_a_redundant_spare_with_a_higher_priority():
+    """ddpjob-c10d rule 2 on torch's own rendezvous state: a new round with the survivor in it and one place left.
+    The spare still sits in the redundancy list (it moves to the wait list only at its next poll), the pod recreated
+    for the lost one is in the wait list: the place is the spare's, so the newcomer waits; the spare takes it."""
+    from datetime import timedelta
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    from ddp_trainer import rendezvous
+
+    survivor, spare, newcomer = (dr._NodeDesc(f"10.0.0.{i}", 100 + i, 0) for i in range(3))
+    state = dr._RendezvousState()
+    state.round, state.complete = 3, False
+    state.participants = {survivor: 0}
+    state.wait_list = {newcomer}
+    state.redundancy_list = {spare}
+    now = datetime.now(timezone.utc)
+    state.last_heartbeats = {n: now for n in (survivor, spare, newcomer)}
+    setattr(state, rendezvous._LAST, {survivor})
+    setattr(state, rendezvous._ORDER, {survivor: 1, spare: 2})
+    settings = dr.RendezvousSettings("run", 2, 2, dr.RendezvousTimeout(), timedelta(seconds=1), 3)
+    join = rendezvous._spare_aware(dr._RendezvousJoinOp())
+    deadline = time.monotonic() + 60
+    assert join(dr._RendezvousContext(newcomer, state, settings), deadline) in (dr._Action.SYNC, dr._Action.KEEP_ALIVE)
+    assert join(dr._RendezvousContext(spare, state, settings), deadline) in (
+        dr._Action.REMOVE_FROM_REDUNDANCY_LIST, dr._Action.ADD_TO_PARTICIPANTS)

@@ -26,7 +26,9 @@ This backend is the c10d handler with these rules added:
    complete round (the survivors: their /dev/shm holds the training state) first, then the agents that have
    been in the rendezvous longest (the spare before the pod recreated for the lost one, which usually arrives
    while the lost agent's heartbeat has not expired yet and so also waits as redundant). An agent waits while
-   the participants plus the agents waiting with a higher priority fill the round. Without it, a quick
+   the participants plus the agents waiting with a higher priority fill the round; waiting counts the redundancy
+   list too, because a redundant agent moves to the wait list only at its next poll (1 s apart under plain
+   torchrun), by which time a newcomer that polled first had taken its place (seen in CI). Without it, a quick
    replacement took the place while the spare kept waiting (measured on a cluster), and with two spares a
    survivor could be left out, its snapshot with it. The priorities live in the shared state (pickled with it):
    the last round's participants and, per agent, when it first was a participant or redundant. A
@@ -143,7 +145,8 @@ def _spare_aware(join_op: Callable[[Any, float], Any], size: _Size | None = None
             return join_op(ctx, deadline)
         if not state.complete:  # rule 2
             mine = _priority(state, me)
-            ahead = sum(1 for n in state.wait_list if n != me and _priority(state, n) > mine)
+            waiting = state.wait_list | state.redundancy_list
+            ahead = sum(1 for n in waiting if n != me and _priority(state, n) > mine)
             if len(state.participants) + ahead >= ctx.settings.max_nodes:
                 if me not in state.wait_list:
                     return _Action.ADD_TO_WAIT_LIST
