@@ -28,9 +28,10 @@ go"):
 
 CUDA stays correct: the agent and the forkserver import torch but never initialise CUDA (torch initialises it
 lazily, in the worker, after the fork); the forkserver is forked before torchrun parses its arguments, while the
-agent has no other thread (else it is exec'd as multiprocessing does); nothing here touches a device. What torchrun cannot run as a Python script or module
-(`--no-python`, `--run-path`) is handed to torchrun unchanged, and plain `torchrun` keeps working with every
-script: this launcher is an opt-in for images that have ddp_trainer (the samples use it).
+agent has no other thread (else it is exec'd as multiprocessing does); nothing here touches a device. What
+torchrun cannot run as a Python script or module (`--no-python`, `--run-path`) is handed to torchrun unchanged,
+and plain `torchrun` keeps working with every script: this launcher is an opt-in for images that have ddp_trainer
+(the samples use it).
 """
 
 from __future__ import annotations
@@ -290,13 +291,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise ConfigError(f"{FORKSERVER} must be one of {', '.join(FORKSERVER_MODES)}, got {mode!r}")
     if mode == "exec":
         start_forkserver()  # first, before torch is imported here
-        from torch.distributed import run as torchrun
-    else:
-        import torch  # noqa: F401 - once, for the agent and (forked) the forkserver
+    from torch.distributed import run as torchrun  # imports torch: once, for the agent and a forked forkserver
 
-        from torch.distributed import run as torchrun
-        if not fork_forkserver():
-            start_forkserver()
+    if mode == "fork" and not fork_forkserver():
+        start_forkserver()
 
     _tune_torchrun(poll_s, leave_on_signal=get_int(LEAVE_ON_SIGNAL, 1, minimum=0) != 0)
     torchrun.main(list(sys.argv[1:] if argv is None else argv))
