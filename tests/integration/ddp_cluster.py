@@ -226,6 +226,12 @@ class JobNamespace:
         return [e for e in self.core.list_namespaced_event(self.ns).items
                 if e.involved_object.kind == "DDPJob"]
 
+    def wait_events(self, reason, match=lambda e: True, timeout=10.0):
+        """The job's Events of `reason` that `match`, once there is one. The operator posts Events after the status
+        write they go with, so a test that has just seen the status waits for them."""
+        return wait_for(lambda: [e for e in self.events() if e.reason == reason and match(e)], timeout,
+                        what=f"a {reason} Event ({[(e.reason, e.message) for e in self.events()]})")
+
     def dump(self) -> str:
         out = []
         for job in self.jobs():

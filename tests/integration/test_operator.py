@@ -74,8 +74,8 @@ def test_failed_pod_is_replaced_and_counted(k):
     k.set_phase("job-1", "Running")
     status = k.wait_phase("Running")
     assert status["restarts"] == 1
-    reasons = {e.reason for e in k.events()}
-    assert {"JobCreated", "AllNodesRunning", "NodeFailed"} <= reasons
+    for reason in ("JobCreated", "AllNodesRunning", "NodeFailed"):
+        k.wait_events(reason)
 
 
 def test_operator_restart_changes_nothing(k, operator):
@@ -113,7 +113,7 @@ def test_budget_exhaustion_fails_the_job(k):
     # Running pods are stopped; the failed one stays for its logs (cleanPodPolicy Running).
     wait_for(lambda: set(k.pods()) == {"job-1"} and k.pods()["job-1"].status.phase == "Failed",
              what="running pods stopped")
-    assert any(e.reason == "BackoffLimitExceeded" and e.type == "Warning" for e in k.events())
+    k.wait_events("BackoffLimitExceeded", lambda e: e.type == "Warning")
 
 
 def test_permanent_exit_code_fails_at_once(k):
@@ -207,7 +207,7 @@ def test_rendezvous_store_loss_recreates_the_store_only(k):
     status = k.status()
     assert status["group"] == 0 and status["rendezvousId"].endswith("-0")
     assert status["restarts"] == 1 and status["reason"] == "RendezvousStoreLost"
-    assert "RendezvousStoreLost" in [e.reason for e in k.events() if e.type == "Warning"]
+    k.wait_events("RendezvousStoreLost", lambda e: e.type == "Warning")
     # The trainers' containers fail on the lost store and are restarted in place: the same incident.
     for name in ("job-0", "job-1"):
         k.restart_in_place(name, exit_code=1)
@@ -229,8 +229,7 @@ def test_in_place_restart_is_counted_once_and_the_pod_kept(k):
                       what="the restart counted")
     att = status["attempts"][-1]
     assert (att["pod"], att["exitCode"], att["restartCount"], att["counted"]) == ("job-1", 137, 1, True)
-    messages = [e.message for e in k.events() if e.reason == "TrainerRestarted"]
-    assert any("exited 137 and was restarted in place" in m for m in messages), messages
+    k.wait_events("TrainerRestarted", lambda e: "exited 137 and was restarted in place" in e.message)
     time.sleep(1)  # asserting that nothing more happens
     assert _uid(k, "job-1") == old and k.status()["restarts"] == 1
     # A permanent exit code on a later in-place restart fails the job and stops the pods.
@@ -359,7 +358,7 @@ def test_pod_stuck_terminating_on_a_lost_node_is_force_deleted(k):
     assert k.pods()["job-1"].metadata.deletion_timestamp is not None
     wait_for(lambda: "job-1" in k.pods() and _uid(k, "job-1") != old, timeout=30,
              what="force-deleted pod replaced")
-    assert any(e.reason == "StuckPodForceDeleted" for e in k.events())
+    k.wait_events("StuckPodForceDeleted")
 
 
 def test_gracefully_deleted_pod_is_replaced_when_it_is_gone(k):
@@ -400,8 +399,7 @@ def test_running_pod_on_a_node_that_no_longer_exists_is_lost_and_replaced(k):
     k.core.patch_namespaced_pod_status("job-1", k.ns, {"status": {"conditions": [
         {"type": "Ready", "status": "False", "reason": "NodeLost"}]}})
     wait_for(lambda: "job-1" in k.pods() and _uid(k, "job-1") != old, timeout=20, what="lost pod replaced")
-    lost = [e for e in k.events() if e.reason == "NodeLost"]
-    assert any("ddp-it-vanished-node no longer exists" in e.message for e in lost), [e.message for e in lost]
+    k.wait_events("NodeLost", lambda e: "ddp-it-vanished-node no longer exists" in e.message)
     k.set_phase("job-1", "Running")
     status = k.wait_phase("Running")
     assert status["restarts"] == 0 and status["disruptions"] == 1
@@ -432,9 +430,8 @@ def test_running_pod_on_a_notready_node_is_lost_when_the_timeout_is_due(k):
             {"type": "Ready", "status": "False", "reason": "NodeNotReady"}]}})
         started = time.monotonic()
         wait_for(lambda: "job-1" in k.pods() and _uid(k, "job-1") != old, timeout=30, what="lost pod replaced")
-        lost = [e for e in k.events() if e.reason == "NodeLost"]
-        assert any(f"node {node} has been NotReady since {now}" in e.message for e in lost), [e.message for e in lost]
-        assert time.monotonic() - started < 15
+        assert time.monotonic() - started < 15  # nodeLostTimeoutSeconds (4 s) applies, not the 60 s default
+        k.wait_events("NodeLost", lambda e: f"node {node} has been NotReady since {now}" in e.message)
         status = k.status()
         assert status["attempts"][-1]["reason"] == "NodeLost" and status["restarts"] == 0
     finally:
@@ -516,8 +513,8 @@ def test_foreign_pod_holding_a_child_name_is_a_condition_and_an_event(k):
     assert cond["reason"] == "ChildConflict"
     assert f"pod {k.ns}/job-0 already exists and is not owned by this DDPJob" in cond["message"]
     assert "delete or rename it" in cond["message"]
-    warnings = [e for e in k.events() if e.reason == "ChildConflict"]
-    assert warnings and warnings[0].type == "Warning" and "job-0" in warnings[0].message
+    warnings = k.wait_events("ChildConflict")
+    assert warnings[0].type == "Warning" and "job-0" in warnings[0].message
     # The job's other children are there; the foreign pod is left alone.
     wait_for(lambda: {"job-1", "job-rdzv"} <= set(k.pods()), what="the job's other pods")
     assert k.core.read_namespaced_pod("job-0", k.ns).metadata.uid == foreign.metadata.uid

@@ -28,7 +28,9 @@ This backend is the c10d handler with these rules added:
    while the lost agent's heartbeat has not expired yet and so also waits as redundant). An agent waits while
    the participants plus the agents waiting with a higher priority fill the round; waiting counts the redundancy
    list too, because a redundant agent moves to the wait list only at its next poll (1 s apart under plain
-   torchrun), by which time a newcomer that polled first had taken its place (seen in CI). Without it, a quick
+   torchrun), by which time a newcomer that polled first had taken its place (seen in CI). For the same reason a
+   move between the lists is one state write (torch's takes two, with the agent in no list and without a heartbeat
+   in between, which let a newcomer take the place too). Without rule 2, a quick
    replacement took the place while the spare kept waiting (measured on a cluster), and with two spares a
    survivor could be left out, its snapshot with it. The priorities live in the shared state (pickled with it):
    the last round's participants and, per agent, when it first was a participant or redundant. A
@@ -138,10 +140,8 @@ def _spare_aware(join_op: Callable[[Any, float], Any], size: _Size | None = None
         if state.closed or me in state.participants:
             return join_op(ctx, deadline)
         if state.complete and len(state.participants) >= ctx.settings.max_nodes:  # rule 1
-            if me in state.wait_list:
-                return _Action.REMOVE_FROM_WAIT_LIST  # then, on the next turn, the redundancy list
             if me not in state.redundancy_list:
-                return _Action.ADD_TO_REDUNDANCY_LIST
+                return _Action.ADD_TO_REDUNDANCY_LIST  # out of the wait list in the same write
             return join_op(ctx, deadline)
         if not state.complete:  # rule 2
             mine = _priority(state, me)
@@ -189,24 +189,17 @@ def _priority_key(state: Any) -> Callable[[Any], tuple[float, str]]:
     return lambda node: (order.get(node, math.inf), repr(node))
 
 
-def create_handler(params: Any) -> Any:
-    """torchrun's handler creator for ``--rdzv-backend=ddpjob-c10d`` (same parameters as c10d)."""
+def _executor_class() -> type:
+    """torch's operation executor with this backend's join rules and state writes (a class made on use: torch is
+    imported lazily)."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 
-    needed = ("_DistributedRendezvousOpExecutor", "_RendezvousJoinOp", "_RendezvousContext", "_Action",
-              "_should_keep_alive")
-    missing = [n for n in needed if not hasattr(dr, n)]
-    if missing:
-        raise RuntimeError(f"rendezvous backend {BACKEND}: this torch lacks {', '.join(missing)}; "
-                           f"use --rdzv-backend=c10d (without spares)")
+    class Executor(dr._DistributedRendezvousOpExecutor):
+        size: _Size | None = None  # rule 3, set by create_handler
 
-    size: _Size | None = None
-
-    class _Executor(dr._DistributedRendezvousOpExecutor):
         def run(self, state_handler: Any, deadline: float, update_deadline: Any = None) -> None:
             if isinstance(state_handler, dr._RendezvousJoinOp):
-                state_handler = _spare_aware(state_handler, size)
+                state_handler = _spare_aware(state_handler, self.size)
             super().run(state_handler, deadline, update_deadline)
 
         def _add_to_participants(self) -> None:
@@ -219,7 +212,31 @@ def create_handler(params: Any) -> Any:
 
         def _add_to_redundancy_list(self) -> None:
             super()._add_to_redundancy_list()
+            self._state.wait_list.discard(self._node)  # one write moves it (rule 1)
             _remember(self._state, [self._node])
+
+        def _remove_from_redundancy_list(self) -> None:
+            # torch leaves the agent in no list and without a heartbeat until its next turn adds it to the wait
+            # list: others deciding rule 2 in between would not count it, and a round completed in between would
+            # forget its priority (seen in CI: the recreated pod took the spare's place). One write moves it.
+            super()._remove_from_redundancy_list()
+            self._state.wait_list.add(self._node)
+            self._keep_alive()
+
+    return Executor
+
+
+def create_handler(params: Any) -> Any:
+    """torchrun's handler creator for ``--rdzv-backend=ddpjob-c10d`` (same parameters as c10d)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+
+    needed = ("_DistributedRendezvousOpExecutor", "_RendezvousJoinOp", "_RendezvousContext", "_Action",
+              "_should_keep_alive")
+    missing = [n for n in needed if not hasattr(dr, n)]
+    if missing:
+        raise RuntimeError(f"rendezvous backend {BACKEND}: this torch lacks {', '.join(missing)}; "
+                           f"use --rdzv-backend=c10d (without spares)")
 
     backend, store = create_backend(params)
     handler = dr.create_handler(store, backend, params)
@@ -227,9 +244,10 @@ def create_handler(params: Any) -> Any:
         if not hasattr(handler, attr):
             raise RuntimeError(f"rendezvous backend {BACKEND}: this torch's handler lacks {attr}; "
                                f"use --rdzv-backend=c10d (without spares)")
-    handler._op_executor = _Executor(handler._this_node, handler._state_holder, handler._settings)
+    executor = _executor_class()(handler._this_node, handler._state_holder, handler._settings)
+    handler._op_executor = executor
     handler._backend_name = BACKEND  # torchrun checks that the handler is of the backend it asked for
-    size = _Size(handler, os.environ.get(envmod.NODES_FILE))
+    size = executor.size = _Size(handler, os.environ.get(envmod.NODES_FILE))
     size.follow()
     waiting = handler.num_nodes_waiting
 
