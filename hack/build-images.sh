@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds the operator and trainer images from their Dockerfiles (build context: the repository root).
 #   hack/build-images.sh [operator|trainer ...]      (default: both)
-# Offline (default): hack/image.py builds each Dockerfile without a Docker engine and imports it into
-# the embedded cluster's containerd as localhost/ddp-<name>:0.1.0. Its step cache makes an unchanged
-# image a 0.1 s no-op and a source-only change a COPY plus re-import (the torch layer is reused).
+# Offline (default): hack/image.py builds each Dockerfile with buildah (no Docker engine) and imports it
+# into the embedded cluster's containerd as localhost/ddp-<name>:0.1.0. buildah's layer cache makes an
+# unchanged image a few-second no-op, and only the layers containerd lacks are imported: a source-only
+# change re-imports the small top layer, never the torch layer.
 # DDPJOB_IMAGE_BUILDER=docker: `docker build` into the local Docker engine instead (kind users, then
 # `kind load docker-image`); Docker's layer cache does the skipping.
 set -euo pipefail

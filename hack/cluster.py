@@ -1045,9 +1045,8 @@ def _up() -> dict[str, float]:
     step("host prepared, PKI and configs written")
 
     ensure_containerd()
-    sys.path.insert(0, str(Path(__file__).parent))
-    import image  # noqa: PLC0415 - image.py imports this module; import lazily to avoid a cycle
-    image.ensure_pause()
+    subprocess.run([sys.executable, str(Path(__file__).with_name("image.py")), "pause"], check=True,
+                   stdout=subprocess.DEVNULL)
     step("containerd up, pause image present")
 
     if start("etcd", argv_for("etcd")):
@@ -1300,11 +1299,10 @@ def print_status(st: dict) -> None:
 
 def figures(runs: int = 3) -> dict:
     """Numbers for the record: idle memory and how fast a local-image pod starts (JSON)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    import image  # noqa: PLC0415
     ref = "localhost/ddp-testimage:0.1.0"
     ctx = REPO / "tests" / "cluster" / "testimage"
-    image.build(ctx / "Dockerfile", ref, ctx)
+    subprocess.run([sys.executable, str(Path(__file__).with_name("image.py")), "build", "-f", str(ctx / "Dockerfile"),
+                    "-t", ref, str(ctx)], check=True)
     st = status()
     ns = "ddpjob-figures"
     kubectl("create", "namespace", ns, check=False)

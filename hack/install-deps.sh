@@ -11,10 +11,10 @@ log() { printf '[deps %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
 # containerd/runc/CNI plugins run the pods; conntrack+iptables serve kube-proxy and the bridge
 # plugin; ipset serves kube-router's NetworkPolicy firewall; openssl makes the PKI;
-# debootstrap+tar+util-linux build images; tini reaps orphaned shims (PID 1 is not an init here);
-# gcc+libc6-dev compile the static pause binary.
+# buildah builds images (no daemon) and debootstrap their Debian base; tini reaps orphaned shims (PID 1
+# is not an init here); gcc+libc6-dev compile the static pause binary.
 PACKAGES=(containerd runc containernetworking-plugins conntrack iptables ipset iproute2 openssl
-          debootstrap tini gcc libc6-dev tar util-linux ca-certificates python3 python3-venv)
+          buildah debootstrap tini gcc libc6-dev tar util-linux ca-certificates python3 python3-venv)
 # ShellCheck lints the shipping scripts in tests/chart/test_scripts.py (which fails without it in CI).
 PACKAGES+=(shellcheck)
 
