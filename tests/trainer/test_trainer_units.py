@@ -307,38 +307,9 @@ def test_launch_preload_never_touches_cuda():
     assert "cuda calls: [] False" in p.stdout, p.stdout + p.stderr
 
 
-def test_rendezvous_newcomer_waits_for_a_redundant_spare_with_a_higher_priority():
-    """ddpjob-c10d rule 2 on torch's own rendezvous state: a new round with the survivor in it and one place left.
-    The spare still sits in the redundancy list (it moves to the wait list only at its next poll), the pod recreated
-    for the lost one is in the wait list: the place is the spare's, so the newcomer waits; the spare takes it."""
-    from datetime import timedelta
-
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
-
-    from ddp_trainer import rendezvous
-
-    survivor, spare, newcomer = (dr._NodeDesc(f"10.0.0.{i}", 100 + i, 0) for i in range(3))
-    state = dr._RendezvousState()
-    state.round, state.complete = 3, False
-    state.participants = {survivor: 0}
-    state.wait_list = {newcomer}
-    state.redundancy_list = {spare}
-    now = datetime.now(timezone.utc)
-    state.last_heartbeats = {n: now for n in (survivor, spare, newcomer)}
-    setattr(state, rendezvous._LAST, {survivor})
-    setattr(state, rendezvous._ORDER, {survivor: 1, spare: 2})
-    settings = dr.RendezvousSettings("run", 2, 2, dr.RendezvousTimeout(), timedelta(seconds=1), 3)
-    join = rendezvous._spare_aware(dr._RendezvousJoinOp())
-    deadline = time.monotonic() + 60
-    assert join(dr._RendezvousContext(newcomer, state, settings), deadline) in (dr._Action.SYNC, dr._Action.KEEP_ALIVE)
-    assert join(dr._RendezvousContext(spare, state, settings), deadline) in (
-        dr._Action.REMOVE_FROM_REDUNDANCY_LIST, dr._Action.ADD_TO_PARTICIPANTS)
-
-
-def test_rendezvous_a_spare_moves_between_the_lists_in_one_write():
-    """torch moves a redundant agent to the wait list in two state writes, with the agent in no list between them;
-    a newcomer deciding rule 2 then would not count the spare and take its place (seen in CI). ddpjob-c10d's
-    executor makes each move one write: out of the redundancy list means into the wait list, and back."""
+def _spare_round():
+    """torch's rendezvous state after a loss: a new round with the survivor in it and one place left, the spare
+    (higher priority) in the redundancy list, the pod recreated for the lost one in the wait list."""
     from datetime import timedelta
 
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
@@ -355,18 +326,36 @@ def test_rendezvous_a_spare_moves_between_the_lists_in_one_write():
     setattr(state, rendezvous._LAST, {survivor})
     setattr(state, rendezvous._ORDER, {survivor: 1, spare: 2})
     settings = dr.RendezvousSettings("run", 2, 2, dr.RendezvousTimeout(), timedelta(seconds=1), 3)
+    join = rendezvous._spare_aware(dr._RendezvousJoinOp())
+    ask = lambda node: join(dr._RendezvousContext(node, state, settings), time.monotonic() + 60)  # noqa: E731
+    return dr._Action, (survivor, spare, newcomer), state, settings, ask
+
+
+def test_rendezvous_newcomer_waits_for_a_redundant_spare_with_a_higher_priority():
+    """ddpjob-c10d rule 2 on torch's own rendezvous state. The spare still sits in the redundancy list (it moves to
+    the wait list only at its next poll): the place is the spare's, so the newcomer waits; the spare takes it."""
+    action, (_, spare, newcomer), _, _, ask = _spare_round()
+    assert ask(newcomer) in (action.SYNC, action.KEEP_ALIVE)
+    assert ask(spare) in (action.REMOVE_FROM_REDUNDANCY_LIST, action.ADD_TO_PARTICIPANTS)
+
+
+def test_rendezvous_a_spare_moves_between_the_lists_in_one_write():
+    """torch moves a redundant agent to the wait list in two state writes, with the agent in no list between them;
+    a newcomer deciding rule 2 then would not count the spare and take its place (seen in CI). ddpjob-c10d's
+    executor makes each move one write: out of the redundancy list means into the wait list, and back."""
+    from ddp_trainer import rendezvous
+
+    action, (survivor, spare, newcomer), state, settings, ask = _spare_round()
     executor = rendezvous._executor_class()(spare, None, settings)
     executor._state = state
     executor._remove_from_redundancy_list()
     assert spare in state.wait_list and spare not in state.redundancy_list
     assert spare in state.last_heartbeats  # torch drops it here; a round completed now would forget the spare
-    join = rendezvous._spare_aware(dr._RendezvousJoinOp())
-    deadline = time.monotonic() + 60
-    assert join(dr._RendezvousContext(newcomer, state, settings), deadline) in (dr._Action.SYNC, dr._Action.KEEP_ALIVE)
-    assert join(dr._RendezvousContext(spare, state, settings), deadline) == dr._Action.ADD_TO_PARTICIPANTS
+    assert ask(newcomer) in (action.SYNC, action.KEEP_ALIVE)
+    assert ask(spare) == action.ADD_TO_PARTICIPANTS
 
     # A full round completed without it: straight from the wait list into the redundancy list.
     state.participants, state.complete = {survivor: 0, newcomer: 1}, True
-    assert join(dr._RendezvousContext(spare, state, settings), deadline) == dr._Action.ADD_TO_REDUNDANCY_LIST
+    assert ask(spare) == action.ADD_TO_REDUNDANCY_LIST
     executor._add_to_redundancy_list()
     assert spare in state.redundancy_list and spare not in state.wait_list
