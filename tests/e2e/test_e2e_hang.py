@@ -34,7 +34,11 @@ def test_stopped_worker_is_detected_as_a_hang_and_replaced(kubectl, ns, cluster)
     name = "hang"
     h.apply(kubectl, ns, h.digits_job(name, nodes=2, step_delay=STEP_DELAY,
                                       spec={"failurePolicy": {"hangTimeoutSeconds": HANG_TIMEOUT}}))
-    h.wait_rank0_step(kubectl, ns, name, STOP_AT_STEP, 240)
+    # The hang clock runs once the operator has had a report from rank 0 (hang.py), and the report comes from the
+    # worker that is about to be stopped: stop it only after the operator recorded progress (CI stopped it 2.7 s
+    # into training, before any probe landed, and no hang could be seen).
+    h.wait_for(lambda: ((h.status(kubectl, ns, name).get("progress") or {}).get("step") or 0) >= STOP_AT_STEP, 240,
+               f"status.progress at step {STOP_AT_STEP} or later")
     pids = h.wait_for(lambda: h.pod_processes(ns, name, 1)["workers"], 30, f"the worker process of {name}-1")
     stopped_at = time.time()
     for pid in pids:
