@@ -5,7 +5,7 @@ warm forkserver, 0.1 s rendezvous polls), the rendezvous store in a process of i
 the operator's settings (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, keep-alives 1 s x 2), peer snapshots every step,
 disk checkpoints every 10 steps (`--launcher torch.distributed.run` for stock torchrun as the agent). A node
 (agent and workers, SIGKILL, own PID namespace) is killed >= 5 times at chosen steps and a replacement started
-each time; recovery = kill -> first step logged after the resume. The final
+each time, with the same DDPJOB_POD_INDEX (as the operator recreates a pod); recovery = kill -> first step logged after the resume. The final
 weights are compared with an uninterrupted run of the same job.
 
 Baseline: stock torchrun (default environment and rendezvous settings) running a plain
@@ -37,6 +37,7 @@ for _p in (ROOT, ROOT / "trainer"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from ddp_trainer.env import POD_INDEX  # noqa: E402
 from ddp_trainer.testing import ClusterTimeout, LocalCluster, recovery_after_kill  # noqa: E402
 from tests.benchmarks import results  # noqa: E402
 
@@ -60,13 +61,13 @@ def ours(work: Path, kills: int, epochs: int, every: int, delay: float, launcher
     with LocalCluster(work / "ours", args=args, env=env, rdzv_id="bench-ours", store_process=True,
                       launcher=launcher) as c:
         c.start_store()
-        host = c.start_node()
-        victim = c.start_node()
+        host = c.start_node(env={POD_INDEX: "0"})
+        victim = c.start_node(env={POD_INDEX: "1"})
         next_kill, since = every, float("-inf")
         for k in range(kills):
             c.wait_for_step(next_kill, timeout=600)
             killed_at = c.kill(victim)
-            victim = c.start_node(f"node1-r{k + 1}")
+            victim = c.start_node(f"node1-r{k + 1}", env={POD_INDEX: "1"})  # the pod recreated under its name
             rec = recovery_after_kill(c, killed_at, timeout=600, since=since)
             since = rec.pop("restored_at")
             results.append(rec)

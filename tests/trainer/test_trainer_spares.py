@@ -156,6 +156,30 @@ def test_a_stopped_member_leaves_so_the_spare_need_not_wait_for_its_heartbeats(t
         assert "world=2" in spare.log_path.read_text()
 
 
+def test_a_recreated_pods_agent_takes_the_killed_agents_place_without_waiting_for_its_heartbeats(tmp_path):
+    """Rule 4 of ddp_trainer.rendezvous, as ddp_trainer.launch runs plain c10d (a job without spares): a member's
+    agent SIGKILLed (it cannot leave) and the agent of its recreated pod started (the same DDPJOB_POD_INDEX). Keep-
+    alives of 10 s x 3 make the dead agent's heartbeat expiry 30 s; the group of two re-forms with the newcomer well
+    before that, and the survivor restarts once. With DDPJOB_TAKE_OVER=0 this test times out."""
+    expiry = 30
+    env = {"IDLE_SECONDS": "60"}
+    with LocalCluster(tmp_path, module=IDLE_WORKER, rdzv_id="take-over", store_process=True,
+                      rdzv_conf={"keep_alive_interval": "10", "keep_alive_max_attempt": "3"}, env=env,
+                      launcher="ddp_trainer.launch") as cluster:
+        cluster.start_store()
+        survivor, victim = (cluster.start_node(env={"DDPJOB_POD_INDEX": str(i)}) for i in range(2))
+        _wait(lambda: sum(_worker_starts(cluster).values()) >= 2, 120, "two workers", cluster)
+        killed_at = cluster.kill(victim)
+        newcomer = cluster.start_node("recreated", env={"DDPJOB_POD_INDEX": "1"})
+        _wait(lambda: _worker_starts(cluster)[newcomer.name] == 1, expiry - 10, "the recreated pod's worker, before "
+              "the killed agent's heartbeats could expire", cluster)
+        print(f"the recreated pod's worker starts {time.time() - killed_at:.2f} s after the kill "
+              f"(heartbeat expiry: {expiry} s)")
+        assert "world=2" in newcomer.log_path.read_text()
+        assert _worker_starts(cluster)[survivor.name] == 2
+        assert "took its predecessor's place" in newcomer.log_path.read_text(), cluster.dump()
+
+
 def test_spare_takes_a_killed_nodes_place_bitwise(tmp_path, reference):
     """The digits job with one spare: the world stays 2, the spare never trains while the group is full, a killed
     member's place is taken by the spare, which restores from the survivor's peer snapshot (at most K steps

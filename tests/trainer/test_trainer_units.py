@@ -359,3 +359,62 @@ def test_rendezvous_a_spare_moves_between_the_lists_in_one_write():
     assert ask(spare) == action.ADD_TO_REDUNDANCY_LIST
     executor._add_to_redundancy_list()
     assert spare in state.redundancy_list and spare not in state.wait_list
+
+
+def test_rendezvous_a_recreated_pods_agent_takes_its_predecessors_place():
+    """Rule 4 of ddp_trainer.rendezvous on torch's own rendezvous state, with plain c10d's executor as
+    ddp_trainer.launch runs it. A complete round of two lost one agent to a SIGKILL: it could not leave, its
+    heartbeat is fresh, and the survivor already rejoined the wait list. Without rule 4 the round stays complete
+    until that heartbeat expires (60 s here). The agent of the recreated pod (the same DDPJOB_POD_INDEX) enters and,
+    in that same write, takes the dead agent out: the round is over and the survivor and the newcomer form the next
+    one at once. The old agent, should it still run, cannot take the place back."""
+    from datetime import timedelta
+
+    import pytest
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    from ddp_trainer import rendezvous
+
+    survivor, dead, newcomer = (dr._NodeDesc(f"10.0.0.{i}", 100 + i, 0) for i in range(3))
+    settings = dr.RendezvousSettings("run", 2, 2, dr.RendezvousTimeout(), timedelta(seconds=30), 2)
+
+    def after_the_loss(pod: str | None):
+        state = dr._RendezvousState()
+        state.round, state.complete = 5, True
+        state.participants = {dead: 1}
+        state.wait_list = {survivor}
+        state.last_heartbeats = {n: datetime.now(timezone.utc) for n in (survivor, dead)}
+        setattr(state, rendezvous._POD, {survivor: "0", dead: "1"})
+        return state, executor_of(newcomer, pod, state)
+
+    def executor_of(node, pod: str | None, state):
+        executor = rendezvous._executor_class(False)(node, None, settings)
+        executor._state, executor.pod = state, pod
+        return executor
+
+    def ask(state, node, op=None):
+        return (op or dr._RendezvousJoinOp())(dr._RendezvousContext(node, state, settings), time.monotonic() + 60)
+
+    # Without a pod (plain torchrun outside a DDPJob) the newcomer waits behind the dead agent.
+    state, executor = after_the_loss(None)
+    assert ask(state, newcomer) == dr._Action.ADD_TO_WAIT_LIST
+    executor._add_to_wait_list()
+    assert state.complete and dead in state.participants and state.round == 5
+
+    state, executor = after_the_loss("1")
+    assert ask(state, newcomer) == dr._Action.ADD_TO_WAIT_LIST
+    executor._add_to_wait_list()
+    assert not state.complete and state.round == 6, "the round the dead agent held is over"
+    assert dead not in state.participants and dead not in state.last_heartbeats
+    assert getattr(state, rendezvous._POD) == {survivor: "0", newcomer: "1"}
+    for node, pod in ((survivor, "0"), (newcomer, "1")):
+        assert ask(state, node) == dr._Action.ADD_TO_PARTICIPANTS
+        executor_of(node, pod, state)._add_to_participants()
+    assert state.complete and set(state.participants) == {survivor, newcomer}
+
+    # The old agent (a pod force-deleted on a node that lost its connection) cannot rejoin.
+    with pytest.raises(rendezvous.TakenOver, match="replaced by a newer agent of pod 1"):
+        rendezvous._not_taken_over(dr._RendezvousJoinOp(), True, "1")(
+            dr._RendezvousContext(dead, state, settings), time.monotonic() + 60)
+    assert rendezvous._not_taken_over(dr._RendezvousKeepAliveOp(), False, "1")(
+        dr._RendezvousContext(dead, state, settings), time.monotonic() + 60) == dr._Action.FINISH

@@ -1,7 +1,7 @@
 """`python -m ddp_trainer.launch` — torchrun, tuned for fast recovery.
 
 Takes exactly torchrun's arguments and `PET_*` variables (it *is* torchrun: torch's own parser, elastic agent and
-c10d rendezvous) and changes three things that cost seconds on every recovery (docs/recovery.md, "Where the seconds
+c10d rendezvous) and changes four things that cost seconds on every recovery (docs/recovery.md, "Where the seconds
 go"):
 
 1. **Workers fork from a warm process.** torchrun starts every worker as a fresh interpreter (`python -u -m
@@ -23,8 +23,12 @@ go"):
    attempts, 3 s by default). Here the signal also starts a thread that takes this node out of the round's
    participants, as the agent itself does before it rejoins, while the agent stops its workers; the agent waits
    up to LEAVE_TIMEOUT_S for it before it exits. With a hot spare waiting, the next round then forms as soon as
-   the survivors rejoin. A SIGKILL (OOM, node loss) still takes the heartbeat expiry. ``DDPJOB_LEAVE_ON_SIGNAL=0``
-   turns it off.
+   the survivors rejoin. ``DDPJOB_LEAVE_ON_SIGNAL=0`` turns it off.
+4. **A replacement takes its predecessor's place at once.** An agent killed without a signal it can catch (SIGKILL:
+   the OOM killer, a lost node, a container restarted in place) cannot leave; the round waited for its heartbeats to
+   expire. Here the rendezvous handler, ``c10d`` or ``ddpjob-c10d``, records each agent's pod (``DDPJOB_POD_INDEX``)
+   and the agent of a recreated pod takes the old agent of that pod out of the rendezvous when it enters it
+   (``ddp_trainer.rendezvous``, rule 4). ``DDPJOB_TAKE_OVER=0`` turns it off.
 
 CUDA stays correct: the agent and the forkserver import torch but never initialise CUDA (torch initialises it
 lazily, in the worker, after the fork); the forkserver is forked before torchrun parses its arguments, while the
@@ -49,6 +53,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from . import rendezvous
 from .env import FORKSERVER, LEAVE_ON_SIGNAL, RDZV_POLL, ConfigError, get_float, get_int, get_str
 
 # Imported once by the forkserver; every worker inherits them (copy-on-write) instead of importing them.
@@ -221,7 +226,9 @@ def _tune_torchrun(poll_s: float, leave_on_signal: bool = True) -> None:
 
     def get_rendezvous_handler(params: Any) -> Any:
         handler = torch_get_handler(params)
-        leaver.handlers.append(handler)
+        rendezvous.enable_take_over(handler, rendezvous.this_pod())  # item 4
+        if leave_on_signal:
+            leaver.handlers.append(handler)
         return handler
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -275,8 +282,8 @@ def _tune_torchrun(poll_s: float, leave_on_signal: bool = True) -> None:
     TorchLogsFormatter.format = format_without_dynamo
     MultiprocessContext._poll = poll_counting_clean_exits
     dynamic_rendezvous._delay = delay
+    registry.get_rendezvous_handler = get_rendezvous_handler
     if leave_on_signal:
-        registry.get_rendezvous_handler = get_rendezvous_handler
         mp_api._terminate_process_handler = on_signal
         launcher_api.launch_agent = launch_agent
 

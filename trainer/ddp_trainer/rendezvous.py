@@ -45,6 +45,18 @@ This backend is the c10d handler with these rules added:
    at the new size (the spares stay spares: places go by rule 2). Agents that read the file a little later take
    part in one more re-form; the size in the pod's ``PET_NNODES`` is only the starting value.
 
+4. A replacement takes its predecessor's place at once. An agent killed without a chance to leave (SIGKILL: the OOM
+   killer, a lost node, a container restarted in place) stays a participant until its heartbeats expire (keep-alive
+   interval x attempts), and the others cannot form the next round before that: seconds on every such loss. The
+   operator recreates a lost pod under the same name and ``DDPJOB_POD_INDEX``, and one pod runs one agent, so an agent
+   that enters the rendezvous records its pod (``DDPJOB_POD_INDEX``) in the shared state, and the same state write
+   takes any other agent recorded for that pod out of every list, as torch's heartbeat expiry would: the round no
+   longer waits for a dead agent. The agent taken out is remembered; should it still run (a pod force-deleted on a
+   node that lost its connection), its next join fails with a message saying a newer agent of its pod replaced it,
+   rather than taking the place back. Without ``DDPJOB_POD_INDEX`` (plain torchrun outside a DDPJob) nothing changes;
+   ``DDPJOB_TAKE_OVER=0`` turns the rule off. It applies to plain ``c10d`` too when ``ddp_trainer.launch`` runs the
+   agent (jobs without spares): the executor below, with rules 1-3 off.
+
 Everything else (heartbeats, admitting a redundant
 agent when a participant drops out, closing at the end) is torch's. A redundant agent still ends when a
 participant closes the rendezvous at the end of the training: torch raises RendezvousGracefulExitError there,
@@ -62,6 +74,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -80,6 +93,9 @@ log = logging.getLogger(__name__)
 
 _LAST = "ddpjob_last"    # state attribute: the participants of the last complete round
 _ORDER = "ddpjob_order"  # state attribute: node -> when (a counter) it first was a participant or redundant
+_POD = "ddpjob_pod"      # state attribute: node -> the pod (DDPJOB_POD_INDEX) its agent runs in (rule 4)
+_GONE = "ddpjob_gone"    # state attribute: the nodes a newer agent of their pod took out (rule 4), newest last
+GONE_KEPT = 64           # how many of those the state remembers
 
 
 def _priority(state: Any, node: Any) -> tuple[bool, float]:
@@ -189,18 +205,87 @@ def _priority_key(state: Any) -> Callable[[Any], tuple[float, str]]:
     return lambda node: (order.get(node, math.inf), repr(node))
 
 
-def _executor_class() -> type:
-    """torch's operation executor with this backend's join rules and state writes (a class made on use: torch is
-    imported lazily)."""
+def take_over(state: Any, me: Any, pod: str, settings: Any) -> list[Any]:
+    """Rule 4, in the state write of an agent that enters the rendezvous or sends a heartbeat: record that ``me`` runs
+    in ``pod`` and take every other agent recorded for that pod out of the rendezvous (as torch's heartbeat expiry
+    takes out a dead one: the lists, the heartbeats, and a complete round left without participants is over).
+    Returns the agents taken out."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    class Executor(dr._DistributedRendezvousOpExecutor):
-        size: _Size | None = None  # rule 3, set by create_handler
+    pods = {n: p for n, p in getattr(state, _POD, {}).items() if n in state.last_heartbeats}  # forget the expired
+    gone = [n for n, p in pods.items() if p == pod and n != me]
+    left_participants = False
+    for node in gone:
+        del pods[node]
+        del state.last_heartbeats[node]
+        if node in state.participants:
+            del state.participants[node]
+            left_participants = True
+        state.wait_list.discard(node)
+        state.redundancy_list.discard(node)
+    pods[me] = pod
+    setattr(state, _POD, pods)
+    if gone:
+        setattr(state, _GONE, [*getattr(state, _GONE, []), *gone][-GONE_KEPT:])
+        log.warning("%s: the agent of pod %s took its predecessor's place: %s", BACKEND, pod,
+                    ", ".join(str(n) for n in gone))
+    if left_participants:
+        dr._remove_participant_epilogue(state, settings)
+    return gone
 
-        def run(self, state_handler: Any, deadline: float, update_deadline: Any = None) -> None:
-            if isinstance(state_handler, dr._RendezvousJoinOp):
-                state_handler = _spare_aware(state_handler, self.size)
-            super().run(state_handler, deadline, update_deadline)
+
+class TakenOver(RuntimeError):
+    """This agent was taken out of the rendezvous by a newer agent of its pod (rule 4)."""
+
+
+def _not_taken_over(op: Callable[[Any, float], Any], joining: bool, pod: str) -> Callable[[Any, float], Any]:
+    """Rule 4 for the agent taken out: its join fails (it must not take the place back); its other operations
+    (heartbeats, leaving) have nothing left to do."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action
+
+    def checked(ctx: Any, deadline: float) -> Any:
+        if ctx.node not in getattr(ctx.state, _GONE, ()):
+            return op(ctx, deadline)
+        if joining:
+            raise TakenOver(f"{BACKEND}: agent {ctx.node} was replaced by a newer agent of pod {pod} (its pod was "
+                            f"recreated or its container restarted); this one stops")
+        return _Action.FINISH
+
+    return checked
+
+
+@functools.cache
+def _executor_class(spares: bool = True) -> type:
+    """torch's operation executor with this backend's rules: 1-3 (hot spares, ddpjob-c10d) when ``spares``, and rule 4
+    once ``pod`` is set (classes made on use: torch is imported lazily)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    if spares:
+        base = _executor_class(False)
+    else:
+        class Executor(dr._DistributedRendezvousOpExecutor):
+            spares = False  # rules 1-3
+            size: _Size | None = None  # rule 3, set by create_handler
+            pod: str | None = None  # rule 4: DDPJOB_POD_INDEX, set by enable_take_over
+
+            def run(self, state_handler: Any, deadline: float, update_deadline: Any = None) -> None:
+                joining = isinstance(state_handler, dr._RendezvousJoinOp)
+                if joining and self.spares:
+                    state_handler = _spare_aware(state_handler, self.size)
+                if self.pod is not None:
+                    state_handler = _not_taken_over(state_handler, joining, self.pod)
+                super().run(state_handler, deadline, update_deadline)
+
+            def _keep_alive(self) -> None:
+                # every write that enters a list or sends a heartbeat ends here (torch's add operations call it)
+                super()._keep_alive()
+                if self.pod is not None:
+                    take_over(self._state, self._node, self.pod, self._settings)
+
+        return Executor
+
+    class SpareExecutor(base):  # type: ignore[valid-type,misc]
+        spares = True
 
         def _add_to_participants(self) -> None:
             super()._add_to_participants()
@@ -223,7 +308,7 @@ def _executor_class() -> type:
             self._state.wait_list.add(self._node)
             self._keep_alive()
 
-    return Executor
+    return SpareExecutor
 
 
 def create_handler(params: Any) -> Any:
@@ -246,6 +331,7 @@ def create_handler(params: Any) -> Any:
                                f"use --rdzv-backend=c10d (without spares)")
     executor = _executor_class()(handler._this_node, handler._state_holder, handler._settings)
     handler._op_executor = executor
+    enable_take_over(handler, this_pod())
     handler._backend_name = BACKEND  # torchrun checks that the handler is of the backend it asked for
     size = executor.size = _Size(handler, os.environ.get(envmod.NODES_FILE))
     size.follow()
@@ -259,6 +345,37 @@ def create_handler(params: Any) -> Any:
 
     handler.num_nodes_waiting = num_nodes_waiting
     return handler
+
+
+def this_pod() -> str | None:
+    """The pod this agent runs in, for rule 4 (``DDPJOB_POD_INDEX``); None outside a DDPJob or with
+    ``DDPJOB_TAKE_OVER=0``."""
+    if os.environ.get(envmod.TAKE_OVER, "1").strip() == "0":
+        return None
+    return os.environ.get(envmod.POD_INDEX) or None
+
+
+def enable_take_over(handler: Any, pod: str | None) -> bool:
+    """Rule 4 on a dynamic rendezvous handler, c10d's or this backend's. False, and the handler unchanged, without a
+    pod or where the handler or this torch is not what it was written for."""
+    if pod is None:
+        return False
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    needed = ("_remove_participant_epilogue", "_DistributedRendezvousOpExecutor", "_RendezvousJoinOp", "_Action")
+    if not isinstance(handler, dr.DynamicRendezvousHandler) or not all(hasattr(dr, n) for n in needed) or \
+            not all(hasattr(handler, a) for a in ("_op_executor", "_this_node", "_state_holder", "_settings")):
+        log.warning("%s: a replacement cannot take its predecessor's place here (not torch's dynamic rendezvous); "
+                    "it waits for the predecessor's heartbeats to expire", BACKEND)
+        return False
+    executor = handler._op_executor
+    if not isinstance(executor, _executor_class(False)):
+        if type(executor) is not dr._DistributedRendezvousOpExecutor:
+            return False
+        executor = _executor_class(False)(handler._this_node, handler._state_holder, handler._settings)
+        handler._op_executor = executor
+    executor.pod = pod
+    return True
 
 
 def get_handler() -> Callable[[Any], Any]:
