@@ -75,7 +75,7 @@ kind-e2e: ## for users with Docker: the e2e suite on kind
 # Every bench-* target prints its JSON and records it in docs/bench/<name>.json (commit, date, machine);
 # `make bench-report` writes the README's Measured table and docs/recovery.md's baselines from those files.
 bench-trainer-recovery: ## trainer recovery vs stock torchrun (JSON, docs/bench/trainer_recovery.json)
-	$(PY) tests/benchmarks/trainer_recovery.py --record
+	$(PY) tests/benchmarks/trainer_recovery.py --compare-env DDPJOB_TAKE_OVER=0 --record
 
 bench-baselines: ## stock torchrun as a skilled user sets it up, node kills on loopback (docs/bench/baselines.json)
 	$(PY) tests/benchmarks/baselines.py --record

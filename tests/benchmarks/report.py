@@ -87,7 +87,14 @@ def trainer_recovery(doc: Doc) -> str:
     return (f"p50 {_n(r.get('recovery_s_p50'), ' s')}, max {_n(r.get('recovery_s_max'), ' s')}, "
             f"kills: {r.get('kills')}, {'survived' if r.get('survived') else 'did not survive'}, "
             f"steps lost (max) {_n(r.get('steps_lost_max'))}, final weights "
-            f"{'bitwise equal' if r.get('bitwise_equal') else 'NOT bitwise equal'}")
+            f"{'bitwise equal' if r.get('bitwise_equal') else 'NOT bitwise equal'}" + _compared(r.get("compare")))
+
+
+def _compared(c: dict | None) -> str:
+    if not c:
+        return ""
+    env = ", ".join(f"`{k}={v}`" for k, v in c["env"].items())
+    return f"; same run with {env}: p50 {_n(c.get('recovery_s_p50'), ' s')}"
 
 
 def trainer_baseline(doc: Doc) -> str:

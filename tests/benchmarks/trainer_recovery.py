@@ -18,7 +18,7 @@ Steps lost: ddp_trainer.testing.steps_lost (highest step any rank logged before 
 restored step; never clamped). Prints one JSON object as its last line; --record also writes
 docs/bench/trainer_recovery.json.
 
-    .venv/bin/python tests/benchmarks/trainer_recovery.py [--quick] [--kills 5] [--record]
+    .venv/bin/python tests/benchmarks/trainer_recovery.py [--quick] [--kills 5] [--compare-env K=V,...] [--record]
 """
 
 from __future__ import annotations
@@ -54,11 +54,12 @@ def reference_digest(work: Path, epochs: int) -> str:
         return c.events("final")[-1]["weights_sha256"]
 
 
-def ours(work: Path, kills: int, epochs: int, every: int, delay: float, launcher: str) -> dict:
-    env = {"DDPJOB_CHECKPOINT_DIR": str(work / "ours-ckpt"), "DDPJOB_CHECKPOINT_EVERY": "10"}
+def ours(work: Path, kills: int, epochs: int, every: int, delay: float, launcher: str,
+         extra_env: dict[str, str] | None = None, name: str = "ours") -> dict:
+    env = {"DDPJOB_CHECKPOINT_DIR": str(work / f"{name}-ckpt"), "DDPJOB_CHECKPOINT_EVERY": "10", **(extra_env or {})}
     args = [*DIGITS, "--epochs", str(epochs), "--step-delay", str(delay)]
     results = []
-    with LocalCluster(work / "ours", args=args, env=env, rdzv_id="bench-ours", store_process=True,
+    with LocalCluster(work / name, args=args, env=env, rdzv_id=f"bench-{name}", store_process=True,
                       launcher=launcher) as c:
         c.start_store()
         host = c.start_node(env={POD_INDEX: "0"})
@@ -120,6 +121,9 @@ def main() -> int:
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--baseline-wait", type=float, default=150.0, help="seconds to wait for the baseline to resume")
     p.add_argument("--launcher", default="ddp_trainer.launch", help="the agent of our nodes (python -m LAUNCHER)")
+    p.add_argument("--compare-env", metavar="KEY=VALUE,...", default="",
+                   help="also run our kills with this environment added, in the same run (`compare`), e.g. "
+                        "DDPJOB_TAKE_OVER=0")
     results.add_record_arg(p)
     opts = p.parse_args()
     kills = 1 if opts.quick else max(opts.kills, 1)
@@ -132,6 +136,8 @@ def main() -> int:
         work = Path(tmp)
         ref = reference_digest(work, epochs)
         mine = ours(work, kills, epochs, every, delay, opts.launcher)
+        compare_env = dict(kv.split("=", 1) for kv in opts.compare_env.split(",") if kv)
+        other = ours(work, kills, epochs, every, delay, opts.launcher, compare_env, "compare") if compare_env else None
         base = baseline(work, epochs, every, delay, wait)
     times = [r["recovery_s"] for r in mine["recoveries"]]
     result = {
@@ -156,6 +162,15 @@ def main() -> int:
             k: round(statistics.median(r[k] for r in mine["recoveries"]), 3)
             for k in ("until_process_group_s", "until_restored_s", "first_step_s")
         },
+        **({"compare": {
+            "env": compare_env,
+            "survived": other["survived"],
+            "bitwise_equal": other["digest"] == ref,
+            "recovery_s_p50": round(statistics.median(r["recovery_s"] for r in other["recoveries"]), 3),
+            "recovery_s": [r["recovery_s"] for r in other["recoveries"]],
+            "until_process_group_s_p50": round(statistics.median(r["until_process_group_s"]
+                                                                 for r in other["recoveries"]), 3),
+        }} if other else {}),
         "baselines": recorded_baselines(),
         "loadavg_1m": [load_start, round(os.getloadavg()[0], 2)],
         "cpus": os.cpu_count(),
