@@ -880,6 +880,13 @@ def owner() -> dict | None:
             "components": sorted({name for _, name in running[repo]})}
 
 
+def audit_log() -> Path:
+    """The API server's audit log of the embedded cluster running on this host: in the owning checkout, which is not
+    this one when this checkout reuses another's cluster."""
+    o = owner()
+    return Path(o["repo"]) / AUDIT_LOG.relative_to(REPO) if o else AUDIT_LOG
+
+
 def _other_owner() -> dict | None:
     o = owner()
     return o if o and Path(o["repo"]).resolve() != REPO.resolve() else None

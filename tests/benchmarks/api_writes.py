@@ -177,7 +177,7 @@ def main() -> int:
     a = parse_args()
     cluster = h.connect()
     k = h.Kubectl(cluster.kubeconfig)
-    audit = a.audit_log or (h.embedded.AUDIT_LOG if cluster.embedded else None)
+    audit = a.audit_log or (h.embedded.audit_log() if cluster.embedded else None)
     if audit is None or not Path(audit).exists():
         print(json.dumps({"error": "no API audit log: pass --audit-log (the embedded cluster writes "
                                    ".cluster/logs/audit.log)"}))
