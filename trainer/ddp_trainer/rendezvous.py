@@ -350,9 +350,9 @@ def create_handler(params: Any) -> Any:
 def this_pod() -> str | None:
     """The pod this agent runs in, for rule 4 (``DDPJOB_POD_INDEX``); None outside a DDPJob or with
     ``DDPJOB_TAKE_OVER=0``."""
-    if os.environ.get(envmod.TAKE_OVER, "1").strip() == "0":
+    if envmod.get_int(envmod.TAKE_OVER, 1, minimum=0) == 0:
         return None
-    return os.environ.get(envmod.POD_INDEX) or None
+    return envmod.get_str(envmod.POD_INDEX, None)
 
 
 def enable_take_over(handler: Any, pod: str | None) -> bool:
