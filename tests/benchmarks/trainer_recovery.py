@@ -100,6 +100,11 @@ def baseline(work: Path, epochs: int, kill_step: int, delay: float, wait_s: floa
         return {"survived": set(rcs.values()) == {0}, **rec}
 
 
+def _p50(run: dict, key: str) -> float:
+    """The median of one measure over a run's recoveries."""
+    return round(statistics.median(r[key] for r in run["recoveries"]), 3)
+
+
 def recorded_baselines() -> dict | None:
     """The committed results of `make bench-baselines`: per configuration survival, p50 and steps lost."""
     doc = results.load("baselines")
@@ -143,7 +148,7 @@ def main() -> int:
     result = {
         "kills": len(times),
         "launcher": opts.launcher,
-        "recovery_s_p50": round(statistics.median(times), 3),
+        "recovery_s_p50": _p50(mine, "recovery_s"),
         "recovery_s_max": round(max(times), 3),
         # None if a recovery had no step line before its restore (unmeasured): never read as 0
         "steps_lost_max": None if any(r["steps_lost"] is None for r in mine["recoveries"])
@@ -159,17 +164,16 @@ def main() -> int:
         "baseline_steps_lost": base.get("steps_lost"),
         "baseline_waited_s": base.get("waited_s"),
         "phases_s_p50": {
-            k: round(statistics.median(r[k] for r in mine["recoveries"]), 3)
+            k: _p50(mine, k)
             for k in ("until_process_group_s", "until_restored_s", "first_step_s")
         },
         **({"compare": {
             "env": compare_env,
             "survived": other["survived"],
             "bitwise_equal": other["digest"] == ref,
-            "recovery_s_p50": round(statistics.median(r["recovery_s"] for r in other["recoveries"]), 3),
+            "recovery_s_p50": _p50(other, "recovery_s"),
             "recovery_s": [r["recovery_s"] for r in other["recoveries"]],
-            "until_process_group_s_p50": round(statistics.median(r["until_process_group_s"]
-                                                                 for r in other["recoveries"]), 3),
+            "until_process_group_s_p50": _p50(other, "until_process_group_s"),
         }} if other else {}),
         "baselines": recorded_baselines(),
         "loadavg_1m": [load_start, round(os.getloadavg()[0], 2)],
