@@ -11,6 +11,8 @@ Three sources, each read from the code rather than restated:
   watch; resources with change-detecting handlers (on.create/update/resume...) also need patch, for kopf's
   bookkeeping annotations.
 - What kopf and the API server need beyond those calls, each stated once below with its reason.
+The Kueue integration's needs (custom-object calls on the Kueue group, the Workload watch that
+handlers.enable_kueue registers) are apart: the chart grants them only with kueue.enabled.
 
 A rule is (apiGroup, resource, verb).
 """
@@ -34,9 +36,10 @@ API_GROUPS = {
     "CustomObjectsApi": None,  # the group is the DDPJob's (names.GROUP)
 }
 # Client method prefixes -> RBAC verbs.
-VERBS = {"create": "create", "read": "get", "replace": "update", "patch": "patch", "delete": "delete",
+VERBS = {"create": "create", "read": "get", "get": "get", "replace": "update", "patch": "patch", "delete": "delete",
          "list": "list", "delete_collection": "deletecollection"}
-_METHOD = re.compile(r"^(delete_collection|create|read|replace|patch|delete|list)_(namespaced_)?(.+?)(_status)?$")
+_METHOD = re.compile(r"^(delete_collection|create|read|get|replace|patch|delete|list)_(namespaced_|cluster_)?(.+?)"
+                     r"(_status)?$")
 # Change-detecting kopf handlers: kopf patches the object to record progress and the last handled state.
 _PATCHING_HANDLERS = {"create", "update", "resume", "delete", "field"}
 
@@ -54,6 +57,7 @@ class Needs:
     namespaced: set[tuple[str, str, str]] = field(default_factory=set)  # in every watched namespace
     cluster: set[tuple[str, str, str]] = field(default_factory=set)     # only a ClusterRole can grant
     leader: set[tuple[str, str, str]] = field(default_factory=set)      # the Lease, release namespace
+    kueue: set[tuple[str, str, str]] = field(default_factory=set)       # only with the Kueue integration
     calls: list[str] = field(default_factory=list)                      # every client call found
 
 
@@ -96,16 +100,23 @@ def _client_calls(needs: Needs, names) -> None:
             if not m:
                 raise AssertionError(f"k8s.py calls {cls}.{method}: not a verb_resource client method")
             verb, namespaced, resource, status = m.groups()
+            namespaced = namespaced if namespaced != "cluster_" else None
             group = API_GROUPS[cls]
-            if cls == "CustomObjectsApi":  # every custom object the operator touches is a DDPJob
-                group, resource, namespaced = names.GROUP, names.PLURAL, namespaced or ""
+            kueue = False
+            if cls == "CustomObjectsApi":  # (group, version, [namespace,] plural, ...) as names.* constants
+                scope = {"names": names}
+                group = eval(compile(ast.Expression(call.args[0]), "<rbac>", "eval"), scope)
+                resource = eval(compile(ast.Expression(call.args[3 if namespaced else 2]), "<rbac>", "eval"), scope)
+                kueue = group == names.KUEUE_GROUP
             else:
                 resource = plural(resource)
             if status:
                 resource += "/status"
             rule = (group, resource, VERBS[verb])
             needs.calls.append(f"{fn.name}: {cls}.{method}")
-            if fn.name in leader:
+            if kueue:
+                needs.kueue.add(rule)
+            elif fn.name in leader:
                 needs.leader.add(rule)
             elif namespaced:
                 needs.namespaced.add(rule)
@@ -158,9 +169,14 @@ def needs() -> Needs:
     from ddp_operator import labels, names
     from ddp_operator.spec import parse_job
 
+    from ddp_operator import handlers
+
     n = Needs()
     _client_calls(n, names)
     _kopf_registrations(n)
+    # handlers.enable_kueue registers an index and an event handler on the Workloads (no decorators to read).
+    group, _, res = handlers.WORKLOADS
+    n.kueue |= {(group, res, "list"), (group, res, "watch")}
     # Children carry owner references with blockOwnerDeletion; where the OwnerReferencesPermissionEnforcement
     # admission plugin is on, setting it needs update on the owner's finalizers subresource.
     job = parse_job({"metadata": {"name": "j", "namespace": "n", "uid": "u"},

@@ -53,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="labels of the operator's own pods, k=v[,k=v]: the jobs' NetworkPolicies let these pods "
                         "(in $POD_NAMESPACE) reach the progress port (env DDP_OPERATOR_POD_LABELS); empty when "
                         "the operator runs outside the cluster")
+    p.add_argument("--kueue", choices=("true", "false"), default=_env("DDP_OPERATOR_KUEUE", "false").lower(),
+                   help="run DDPJobs labelled kueue.x-k8s.io/queue-name behind Kueue: one Workload per job, pods "
+                        "only while Kueue admits it (env DDP_OPERATOR_KUEUE); needs Kueue's CRDs and RBAC for "
+                        "workloads, resourceflavors and workloadpriorityclasses")
     p.add_argument("--version", action="version", version=f"ddp-operator {__version__}")
     args = p.parse_args(argv)
     if args.namespace is None:
@@ -126,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     from ddp_operator import handlers  # registers the kopf handlers
 
     handlers.NETWORK_POLICY = network_policy_config(args)
+    if args.kueue == "true":
+        handlers.enable_kueue()
 
     metrics.serve(args.metrics_port)
     if args.leader_elect:

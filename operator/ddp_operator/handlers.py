@@ -48,12 +48,14 @@ from kubernetes.client.exceptions import ApiException
 
 from ddp_operator import hang as hangmod
 from ddp_operator import metrics, names, progress
+from ddp_operator.kueue import WorkloadState, observe_workload
 from ddp_operator import crd as crd_defaults
 from ddp_operator.k8s import ChildConflict, describe_error
 from ddp_operator.netpol import NetworkPolicyConfig
 from ddp_operator.observed import NodeState, PodState, observe_pod
 from ddp_operator.plan import (
-    CREATE, DELETE, DELETE_JOB, FORCE_DELETE, PATCH, Observed, Plan, invalid, node_lost_candidates, plan, stuck_pods,
+    CREATE, DELETE, DELETE_JOB, FORCE_DELETE, PATCH, PATCH_STATUS, Observed, Plan, invalid, node_lost_candidates, plan,
+    stuck_pods,
 )
 from ddp_operator.spec import SpecError, parse_job
 from ddp_operator.status import last_recovery, newer_progress, progress_status
@@ -75,6 +77,8 @@ CREATE_BACKOFF_INITIAL_SECONDS = 1.0
 CREATE_BACKOFF_MAX_SECONDS = 60.0
 # How long a node's state read for the node-loss rule is reused (one read per node, not per pod or pass).
 NODE_CACHE_SECONDS = 5.0
+# How long a ResourceFlavor read for a Kueue admission is reused (flavors rarely change).
+FLAVOR_CACHE_SECONDS = 30.0
 # Status fields that only count pods: a change in them alone may wait a moment to be batched.
 _COUNT_FIELDS = frozenset({"nodes", "nodesReady", "message"})
 
@@ -110,9 +114,11 @@ def create_backoff(attempts: int) -> float:
 class Reconciler:
     """Per-process state of the shell; every method is safe to call from kopf's worker threads."""
 
-    def __init__(self, api: Any, network_policy: NetworkPolicyConfig = NetworkPolicyConfig()):
+    def __init__(self, api: Any, network_policy: NetworkPolicyConfig = NetworkPolicyConfig(), kueue: bool = False):
         self.api = api
         self.network_policy = network_policy
+        self.kueue = kueue  # the Kueue integration (kueue.py) is on: Workloads are watched and written
+        self._flavors: dict[str, tuple[Mapping[str, Any] | None, float]] = {}  # ResourceFlavor -> (spec, when read)
         # NetworkPolicies created but not yet seen by the watch (key -> uid, when): not created twice.
         self._policies_created: dict[tuple[str, str], tuple[str, float]] = {}
         self._locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
@@ -144,7 +150,7 @@ class Reconciler:
         """Remember kopf's index objects (the same for every handler call) for the ticker."""
         if self.indexes is None and "ddpjobs_by_key" in kwargs:
             self.indexes = {k: kwargs[k] for k in ("ddpjobs_by_key", "pods_by_job", "services_by_job",
-                                                   "network_policies_by_job")}
+                                                   "network_policies_by_job", "workloads_by_job") if k in kwargs}
 
     def _values(self, index: str, key: tuple[str, str]) -> list:
         if self.indexes is None:
@@ -371,7 +377,8 @@ class Reconciler:
         observed = Observed(pods=pods, service_exists=bool(self._values("services_by_job", key)),
                             node_ready=node_ready, network_policy_exists=bool(policies),
                             network_policy_uid=policies[0] if policies else None, conflicts=conflicts,
-                            hang_reports=hang_reports, refusals=refusals, nodes=nodes)
+                            hang_reports=hang_reports, refusals=refusals, nodes=nodes,
+                            **(self._observe_kueue(key, uid, job.priority_class) if job.queue_name else {}))
         result = plan(job, prev, observed, now, self.network_policy)
         # Status first: a failure is on record (by pod UID) before the pod is deleted, so a crash between
         # the two never counts it twice.
@@ -442,6 +449,8 @@ class Reconciler:
                     elif action.kind == "NetworkPolicy":
                         with self._guard:
                             self._policies_created[key] = (created["metadata"].get("uid"), time.monotonic())
+            elif action.kind == names.WORKLOAD_KIND:
+                self._workload_write(namespace, key, action)
             elif action.verb == DELETE and action.kind == "NetworkPolicy":
                 log.info("[%s/%s] deleting NetworkPolicy %s", *key, action.name)
                 self.api.delete_network_policy(namespace, action.name, action.uid)
@@ -500,6 +509,40 @@ class Reconciler:
                 del known[name]
         if stale:
             self.wake(key, 0.0)
+
+    # --- Kueue ----------------------------------------------------------------------------------------
+    def _observe_kueue(self, key: tuple[str, str], uid: str, priority_class: str | None) -> dict[str, Any]:
+        """Observed's Kueue fields for a job with a queue name: its Workload, the flavors its admission names and,
+        while it has no Workload yet, its WorkloadPriorityClass."""
+        if not self.kueue:
+            return {"kueue": False}
+        owned = [observe_workload(w) for w in self._values("workloads_by_job", key) if _owned_by(w, uid)]
+        workload: WorkloadState | None = owned[0] if owned else None
+        flavors = {f: self._flavor(f) for f in workload.flavor_names()} if workload and workload.admitted else {}
+        priority = (self.api.workload_priority(priority_class) if priority_class and workload is None else None)
+        return {"kueue": True, "workload": workload, "flavors": flavors, "priority": priority}
+
+    def _flavor(self, name: str) -> Mapping[str, Any] | None:
+        now = time.monotonic()
+        with self._guard:
+            cached = self._flavors.get(name)
+        if cached is not None and now - cached[1] < FLAVOR_CACHE_SECONDS:
+            return cached[0]
+        spec = self.api.resource_flavor(name)
+        with self._guard:
+            self._flavors[name] = (spec, now)
+        return spec
+
+    def _workload_write(self, namespace: str, key: tuple[str, str], action: Any) -> None:
+        if action.verb == DELETE:
+            log.info("[%s/%s] deleting Kueue workload %s", *key, action.name)
+            self.api.delete_workload(namespace, action.name, action.uid)
+            return
+        status = action.verb == PATCH_STATUS
+        log.info("[%s/%s] %s Kueue workload %s: %s", *key, "updating the status of" if status else "patching",
+                 action.name, action.body.get("status", action.body.get("spec")))
+        if not self.api.patch_workload(namespace, action.name, action.uid, action.body, status=status):
+            self.wake(key, RETRY_SECONDS)  # Kueue wrote in between (or it is gone): decided again on fresh state
 
     # --- nodes ----------------------------------------------------------------------------------------
     def _node_state(self, name: str) -> NodeState | None:
@@ -706,13 +749,14 @@ class Reconciler:
 RECONCILER: Reconciler | None = None
 # Set by __main__ from its flags before kopf starts.
 NETWORK_POLICY = NetworkPolicyConfig()
+KUEUE = False  # enable_kueue() sets it
 
 
 def reconciler() -> Reconciler:
     global RECONCILER
     if RECONCILER is None:
         from ddp_operator.k8s import Api
-        RECONCILER = Reconciler(Api(), NETWORK_POLICY)
+        RECONCILER = Reconciler(Api(), NETWORK_POLICY, kueue=KUEUE)
     return RECONCILER
 
 
@@ -735,6 +779,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.label_selectors["v1", "pods"] = names.LABEL_JOB_NAME
     settings.watching.label_selectors["v1", "services"] = names.LABEL_JOB_NAME
     settings.watching.label_selectors[NETWORK_POLICIES] = names.LABEL_JOB_NAME
+    if KUEUE:
+        settings.watching.label_selectors[names.KUEUE_API_VERSION, names.WORKLOAD_PLURAL] = names.LABEL_JOB_NAME
     settings.execution.max_workers = 16
     settings.networking.request_timeout = 60
     r = reconciler()
@@ -811,3 +857,30 @@ def on_pod(event: Mapping[str, Any], namespace: str, labels: Mapping[str, str], 
         r.reconcile(*key)
     except Exception:
         pass  # logged, and a wake-up is scheduled
+
+
+# --- Kueue (only with --kueue: without Kueue's CRDs or the RBAC for them there is nothing to watch) ---------
+WORKLOADS = (names.KUEUE_GROUP, names.KUEUE_VERSION, names.WORKLOAD_PLURAL)
+
+
+def workloads_by_job(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict:
+    return {(namespace, labels[names.LABEL_JOB_NAME]): copy.deepcopy(dict(body))}
+
+
+def on_workload(namespace: str, labels: Mapping[str, str], **kwargs: Any) -> None:
+    """Kueue admitted, evicted or changed a job's Workload: a pass for its job."""
+    r = reconciler()
+    r.bind(kwargs)
+    try:
+        r.reconcile(namespace, labels[names.LABEL_JOB_NAME])
+    except Exception:
+        pass  # logged, and a wake-up is scheduled
+
+
+def enable_kueue(registry: kopf.OperatorRegistry | None = None) -> None:
+    """Turn the Kueue integration on (before kopf starts): watch the Workloads the operator owns."""
+    global KUEUE
+    KUEUE = True
+    registry = registry or kopf.get_default_registry()
+    kopf.index(*WORKLOADS, labels=OWNED, registry=registry)(workloads_by_job)
+    kopf.on.event(*WORKLOADS, labels=OWNED, registry=registry)(on_workload)

@@ -24,6 +24,7 @@ from ddp_operator import metrics, names
 from ddp_operator.observed import NodeState, observe_node
 
 log = logging.getLogger(__name__)
+
 MERGE_PATCH = "application/merge-patch+json"
 REQUEST_TIMEOUT_SECONDS = 30.0
 
@@ -82,6 +83,9 @@ class Api:
                 return self._dict(self.core.create_namespaced_service(ns, body, _request_timeout=t))
             if kind == "NetworkPolicy":
                 return self._dict(self.networking.create_namespaced_network_policy(ns, body, _request_timeout=t))
+            if kind == names.WORKLOAD_KIND:
+                return dict(self.custom.create_namespaced_custom_object(
+                    names.KUEUE_GROUP, names.KUEUE_VERSION, ns, names.WORKLOAD_PLURAL, body, _request_timeout=t))
             raise ValueError(f"unsupported kind {kind}")
         except ApiException as e:
             if e.status == 409:
@@ -95,18 +99,29 @@ class Api:
         """After a 409: fine if the existing object is ours, ChildConflict if it belongs to anything else."""
         meta, kind = body["metadata"], body["kind"]
         try:
-            existing = self._read_child(kind, meta["namespace"], meta["name"])
+            refs = self._child_owners(kind, meta["namespace"], meta["name"])
         except ApiException as e:
             if e.status == 404:
                 return  # gone meanwhile: the next pass creates it
             raise
-        if existing is None:
+        if refs is None:
             return
         ours = {o["uid"] for o in meta.get("ownerReferences") or []}
-        refs = existing.metadata.owner_references or []
-        if not ours or any(o.uid in ours for o in refs):
+        if not ours or any(o["uid"] in ours for o in refs):
             return
-        raise ChildConflict(kind, meta["namespace"], meta["name"], [f"{o.kind} {o.name}" for o in refs])
+        raise ChildConflict(kind, meta["namespace"], meta["name"], [f"{o['kind']} {o['name']}" for o in refs])
+
+    def _child_owners(self, kind: str, namespace: str, name: str) -> list[dict] | None:
+        """The owner references of an existing child (uid, kind, name); None if it is gone."""
+        if kind == names.WORKLOAD_KIND:
+            found = self.custom.get_namespaced_custom_object(names.KUEUE_GROUP, names.KUEUE_VERSION, namespace,
+                                                             names.WORKLOAD_PLURAL, name,
+                                                             _request_timeout=REQUEST_TIMEOUT_SECONDS)
+            return list((found.get("metadata") or {}).get("ownerReferences") or [])
+        existing = self._read_child(kind, namespace, name)
+        if existing is None:
+            return None
+        return [{"uid": o.uid, "kind": o.kind, "name": o.name} for o in existing.metadata.owner_references or []]
 
     def _read_child(self, kind: str, namespace: str, name: str) -> Any:
         t = REQUEST_TIMEOUT_SECONDS
@@ -167,6 +182,63 @@ class Api:
         except ApiException as e:
             if e.status not in (404, 409):
                 raise
+
+    # --- Kueue (kueue.py) -------------------------------------------------------------------------
+    def delete_workload(self, namespace: str, name: str, uid: str | None) -> None:
+        metrics.API_WRITES.labels("delete", names.WORKLOAD_KIND).inc()
+        try:
+            self.custom.delete_namespaced_custom_object(
+                names.KUEUE_GROUP, names.KUEUE_VERSION, namespace, names.WORKLOAD_PLURAL, name,
+                body={"preconditions": {"uid": uid}} if uid else {}, _request_timeout=REQUEST_TIMEOUT_SECONDS)
+        except ApiException as e:
+            if e.status not in (404, 409):
+                raise
+
+    def patch_workload(self, namespace: str, name: str, uid: str | None, patch: Mapping[str, Any], *,
+                       status: bool = False) -> bool:
+        """Merge-patch a Workload's spec (or, with `status`, its status subresource). The patch may carry a
+        resourceVersion (optimistic: False when Kueue wrote in between; the next pass computes it again)."""
+        metrics.API_WRITES.labels("patch-status" if status else "patch", names.WORKLOAD_KIND).inc()
+        body = {**patch, "metadata": {**(patch.get("metadata") or {}), **({"uid": uid} if uid else {})}}
+        try:
+            if status:
+                self.custom.patch_namespaced_custom_object_status(
+                    names.KUEUE_GROUP, names.KUEUE_VERSION, namespace, names.WORKLOAD_PLURAL, name, body,
+                    _content_type=MERGE_PATCH, _request_timeout=REQUEST_TIMEOUT_SECONDS)
+            else:
+                self.custom.patch_namespaced_custom_object(
+                    names.KUEUE_GROUP, names.KUEUE_VERSION, namespace, names.WORKLOAD_PLURAL, name, body,
+                    _content_type=MERGE_PATCH, _request_timeout=REQUEST_TIMEOUT_SECONDS)
+            return True
+        except ApiException as e:
+            if e.status in (404, 409):
+                return False
+            raise
+
+    def resource_flavor(self, name: str) -> Mapping[str, Any] | None:
+        """A ResourceFlavor's spec (node labels, tolerations), or None if there is none."""
+        try:
+            found = self.custom.get_cluster_custom_object(names.KUEUE_GROUP, names.KUEUE_VERSION,
+                                                          names.RESOURCE_FLAVOR_PLURAL, name,
+                                                          _request_timeout=REQUEST_TIMEOUT_SECONDS)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        return dict(found.get("spec") or {})
+
+    def workload_priority(self, name: str) -> tuple[str, int] | str:
+        """A WorkloadPriorityClass as (name, value), or why it cannot be used."""
+        try:
+            found = self.custom.get_cluster_custom_object(
+                names.KUEUE_GROUP, names.KUEUE_VERSION, names.WORKLOAD_PRIORITY_CLASS_PLURAL, name,
+                _request_timeout=REQUEST_TIMEOUT_SECONDS)
+        except ApiException as e:
+            if e.status == 404:
+                return (f"WorkloadPriorityClass {name} (metadata.labels[{names.LABEL_PRIORITY_CLASS}]) does not "
+                        f"exist; create it or remove the label")
+            raise
+        return name, int(found.get("value") or 0)
 
     # --- the DDPJob -------------------------------------------------------------------------------
     def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:

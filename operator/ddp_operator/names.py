@@ -193,3 +193,38 @@ ATTEMPTS_HISTORY = 20
 # status.recordedPods holds the UIDs of ended pods that still exist: at most two groups' pods at once
 # (the old group being deleted while the new one starts), each up to MAX_NODES trainers and a store.
 MAX_RECORDED_PODS = 2 * (MAX_NODES + 1)
+
+# --- Kueue (kueue.py): the DDPJob as one Kueue Workload ---------------------------------------------
+KUEUE_GROUP = "kueue.x-k8s.io"
+KUEUE_VERSION = "v1beta2"
+KUEUE_API_VERSION = f"{KUEUE_GROUP}/{KUEUE_VERSION}"
+WORKLOAD_KIND = "Workload"
+WORKLOAD_PLURAL = "workloads"
+RESOURCE_FLAVOR_PLURAL = "resourceflavors"
+WORKLOAD_PRIORITY_CLASS_KIND = "WorkloadPriorityClass"
+WORKLOAD_PRIORITY_CLASS_PLURAL = "workloadpriorityclasses"
+# The labels a user puts on the DDPJob, as on any Kueue-managed job.
+LABEL_QUEUE_NAME = f"{KUEUE_GROUP}/queue-name"
+LABEL_PRIORITY_CLASS = f"{KUEUE_GROUP}/priority-class"
+# Kueue's own label on a workload: the UID of the job it stands for.
+LABEL_KUEUE_JOB_UID = f"{KUEUE_GROUP}/job-uid"
+# The workload's pod sets: the trainer pods (nodes + spares) and the rendezvous store pod.
+POD_SET_TRAINER = "trainer"
+POD_SET_RDZV = "rdzv"
+# Workload condition types and reasons (Kueue's API).
+WL_QUOTA_RESERVED = "QuotaReserved"
+WL_ADMITTED = "Admitted"
+WL_EVICTED = "Evicted"
+WL_FINISHED = "Finished"
+WL_REQUEUED = "Requeued"
+WL_REASON_PENDING = "Pending"
+WL_REASON_NO_RESERVATION = "NoReservation"
+WL_REASON_SUCCEEDED = "Succeeded"
+WL_REASON_FAILED = "Failed"
+# Evictions after which Kueue expects the Requeued condition True (its job framework does the same).
+WL_REQUEUED_EVICTIONS = ("Preempted", "NodeFailures")
+# DDPJob condition Suspended reasons while Kueue holds the job.
+REASON_QUEUED = "Queued"
+REASON_ADMITTED = "Admitted"
+REASON_EVICTED = "Evicted"
+REASON_QUEUE_DISABLED = "KueueIntegrationDisabled"

@@ -76,6 +76,10 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users):
   Unknown) for failurePolicy.nodeLostTimeoutSeconds, or on a node that no longer exists, is force-deleted and
   handled as a disruption (reason NodeLost) by the ordinary failure rules; nodes of unknown state (no RBAC) are
   left alone. The shell reads the nodes of the pods `node_lost_candidates` names.
+- Kueue (kueue.py states its rules): a job with the label kueue.x-k8s.io/queue-name runs only while Kueue admits
+  its Workload; until then, and after an eviction, it is held like a suspended job (phase Suspended, condition
+  Suspended reason Queued or Evicted; an eviction is a disruption). Its pods get the admitted flavors' node
+  labels and tolerations. A finished job marks its Workload Finished.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ from datetime import datetime, timedelta
 from typing import Any, Mapping
 
 from ddp_operator import hang as hangmod
+from ddp_operator import kueue as kueuemod
 from ddp_operator import names
 from ddp_operator import spares as sparesmod
 from ddp_operator.env import rdzv_endpoint, rdzv_id
@@ -105,12 +110,13 @@ DELETE = "delete"
 FORCE_DELETE = "force-delete"
 DELETE_JOB = "delete-job"
 PATCH = "patch"
+PATCH_STATUS = "patch-status"
 
 
 @dataclass(frozen=True)
 class Action:
-    verb: str            # create | delete | force-delete | delete-job | patch
-    kind: str            # Pod | Service | NetworkPolicy | DDPJob
+    verb: str            # create | delete | force-delete | delete-job | patch | patch-status
+    kind: str            # Pod | Service | NetworkPolicy | DDPJob | Workload
     name: str
     body: Mapping[str, Any] | None = None  # the object to create, or the merge patch
     uid: str | None = None  # precondition for deletes and patches: never touch a newer pod of the same name
@@ -136,6 +142,13 @@ class Observed:
     refusals: Mapping[str, str] = field(default_factory=dict)
     # Nodes of node_lost_candidates: their state, or None when unknown (no permission to read Nodes).
     nodes: Mapping[str, NodeState | None] = field(default_factory=dict)
+    # Kueue (kueue.py), for jobs with a queue name: whether the operator runs its Kueue integration, the job's
+    # Workload, the ResourceFlavors its admission names (name -> spec, None: not found) and the job's
+    # WorkloadPriorityClass (name, value), None without one, or why it cannot be read.
+    kueue: bool = False
+    workload: kueuemod.WorkloadState | None = None
+    flavors: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
+    priority: tuple[str, int] | str | None = None
 
 
 @dataclass(frozen=True)
@@ -196,6 +209,7 @@ class _Pass:
         self.incident_reason = ""
         self.incident_message = ""
         self.pods_pending_since = parse_time(self.prev.get("podsPendingSince"))
+        self.placements: Mapping[str, kueuemod.Placement] = {}  # Kueue's admission, per pod set
 
     # --- helpers ----------------------------------------------------------------------------------
     def cond(self, type_: str, status: bool, reason: str, message: str) -> None:
@@ -264,6 +278,7 @@ class _Pass:
     # --- the rules --------------------------------------------------------------------------------
     def finished(self) -> None:
         """Clean up after Succeeded/Failed and delete the job when its TTL is up."""
+        self.workload_finished()
         rp = self.job.spec.run_policy
         for p in self.live:
             running = not p.terminal or p.lingering
@@ -281,18 +296,65 @@ class _Pass:
             else:
                 self.due_in(expiry)
 
-    def suspended(self) -> None:
+    def suspended(self, reason: str = names.REASON_SUSPENDED,
+                  message: str = "spec.runPolicy.suspend is true: pods deleted") -> None:
+        """No pods: suspended by the user (spec.runPolicy.suspend) or held by Kueue (`reason` Queued/Evicted)."""
         for p in self.live:
             self.delete(p)
-        self.phase, self.reason = names.PHASE_SUSPENDED, names.REASON_SUSPENDED
-        self.message = "spec.runPolicy.suspend is true: pods deleted"
+        self.phase, self.reason, self.message = names.PHASE_SUSPENDED, reason, message
         self.start_time = None  # the deadline restarts on resume, as for batch/v1 Jobs
         self.recovery_start = None
-        self.cond(names.COND_SUSPENDED, True, names.REASON_SUSPENDED, self.message)
+        self.cond(names.COND_SUSPENDED, True, reason, self.message)
         if get_condition(self.conditions, names.COND_RUNNING):
-            self.cond(names.COND_RUNNING, False, names.REASON_SUSPENDED, self.message)
+            self.cond(names.COND_RUNNING, False, reason, self.message)
         if get_condition(self.conditions, names.COND_RESTARTING):
-            self.cond(names.COND_RESTARTING, False, names.REASON_SUSPENDED, self.message)
+            self.cond(names.COND_RESTARTING, False, reason, self.message)
+
+    # --- Kueue (kueue.py) -------------------------------------------------------------------------
+    def queued(self) -> bool:
+        """Ask Kueue's gate (a job with a queue name) and carry out its writes to the Workload; True when the job is
+        held this pass (no pods). With spec.runPolicy.suspend the suspend rule decides (the gate only deactivates
+        the Workload)."""
+        job, ws = self.job, self.observed.workload
+        if not self.observed.kueue:
+            self.suspended(names.REASON_QUEUE_DISABLED, (
+                f"metadata.labels[{names.LABEL_QUEUE_NAME}]={job.queue_name}, but this operator runs without its "
+                f"Kueue integration (Helm value kueue.enabled=true, flag --kueue): the job waits"))
+            return True
+        g = kueuemod.gate(job, ws, group=self.group, pods_live=bool(self.live), now=self.now_s,
+                          flavors=self.observed.flavors, priority=self.observed.priority)
+        if g.create is not None:
+            self.actions.append(Action(CREATE, names.WORKLOAD_KIND, g.create["metadata"]["name"], g.create))
+        if ws is not None and g.delete:
+            self.actions.append(Action(DELETE, names.WORKLOAD_KIND, ws.name, uid=g.delete))
+        if ws is not None and g.patch:
+            self.actions.append(Action(PATCH, names.WORKLOAD_KIND, ws.name, g.patch, uid=ws.uid))
+        if ws is not None and g.status:
+            self.actions.append(Action(PATCH_STATUS, names.WORKLOAD_KIND, ws.name, g.status, uid=ws.uid))
+        if job.spec.run_policy.suspend:
+            return False
+        before = get_condition(self.conditions, names.COND_SUSPENDED) or {}
+        held_before = before.get("status") == "True"
+        if g.hold:
+            if g.evicted and not (held_before and before.get("reason") == names.REASON_EVICTED):
+                # A disruption: never counted against backoffLimit; status.progress stays. The condition's Event
+                # (reason Evicted) tells the user.
+                self.disruptions += 1
+            self.suspended(g.reason, g.message)
+            return True
+        self.placements = g.placements
+        if before.get("reason") != names.REASON_ADMITTED:
+            self.cond(names.COND_SUSPENDED, False, names.REASON_ADMITTED, g.message)
+            if not held_before:  # no condition Event for a condition that appears False
+                self.extra_events.append(Event("Normal", names.REASON_ADMITTED, g.message))
+        return False
+
+    def workload_finished(self) -> None:
+        """A finished job marks its Workload Finished: Kueue frees its quota."""
+        ws = self.observed.workload
+        if self.job.queue_name and ws is not None and not ws.finished:
+            body = kueuemod.finished_patch(ws, self.phase == names.PHASE_SUCCEEDED, self.message, self.now_s)
+            self.actions.append(Action(PATCH_STATUS, names.WORKLOAD_KIND, ws.name, body, uid=ws.uid))
 
     def deadline_exceeded(self) -> bool:
         deadline = self.job.spec.run_policy.active_deadline_seconds
@@ -537,11 +599,13 @@ class _Pass:
         occupied = {p.name for p in self.live}
         rdzv = render_rdzv_pod(job, self.group)
         if rdzv["metadata"]["name"] not in occupied:
+            rdzv = kueuemod.place(rdzv, self.placements.get(names.POD_SET_RDZV))
             self.actions.append(Action(CREATE, "Pod", rdzv["metadata"]["name"], rdzv))
         for index in range(job.spec.pods):
             pod = render_trainer_pod(job, index, self.group)
             if pod["metadata"]["name"] in occupied:
                 continue
+            pod = kueuemod.place(pod, self.placements.get(names.POD_SET_TRAINER))
             self.actions.append(Action(CREATE, "Pod", pod["metadata"]["name"], pod))
         if self.start_time is None:
             self.start_time = self.now
@@ -761,6 +825,8 @@ class _Pass:
         job = self.job
         if self.phase in names.FINISHED_PHASES:
             self.finished()
+            return
+        if job.queue_name and self.queued():
             return
         if job.spec.run_policy.suspend:
             self.suspended()

@@ -116,6 +116,9 @@ class Job:
     uid: str
     generation: int
     spec: JobSpec
+    # metadata.labels[kueue.x-k8s.io/queue-name] and [.../priority-class]: the job runs behind Kueue (kueue.py).
+    queue_name: str | None = None
+    priority_class: str | None = None
 
     @property
     def selector(self) -> dict[str, str]:
@@ -415,10 +418,27 @@ def parse_job(body: Mapping[str, Any]) -> Job:
     if not re.match(crd.NAME_PATTERN, name):
         raise SpecError("metadata.name", "must be a DNS-1035 label (lowercase letters, digits and '-', "
                                          "starting with a letter)")
+    labels = meta.get("labels") or {}
     return Job(
         name=name,
         namespace=meta.get("namespace") or "default",
         uid=meta.get("uid") or "",
         generation=int(meta.get("generation") or 0),
         spec=parse_spec(body.get("spec") or {}),
+        queue_name=_kueue_label(labels, names.LABEL_QUEUE_NAME, "LocalQueue"),
+        priority_class=_kueue_label(labels, names.LABEL_PRIORITY_CLASS, "WorkloadPriorityClass"),
     )
+
+
+def _kueue_label(labels: Mapping[str, Any], key: str, kind: str) -> str | None:
+    """A Kueue label's value: the name of a Kueue object (a DNS-1123 subdomain), or None when absent or empty."""
+    value = labels.get(key)
+    if not value:
+        return None
+    if len(value) > 253 or not re.fullmatch(_DNS_SUBDOMAIN, value):
+        raise SpecError(f"metadata.labels[{key}]", f"must name a {kind} (lowercase letters, digits, '-' and '.'), "
+                                                   f"not {value!r}")
+    return value
+
+
+_DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"

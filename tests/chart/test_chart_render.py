@@ -230,3 +230,22 @@ def test_schema_forbids_unknown_keys_everywhere():
                 assert k in props, f"{path}{k} is not in values.schema.json"
                 covered(child, props[k], f"{path}{k}.")
     covered(values, schema, "")
+
+
+def test_kueue_rbac_only_when_enabled(render):
+    """kueue.enabled adds exactly the Kueue needs (tests/rbac_needs.py): Workloads with the other namespaced rules,
+    ResourceFlavors and WorkloadPriorityClasses cluster-wide (their own ClusterRole in the namespace scope)."""
+    needs = rbac_needs.needs()
+    kueue_ns = {r for r in needs.kueue if r[1].startswith("workloads")}
+    kueue_cluster = needs.kueue - kueue_ns
+    cluster = render("--set", "kueue.enabled=true")
+    assert rbac_needs.granted(one(cluster, "ClusterRole")["rules"]) == needs.namespaced | needs.cluster | needs.kueue
+    c = one(cluster, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "DDP_OPERATOR_KUEUE", "value": "true"} in c["env"]
+    scoped = render("--set", "kueue.enabled=true", "--set", "rbac.scope=namespace", "--set", "watch.namespaces={team-a}")
+    (role,) = by_kind(scoped, "Role")
+    assert rbac_needs.granted(role["rules"]) == needs.namespaced | kueue_ns
+    (kueue_role,) = by_kind(scoped, "ClusterRole")
+    assert rbac_needs.granted(kueue_role["rules"]) == kueue_cluster
+    off = render()
+    assert not any(r[0] == "kueue.x-k8s.io" for r in rbac_needs.granted(one(off, "ClusterRole")["rules"]))

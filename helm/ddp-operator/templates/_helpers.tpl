@@ -107,6 +107,24 @@ watch and annotate the objects it handles: no secrets, no configmaps, no pods/ex
   verbs: [list, watch, create, delete]
 {{- end }}
 
+{{/* The Kueue integration (kueue.enabled): the job's Workload, owned by the job; Kueue's status conditions are
+written back on eviction and when the job finishes. */}}
+{{- define "ddp-operator.kueueRules" -}}
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads/status]
+  verbs: [patch]
+{{- end }}
+
+{{/* Kueue's cluster-scoped objects the operator reads: an admission's flavors, a job's priority class. */}}
+{{- define "ddp-operator.kueueClusterRules" -}}
+- apiGroups: [kueue.x-k8s.io]
+  resources: [resourceflavors, workloadpriorityclasses]
+  verbs: [get]
+{{- end }}
+
 {{/* The Lease of leader election, in the release namespace. */}}
 {{- define "ddp-operator.leaseRules" -}}
 - apiGroups: [coordination.k8s.io]
