@@ -829,6 +829,7 @@ def on_network_policy(event: Mapping[str, Any], namespace: str, name: str, **kwa
 @kopf.on.resume(*JOBS)
 @kopf.on.create(*JOBS)
 @kopf.on.update(*JOBS, field="spec")
+@kopf.on.update(*JOBS, field="metadata.labels")  # the Kueue queue (kueue.py)
 def on_job(namespace: str, name: str, body: kopf.Body, **kwargs: Any) -> None:
     r = reconciler()
     r.bind(kwargs)

@@ -126,9 +126,10 @@ def _free_port() -> int:
 class Operator:
     """The operator the tests run against, started and stopped according to DDPJOB_OPERATOR."""
 
-    def __init__(self, cluster: Cluster, kubectl: Kubectl, mode: str | None = None):
+    def __init__(self, cluster: Cluster, kubectl: Kubectl, mode: str | None = None, *, kueue: bool = False):
         self.cluster, self.k = cluster, kubectl
         self.mode = mode or operator_mode()
+        self.kueue = kueue  # the operator's Kueue integration (chart value kueue.enabled)
         self.installed_here = False
         self.proc: subprocess.Popen | None = None
         self.log_path: Path | None = None
@@ -138,6 +139,9 @@ class Operator:
     def start(self) -> "Operator":
         if self.mode == "installed":
             self._wait_deployment()
+            if self.kueue and not self._kueue_enabled():
+                raise AssertionError("these tests need the operator's Kueue integration: install the chart with "
+                                     "--set kueue.enabled=true, or run them with DDPJOB_OPERATOR=helm")
             return self
         # The CRD as the repository has it now: helm installs crds/ once and never upgrades them.
         self.k("apply", "--server-side", "--force-conflicts", "--field-manager=ddp-e2e", "-f", str(CRD_FILE))
@@ -171,7 +175,7 @@ class Operator:
             wait_for(lambda: self.k("get", "namespace", OPERATOR_NS, check=False).returncode != 0
                      or self.k.json("get", "namespace", OPERATOR_NS)["status"].get("phase") != "Terminating",
                      180, f"namespace {OPERATOR_NS} to finish terminating")
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = {"kueue": {"enabled": self.kueue}}
         digest = image_id(self.cluster, OPERATOR_IMAGE)
         if digest:
             # The tag stays 0.1.0 across local rebuilds; the digest as an annotation rolls the Pod
@@ -208,10 +212,14 @@ class Operator:
         self.deployment = found[0]
         log(f"operator: deployment {found[0]['metadata']['namespace']}/{found[0]['metadata']['name']}")
 
+    def _kueue_enabled(self) -> bool:
+        env = self.deployment["spec"]["template"]["spec"]["containers"][0].get("env") or []
+        return {"name": "DDP_OPERATOR_KUEUE", "value": "true"} in env
+
     def _start_subprocess(self) -> None:
         self.metrics_port = _free_port()
         self.log_path = Path(tempfile.mkdtemp(prefix="ddp-e2e-operator-")) / "operator.log"
-        env = {**os.environ, "KUBECONFIG": self.cluster.kubeconfig,
+        env = {**os.environ, "KUBECONFIG": self.cluster.kubeconfig, "DDP_OPERATOR_KUEUE": str(self.kueue).lower(),
                "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), os.environ.get("PYTHONPATH", "")])}
         log(f"python -m ddp_operator --namespace '{NS_PREFIX}*' (log: {self.log_path})")
         self.proc = subprocess.Popen(

@@ -1,0 +1,233 @@
+"""DDPJobs behind a real Kueue (hack/kueue.py installs the pinned release into the cluster): all-or-nothing
+admission of a whole job, queueing behind a quota that fits one 2-node job, recovery of a killed pod without
+Kueue evicting the job, and preemption by a higher-priority job with a resume from the disk checkpoint.
+
+The operator runs with its Kueue integration on (chart value kueue.enabled) for this module only. Each test gets
+its own ClusterQueue (cluster-scoped, named after the test namespace), a LocalQueue in its namespace and a
+ResourceFlavor with a node label and a toleration, so the tests can see the flavor applied to the pods.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import time
+
+import pytest
+
+from tests.e2e import harness as h
+
+KUEUE_API = "kueue.x-k8s.io/v1beta2"
+FLAVOR = "ddp-e2e-flavor"
+FLAVOR_NODE_LABELS = {"kubernetes.io/os": "linux"}
+FLAVOR_TOLERATION = {"key": "ddp.dev/e2e-flavor", "operator": "Exists", "effect": "NoSchedule"}
+QUEUE = "team-a"
+# A 2-node digits job asks for 2 x 100m + the store's 10m CPU and 2 x 512Mi + 64Mi memory: the quota fits one.
+QUOTA = {"cpu": "300m", "memory": "1600Mi"}
+PRIORITIES = {"ddp-e2e-low": 10, "ddp-e2e-high": 1000}
+STEP_DELAY = 0.1
+CHECKPOINT_MOUNT = "/checkpoints"
+RUN_TIMEOUT = 420
+
+
+def _kueue_module():
+    spec = importlib.util.spec_from_file_location("hack_kueue", h.REPO / "hack" / "kueue.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def kueue(cluster, kubectl):
+    """Kueue in the cluster (installed when missing, and then removed after this module), the flavor and the
+    priority classes every test here uses."""
+    mod = _kueue_module()
+    was_there = mod.release(cluster.kubeconfig) is not None
+    timings = mod.up(cluster.kubeconfig)
+    h.log(f"kueue up: {timings}")
+    shared = [{"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": FLAVOR},
+               "spec": {"nodeLabels": FLAVOR_NODE_LABELS, "tolerations": [FLAVOR_TOLERATION]}}]
+    shared += [{"apiVersion": KUEUE_API, "kind": "WorkloadPriorityClass", "metadata": {"name": name},
+                "value": value, "description": "DDPJob e2e tests"} for name, value in PRIORITIES.items()]
+    h.apply(kubectl, "default", shared)
+    yield mod
+    for obj in shared:
+        kubectl("delete", obj["kind"].lower(), obj["metadata"]["name"], "--ignore-not-found", "--wait=false",
+                check=False)
+    if not was_there:
+        mod.down(cluster.kubeconfig)
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, kubectl, kueue, request):
+    """This module's operator: the Kueue integration on (Kueue's CRDs exist before it starts watching them)."""
+    if h.operator_mode() == "subprocess":
+        request.getfixturevalue("foreign_operators_paused")
+    h.ensure_images(cluster)
+    op = h.Operator(cluster, kubectl, kueue=True).start()
+    yield op
+    op.stop()
+
+
+@pytest.fixture
+def queue(kubectl, ns):
+    """A ClusterQueue whose quota fits one 2-node job (preempting lower priorities) and the LocalQueue `team-a`."""
+    cq = ns  # cluster-scoped: named after the test's namespace
+    h.apply(kubectl, ns, [
+        {"apiVersion": KUEUE_API, "kind": "ClusterQueue", "metadata": {"name": cq},
+         "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
+                  "preemption": {"withinClusterQueue": "LowerPriority"},
+                  "resourceGroups": [{"coveredResources": ["cpu", "memory"], "flavors": [
+                      {"name": FLAVOR, "resources": [{"name": r, "nominalQuota": q} for r, q in QUOTA.items()]}]}]}},
+        {"apiVersion": KUEUE_API, "kind": "LocalQueue", "metadata": {"name": QUEUE, "namespace": ns},
+         "spec": {"clusterQueue": cq}},
+    ])
+    h.wait_for(lambda: _cq_active(kubectl, cq), 60, f"ClusterQueue {cq} to be active")
+    yield cq
+    kubectl("delete", "clusterqueue", cq, "--ignore-not-found", "--wait=false", check=False)
+
+
+def _cq_active(kubectl, cq: str) -> bool:
+    conds = kubectl.json("get", "clusterqueue", cq).get("status", {}).get("conditions") or []
+    return any(c["type"] == "Active" and c["status"] == "True" for c in conds)
+
+
+def queued_job(name: str, *, priority: str | None = None, checkpoint: str | None = None, epochs: int = 4,
+               step_delay: float = STEP_DELAY) -> dict:
+    """The digits job in LocalQueue team-a; `checkpoint`: a host directory that outlives the pods (the cluster's
+    only node), made writable for the trainer's uid by an init container."""
+    env = {"DDPJOB_CHECKPOINT_EVERY": "5"} if checkpoint else {}
+    spec = {"checkpoint": {"volume": {"hostPath": {"path": checkpoint, "type": "DirectoryOrCreate"}},
+                           "mountPath": CHECKPOINT_MOUNT}} if checkpoint else None
+    job = h.digits_job(name, nodes=2, step_delay=step_delay, epochs=epochs, env=env, spec=spec)
+    if checkpoint:
+        job["spec"]["template"]["spec"]["initContainers"] = [{
+            "name": "checkpoint-owner", "image": h.TRAINER_IMAGE, "imagePullPolicy": "IfNotPresent",
+            "command": ["chown", "1000:1000", CHECKPOINT_MOUNT],
+            "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+                                "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}},
+            "volumeMounts": [{"name": "checkpoint", "mountPath": CHECKPOINT_MOUNT}]}]
+    job["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": QUEUE}
+    if priority:
+        job["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] = priority
+    return job
+
+
+def workload(kubectl, ns: str, job: str) -> dict | None:
+    items = kubectl.json("get", "workloads.kueue.x-k8s.io", "-n", ns, "-l", f"{h.LABEL_JOB}={job}")["items"]
+    return items[0] if items else None
+
+
+def wl_condition(wl: dict | None, type_: str) -> dict:
+    return next((c for c in ((wl or {}).get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+def suspended_condition(st: dict) -> dict:
+    return next((c for c in st.get("conditions") or [] if c["type"] == "Suspended"), {})
+
+
+def wait_reason(kubectl, ns: str, job: str, reason: str, timeout: float = 120) -> dict:
+    def check():
+        st = h.status(kubectl, ns, job)
+        if st.get("phase") == "Failed":
+            raise h.PhaseError(f"{ns}/{job} failed: {st.get('message')}")
+        return st if st.get("reason") == reason else None
+    return h.wait_for_or_raise(check, timeout, f"{ns}/{job} to have reason {reason}", h.PhaseError)
+
+
+def first_step_time(kubectl, ns: str, job: str, after: float) -> float:
+    """Wall-clock time of the job's first training step logged after `after` (the trainers' own log lines)."""
+    def check():
+        steps = [e.time for e in h.job_events(kubectl, ns, job) if e.event == "step" and e.time >= after]
+        return min(steps) if steps else None
+    return h.wait_for(check, RUN_TIMEOUT, f"{ns}/{job} to log a training step", interval=1.0)
+
+
+def test_jobs_queue_for_quota_and_run_one_after_the_other(kubectl, ns, queue):
+    """Two 2-node jobs, quota for one: the second waits (Kueue's reason in its status) while the first runs, is
+    placed by its flavor, survives a killed pod without Kueue evicting it and succeeds; then the second is
+    admitted and succeeds."""
+    h.apply(kubectl, ns, queued_job("first"))
+    h.wait_rank0_step(kubectl, ns, "first", 1, 240)
+    h.apply(kubectl, ns, queued_job("second"))
+
+    st = wait_reason(kubectl, ns, "second", "Queued")
+    assert st["phase"] == "Suspended", st
+    h.wait_for(lambda: "insufficient" in h.status(kubectl, ns, "second").get("message", "")
+               or "quota" in h.status(kubectl, ns, "second").get("message", ""), 60,
+               "Kueue's reason (quota) in the queued job's message")
+    assert not h.trainer_pods(kubectl, ns, "second"), "a queued job must have no pods"
+    assert wl_condition(workload(kubectl, ns, "second"), "QuotaReserved").get("status") == "False"
+
+    # The first job is admitted as a whole and placed by the flavor Kueue assigned.
+    first_st = h.status(kubectl, ns, "first")
+    cond = suspended_condition(first_st)
+    assert cond.get("status") == "False" and cond.get("reason") == "Admitted" and queue in cond.get("message", ""), \
+        first_st
+    wl = workload(kubectl, ns, "first")
+    assert wl_condition(wl, "Admitted").get("status") == "True", wl
+    assert wl["metadata"]["ownerReferences"][0]["kind"] == "DDPJob"
+    assert [(p["name"], p["count"]) for p in wl["spec"]["podSets"]] == [("trainer", 2), ("rdzv", 1)]
+    pods = kubectl.json("get", "pods", "-n", ns, "-l", f"{h.LABEL_JOB}=first")["items"]
+    assert len(pods) == 3
+    for pod in pods:
+        assert pod["spec"].get("nodeSelector", {}).items() >= FLAVOR_NODE_LABELS.items(), pod["spec"]
+        assert FLAVOR_TOLERATION in pod["spec"].get("tolerations", []), pod["spec"]
+
+    # A killed pod of an admitted job is recovered by the operator; Kueue keeps the admission.
+    rank0, prog = h.wait_rank0_step(kubectl, ns, "first", 25, 240)
+    victim = next(p["metadata"]["name"] for p in h.trainer_pods(kubectl, ns, "first")
+                  if p["metadata"]["name"] != rank0)
+    killed_at = h.kill_pod(kubectl, ns, victim)
+    rec = h.recovery_after(kubectl, ns, "first", killed_at, prog["step"], 180)
+    assert rec.source == "peer" and rec.steps_lost is not None and rec.steps_lost <= 1, rec
+    wl = workload(kubectl, ns, "first")
+    assert wl_condition(wl, "Admitted").get("status") == "True", wl
+    assert wl_condition(wl, "Evicted").get("status") != "True", wl
+    assert h.status(kubectl, ns, "second").get("reason") == "Queued"
+
+    done = h.wait_phase(kubectl, ns, "first", "Succeeded", RUN_TIMEOUT)
+    assert done.get("restarts") == 1 and done.get("disruptions", 0) == 0, done
+    succeeded_at = time.time()
+    h.wait_for(lambda: wl_condition(workload(kubectl, ns, "first"), "Finished").get("status") == "True", 60,
+               "the first job's Workload to be Finished")
+    assert wl_condition(workload(kubectl, ns, "first"), "Finished")["reason"] == "Succeeded"
+
+    started = first_step_time(kubectl, ns, "second", 0)
+    second = h.wait_phase(kubectl, ns, "second", "Succeeded", RUN_TIMEOUT)
+    assert second.get("restarts", 0) == 0, second
+    completion = h.parse_rfc3339(done.get("completionTime")) or succeeded_at
+    print(f"kueue: first job Succeeded -> second job's first step: {started - completion:.1f} s")
+    # Deleting a job deletes its Workload (owner reference).
+    kubectl("delete", "ddpj", "first", "-n", ns, "--wait=true", timeout=120)
+    h.wait_for(lambda: workload(kubectl, ns, "first") is None, 60, "the deleted job's Workload to go")
+
+
+def test_preempted_job_resumes_from_its_checkpoint_after_readmission(kubectl, ns, queue, request):
+    """A higher-priority job evicts a running one: its pods go (a disruption, not a failure), the high one runs
+    and succeeds, then the evicted job is admitted again and resumes from its disk checkpoint."""
+    host_dir = f"/var/tmp/{ns}-checkpoints"
+    request.addfinalizer(lambda: shutil.rmtree(host_dir, ignore_errors=True))  # the embedded cluster's node
+    h.apply(kubectl, ns, queued_job("low", priority="ddp-e2e-low", checkpoint=host_dir, epochs=5))
+    h.wait_rank0_step(kubectl, ns, "low", 20, 240)
+    h.apply(kubectl, ns, queued_job("high", priority="ddp-e2e-high", step_delay=0.0, epochs=3))
+    evicted_at = time.time()
+
+    st = wait_reason(kubectl, ns, "low", "Evicted")
+    assert st["phase"] == "Suspended" and "preempt" in st.get("message", "").lower(), st
+    assert st.get("disruptions") == 1 and st.get("restarts", 0) == 0, st
+    checkpoint_step = (st.get("progress") or {}).get("lastCheckpointStep")
+    h.wait_for(lambda: not h.trainer_pods(kubectl, ns, "low"), 120, "the evicted job's pods to go")
+
+    high = h.wait_phase(kubectl, ns, "high", "Succeeded", RUN_TIMEOUT)
+    assert high.get("restarts", 0) == 0, high
+    # Readmitted once the high-priority job finished: it resumes from its disk checkpoint.
+    rec = h.recovery_after(kubectl, ns, "low", evicted_at, None, RUN_TIMEOUT)
+    assert rec.source == "disk" and rec.resumed_from > 0, rec
+    if checkpoint_step is not None:
+        assert rec.resumed_from >= checkpoint_step, (rec, checkpoint_step)
+    low = h.wait_phase(kubectl, ns, "low", "Succeeded", RUN_TIMEOUT)
+    assert low.get("disruptions") == 1 and low.get("restarts", 0) == 0, low
+    assert (low.get("lastRecovery") or {}).get("resumedFrom") == "disk", low.get("lastRecovery")
+    print(f"kueue preemption: low job resumed from step {rec.resumed_from} ({rec.source}), "
+          f"{rec.steps_lost} step(s) lost")
