@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds every Go component of the embedded cluster from the Go module proxy into a cache directory
 # keyed by the versions in hack/versions.env, so a second run is a no-op. Never writes into the repo.
-#   hack/build-binaries.sh [component...]   components: kube etcd coredns helm kube-router (default: all)
+#   hack/build-binaries.sh [component...]   components: kube etcd coredns helm kube-router kueue (default: all)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=hack/versions.env
@@ -147,8 +147,28 @@ build_kube_router() {
   rm -rf "$out"; mv "$out.tmp" "$out"; log "kube-router done"
 }
 
+build_kueue() {
+  local out="$CACHE_ROOT/kueue-$KUEUE_VERSION"
+  [[ -x $out/manager && -f $out/chart/Chart.yaml ]] && { log "kueue cached"; return; }
+  # The manager of hack/kueue/Dockerfile plus Kueue's own Helm chart, both from the released module.
+  # Its go.mod has no replace directives, so `go install` builds it as released.
+  local vpkg=sigs.k8s.io/kueue/pkg/version
+  local ldf="-s -w -X $vpkg.GitVersion=$KUEUE_VERSION -X $vpkg.GitCommit=0000000000000000000000000000000000000000"
+  ldf="$ldf -X $vpkg.BuildDate=2026-01-01T00:00:00Z"
+  rm -rf "$out.tmp"; mkdir -p "$out.tmp"
+  log "building kueue $KUEUE_VERSION (cold: several minutes on 2 cores)"
+  GOBIN="$out.tmp" CGO_ENABLED=0 go install -trimpath -ldflags "$ldf" "sigs.k8s.io/kueue/cmd/kueue@$KUEUE_VERSION"
+  mv "$out.tmp/kueue" "$out.tmp/manager"
+  # The chart ships inside the module; the module cache is read-only, so copy without its modes.
+  local moddir
+  moddir=$(cd "$CACHE_ROOT" && go mod download -json "sigs.k8s.io/kueue@$KUEUE_VERSION" \
+    | python3 -c 'import json,sys;print(json.load(sys.stdin)["Dir"])')
+  cp -r --no-preserve=mode "$moddir/charts/kueue" "$out.tmp/chart"
+  rm -rf "$out"; mv "$out.tmp" "$out"; log "kueue done"
+}
+
 mkdir -p "$CACHE_ROOT"
-components=("$@"); [[ ${#components[@]} -gt 0 ]] || components=(etcd coredns helm kube-router kube)
+components=("$@"); [[ ${#components[@]} -gt 0 ]] || components=(etcd coredns helm kube-router kube kueue)
 for c in "${components[@]}"; do
   case $c in
     kube) build_kube ;;
@@ -156,6 +176,7 @@ for c in "${components[@]}"; do
     coredns) build_coredns ;;
     helm) build_helm ;;
     kube-router) build_kube_router ;;
+    kueue) build_kueue ;;
     *) echo "unknown component $c" >&2; exit 2 ;;
   esac
 done
