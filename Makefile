@@ -5,7 +5,7 @@ export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)
 
 .PHONY: help deps binaries cluster-up cluster-down cluster-status image images generate \
         test test-unit test-trainer test-cluster test-integration test-e2e test-chart \
-        demo demo-down kind-e2e \
+        demo demo-down kind-e2e kueue-up kueue-down \
         bench-trainer-recovery bench-baselines bench-overhead bench-e2e-recovery bench-startup bench-api \
         bench-scale bench-faults bench-report
 
@@ -15,7 +15,7 @@ help: ## list targets
 deps: ## system packages + .venv (idempotent)
 	hack/install-deps.sh
 
-binaries: ## build Kubernetes, etcd, CoreDNS and Helm from the Go module proxy (cached)
+binaries: ## build Kubernetes, etcd, CoreDNS, Helm, kube-router and Kueue from the Go module proxy (cached)
 	hack/build-binaries.sh
 
 cluster-up: deps binaries ## start the embedded single-node cluster (kubeconfig: .cluster/kubeconfig)
@@ -71,6 +71,12 @@ demo-down: ## remove what the demo added
 
 kind-e2e: ## for users with Docker: the e2e suite on kind
 	hack/kind-e2e.sh
+
+kueue-up: ## install Kueue (its own chart, image built offline) into the embedded cluster; seconds when installed
+	$(PY) hack/kueue.py up
+
+kueue-down: ## uninstall Kueue: its release, namespace kueue-system and its CRDs
+	$(PY) hack/kueue.py down
 
 # Every bench-* target prints its JSON and records it in docs/bench/<name>.json (commit, date, machine);
 # `make bench-report` writes the README's Measured table and docs/recovery.md's baselines from those files.
