@@ -25,8 +25,9 @@ Rules (the contract of Kueue's external job integrations, as its own job framewo
   beyond it, the Workload is deleted and a new one of the new size is queued: the job is held until Kueue
   admits that (Kueue's rule for jobs whose pod sets change). A changed queue label moves a Workload that holds
   no quota to the new LocalQueue; an admitted one keeps its queue.
-- spec.runPolicy.suspend=true deactivates the Workload (spec.active=false: Kueue releases its quota); false
-  activates it again and it is queued.
+- spec.runPolicy.suspend=true deactivates the Workload (spec.active=false: Kueue releases its quota; the
+  annotation ddp.dev/suspended says the operator did it); false activates it again and it is queued. A Workload
+  deactivated by anyone else stays inactive: the job waits, saying so.
 - When the job Succeeds or Fails the Workload is marked Finished (reason Succeeded/Failed): Kueue frees its
   quota. A deleted Workload of a job that has not finished is created again (the job is held meanwhile).
 """
@@ -68,6 +69,7 @@ class WorkloadState:
     active: bool
     queue_name: str
     counts: Mapping[str, int]                   # spec.podSets: name -> count
+    deactivated_by_suspend: bool                # the operator set spec.active=false for spec.runPolicy.suspend
     conditions: tuple[Mapping[str, Any], ...]
     admission: Mapping[str, Any] | None
 
@@ -167,6 +169,7 @@ def observe_workload(body: Mapping[str, Any]) -> WorkloadState:
         active=spec.get("active", True) is not False,
         queue_name=spec.get("queueName") or "",
         counts={p.get("name"): int(p.get("count") or 0) for p in spec.get("podSets") or []},
+        deactivated_by_suspend=(meta.get("annotations") or {}).get(names.WORKLOAD_SUSPENDED_ANNOTATION) == "true",
         conditions=tuple(dict(c) for c in status.get("conditions") or []),
         admission=status.get("admission") or None,
     )
@@ -277,11 +280,18 @@ def gate(job: Job, ws: WorkloadState | None, *, group: int, pods_live: bool, now
     if resized is not None:
         return Gate(hold=True, reason=names.REASON_QUEUED, message=resized, delete=ws.uid)
     patch: dict[str, Any] = {}
-    if ws.active == job.spec.run_policy.suspend:
-        patch["active"] = not job.spec.run_policy.suspend
+    annotations: dict[str, Any] = {}
+    if job.spec.run_policy.suspend and ws.active:
+        patch["active"] = False
+        annotations[names.WORKLOAD_SUSPENDED_ANNOTATION] = "true"
+    elif not job.spec.run_policy.suspend and not ws.active and ws.deactivated_by_suspend:
+        # Only what the suspend did is undone: a Workload deactivated by Kueue or a user stays inactive.
+        patch["active"] = True
+        annotations[names.WORKLOAD_SUSPENDED_ANNOTATION] = None
     if ws.queue_name != job.queue_name and not ws.quota_reserved:
         patch["queueName"] = job.queue_name
-    spec_patch = {"spec": patch} if patch else None
+    spec_patch = ({"spec": patch, **({"metadata": {"annotations": annotations}} if annotations else {})}
+                  if patch else None)
     if ws.evicted and ws.quota_reserved:
         said = (ws.condition(names.WL_EVICTED) or {}).get("message") or "evicted by Kueue"
         return Gate(hold=True, reason=names.REASON_EVICTED, message=f"Kueue evicted workload {ws.name}: {said}",

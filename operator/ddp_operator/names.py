@@ -206,6 +206,8 @@ WORKLOAD_PRIORITY_CLASS_PLURAL = "workloadpriorityclasses"
 # The labels a user puts on the DDPJob, as on any Kueue-managed job.
 LABEL_QUEUE_NAME = f"{KUEUE_GROUP}/queue-name"
 LABEL_PRIORITY_CLASS = f"{KUEUE_GROUP}/priority-class"
+# On a Workload the operator deactivated because the job was suspended (only that is undone on resume).
+WORKLOAD_SUSPENDED_ANNOTATION = f"{GROUP}/suspended"
 # Kueue's own label on a workload: the UID of the job it stands for.
 LABEL_KUEUE_JOB_UID = f"{KUEUE_GROUP}/job-uid"
 # The workload's pod sets: the trainer pods (nodes + spares) and the rendezvous store pod.

@@ -23,9 +23,9 @@ def queued_job(queue="team-a", priority=None, **spec):
 
 
 def workload(job, *, admitted=False, evicted=None, finished=False, trainers=None, reserved=None, message="",
-             active=True, queue=None):
+             active=True, queue=None, annotations=None):
     body = render_workload(job, 0, None)
-    body["metadata"].update(uid="wl-uid", resourceVersion="42", generation=1)
+    body["metadata"].update(uid="wl-uid", resourceVersion="42", generation=1, annotations=annotations or {})
     body["spec"]["active"] = active
     if queue:
         body["spec"]["queueName"] = queue
@@ -217,8 +217,18 @@ def test_suspend_deactivates_the_workload():
     p = plan(job, {}, kueue_observed(rdzv(), trainer(0), trainer(1), ws=ws), NOW)
     assert (PATCH, "Workload", ws.name) in acts(p)
     patch = next(a for a in p.actions if a.kind == "Workload").body
-    assert patch == {"spec": {"active": False}}
+    assert patch == {"spec": {"active": False}, "metadata": {"annotations": {names.WORKLOAD_SUSPENDED_ANNOTATION: "true"}}}
     assert p.status["reason"] == names.REASON_SUSPENDED
+    # Resumed: what the suspend did is undone; a Workload someone else deactivated stays inactive.
+    resumed = queued_job()
+    ours = workload(resumed, active=False, annotations={names.WORKLOAD_SUSPENDED_ANNOTATION: "true"})
+    p2 = plan(resumed, p.status, kueue_observed(ws=ours), later(5))
+    assert [a.body for a in p2.actions if a.kind == "Workload"] == [
+        {"spec": {"active": True}, "metadata": {"annotations": {names.WORKLOAD_SUSPENDED_ANNOTATION: None}}}]
+    theirs = workload(resumed, active=False)
+    p3 = plan(resumed, p.status, kueue_observed(ws=theirs), later(5))
+    assert not [a for a in p3.actions if a.kind == "Workload"]
+    assert p3.status["phase"] == names.PHASE_SUSPENDED and "inactive" in p3.status["message"]
 
 
 def test_a_changed_queue_moves_a_waiting_workload_only():
