@@ -32,11 +32,11 @@ discovery incomplete, and the namespace controller then refuses to finish deleti
 (NamespaceDeletionDiscoveryFailure): every namespace deletion in the cluster would hang. Queues,
 admission and preemption do not depend on that API; `kubectl get workloads,clusterqueues` shows them.
 
-Keep in mind: Kueue's default frameworks include "pod", "deployment" and "statefulset", whose mutating
-webhooks see every Pod/Deployment/StatefulSet created outside kube-system and kueue-system with
-failurePolicy Fail. Objects without the kueue.x-k8s.io/queue-name label are left alone, but while
-Kueue is installed and not answering (its pod restarting), such creates are refused cluster-wide. `down`
-removes the webhooks first of all.
+Integrations: FRAMEWORKS (batch/v1 Jobs) plus DDPJob as an external framework, not the chart's long default
+list: its pod, deployment and statefulset integrations put Kueue's webhooks in the path of every pod created in
+the cluster (failurePolicy Fail for pods), so a Kueue hiccup would block pod creation everywhere. Kueue lists and
+watches DDPJobs, the owners of their Workloads: `up` applies manifests/kueue/ddpjob-access.yaml, without which
+Kueue's cache of DDPJobs never syncs and its webhooks that look a pod's owner up stall.
 
 Standard library only, like hack/cluster.py and hack/image.py, whose helpers it uses.
 """
@@ -60,6 +60,12 @@ import image  # noqa: E402
 
 HACK = Path(__file__).resolve().parent
 DOCKERFILE = HACK / "kueue" / "Dockerfile"
+ACCESS = HACK.parent / "manifests" / "kueue" / "ddpjob-access.yaml"
+# The integrations Kueue runs here: batch/v1 Jobs (and DDPJobs, as an external framework). The chart's default
+# also has pod, deployment, statefulset and others, whose webhooks (failurePolicy Fail for pods) would sit in
+# the path of every pod created in the cluster, DDPJob pods included; leaving them out keeps a Kueue hiccup
+# from blocking pod creation anywhere.
+FRAMEWORKS = ["batch/job"]
 RELEASE = "kueue"
 NAMESPACE = "kueue-system"
 IMAGE_REPO = "localhost/kueue"
@@ -165,14 +171,20 @@ def chart_manager_config() -> str:
 
 
 def manager_config() -> str:
-    """The chart's manager configuration plus DDPJob as an external framework (its default frameworks
-    stay as they are). The chart parses this text (fromYaml), so a key inserted under `integrations:`
+    """The chart's manager configuration with DDPJob as an external framework and FRAMEWORKS as the
+    integrations. The chart parses this text (fromYaml), so editing the lines of its `integrations:` block
     is enough; the Kueue manager validates the result when it starts."""
     text = chart_manager_config()
     lines = text.splitlines()
-    if lines.count("integrations:") != 1 or any(ln.lstrip().startswith("externalFrameworks:") for ln in lines):
-        raise KueueError("the chart's manager configuration has no single `integrations:` block to extend "
-                         f"(or already sets externalFrameworks): check {chart_dir() / 'values.yaml'}")
+    if (lines.count("integrations:") != 1 or lines.count("  frameworks:") != 1
+            or any(ln.lstrip().startswith("externalFrameworks:") for ln in lines)):
+        raise KueueError("the chart's manager configuration has no single `integrations:` block with one "
+                         f"`frameworks:` list (or already sets externalFrameworks): check {chart_dir() / 'values.yaml'}")
+    at = lines.index("  frameworks:") + 1
+    end = at
+    while end < len(lines) and re.match(r"^#?\s*- ", lines[end]):
+        end += 1
+    lines[at:end] = [f'  - "{f}"' for f in FRAMEWORKS]
     at = lines.index("integrations:") + 1
     lines[at:at] = ["  externalFrameworks:", f'  - "{DDPJOB_FRAMEWORK}"']
     return "\n".join(lines) + "\n"
@@ -305,6 +317,8 @@ def up(kubeconfig: Path | str = cluster.KUBECONFIG) -> dict[str, float]:
         else:
             log(f"helm upgrade --install {RELEASE} (chart {version()}, image {image_ref()}) in {NAMESPACE}")
             helm_install(kubeconfig, want)
+        # Kueue lists and watches the DDPJobs that own its Workloads (manifests/kueue/ddpjob-access.yaml).
+        kubectl(kubeconfig, "apply", "-f", str(ACCESS))
         timings["helm"] = time.monotonic() - t1
         timings["webhooks"] = wait_webhooks(kubeconfig)
         left = [name for name, state in apiservices(kubeconfig).items() if state != "True"]

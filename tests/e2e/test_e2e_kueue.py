@@ -223,11 +223,12 @@ def test_preempted_job_resumes_from_its_checkpoint_after_readmission(kubectl, ns
     assert high.get("restarts", 0) == 0, high
     # Readmitted once the high-priority job finished: it resumes from its disk checkpoint.
     rec = h.recovery_after(kubectl, ns, "low", evicted_at, None, RUN_TIMEOUT)
-    assert rec.source == "disk" and rec.resumed_from > 0, rec
+    assert rec.source == "checkpoint" and rec.resumed_from > 0, rec  # the trainer's log word for the disk
     if checkpoint_step is not None:
         assert rec.resumed_from >= checkpoint_step, (rec, checkpoint_step)
     low = h.wait_phase(kubectl, ns, "low", "Succeeded", RUN_TIMEOUT)
     assert low.get("disruptions") == 1 and low.get("restarts", 0) == 0, low
     assert (low.get("lastRecovery") or {}).get("resumedFrom") == "disk", low.get("lastRecovery")
-    print(f"kueue preemption: low job resumed from step {rec.resumed_from} ({rec.source}), "
-          f"{rec.steps_lost} step(s) lost")
+    print(f"kueue preemption: low job evicted at step >= {(st.get('progress') or {}).get('step')} (status.progress), "
+          f"resumed from its checkpoint at step {rec.resumed_from}; readmitted and training "
+          f"{rec.seconds:.1f} s after the high-priority job arrived")
