@@ -7,7 +7,7 @@ export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)
         test test-unit test-trainer test-cluster test-integration test-e2e test-chart \
         demo demo-down kind-e2e kueue-up kueue-down \
         bench-trainer-recovery bench-baselines bench-overhead bench-e2e-recovery bench-startup bench-api \
-        bench-scale bench-faults bench-report
+        bench-scale bench-faults bench-kueue bench-report
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-24s %s\n", $$1, $$2}'
@@ -94,6 +94,9 @@ bench-e2e-recovery: ## pod kills on the cluster (JSON, docs/bench/e2e_recovery.j
 
 bench-startup: ## apply → running → first step vs hand-written pods (JSON, docs/bench/startup.json)
 	$(PY) tests/benchmarks/startup.py --record
+
+bench-kueue: ## behind a real Kueue: queued start, the hand-off to a waiting job, vs no Kueue (docs/bench/kueue_queue.json)
+	$(PY) tests/benchmarks/kueue_queue.py --record
 
 bench-api: ## API writes for one clean job at the default and the sample's progress period (docs/bench/api_writes.json)
 	$(PY) tests/benchmarks/api_writes.py --record

@@ -118,6 +118,14 @@ def startup(doc: Doc) -> str:
             f"(hand-written pods: {_n(r.get('baseline_first_step_s'), ' s')}; delta {_n(r.get('delta_s'), ' s')})")
 
 
+def kueue_queue(doc: Doc) -> str:
+    r = doc["result"]
+    return (f"first step {_n(r.get('queued_first_step_s'), ' s')} after apply (no Kueue: "
+            f"{_n(r.get('baseline_first_step_s'), ' s')}; Kueue adds {_n(r.get('admission_delay_s'), ' s')}); "
+            f"a waiting job's first step {_n(r.get('handoff_s'), ' s')} after the running one succeeded "
+            f"(Kueue {r.get('kueue_version')})")
+
+
 def api(period_key: str) -> Callable[[Doc], str]:
     def figure(doc: Doc) -> str:
         r = doc["result"]
@@ -271,6 +279,8 @@ ROWS: list[tuple[str, str, Callable[[Doc], str], str, str]] = [
     ("stock torchrun set up as a skilled user would, same kill (5 configurations)", "baselines",
      baselines_summary, "", "make bench-baselines"),
     ("`kubectl apply` → pods Running / → first step", "startup", startup, "delta ≤ 2 s", "make bench-startup"),
+    ("behind a real Kueue, quota for one 2-node job: queued start, and the hand-off to the job waiting behind it",
+     "kueue_queue", kueue_queue, "", "make bench-kueue"),
     ("API writes, one clean 2-node job, default `progressPeriodSeconds` (30 s)", "api_writes",
      api("default_progress_period_s"), "≤ N+3 creates (with the NetworkPolicy), ≤ 6 status writes + progress, 0/min", "make bench-api"),
     ("same, the sample's `progressPeriodSeconds: 5`", "api_writes", api("sample_progress_period_s"),

@@ -60,6 +60,17 @@ def test_startup_quick(bench_env):
     assert r["apply_to_first_step_s"] > 0 and r["baseline_first_step_s"] > 0
 
 
+def test_kueue_queue_quick(bench_env, cluster, kubectl):
+    """Its own operator release with the Kueue integration on (bench_env's has it off), put back afterwards."""
+    try:
+        r = _run({**bench_env, "DDPJOB_OPERATOR": "helm"}, "kueue_queue.py")
+    finally:
+        if bench_env.get("DDPJOB_OPERATOR") == "installed":
+            harness.Operator(cluster, kubectl).start()  # the chart's defaults again, Kueue integration off
+    assert {"queued_first_step_s", "baseline_first_step_s", "admission_delay_s", "handoff_s"} <= set(r), r
+    assert r["queued_first_step_s"] > 0 and r["baseline_first_step_s"] > 0 and r["handoff_s"] > 0, r
+
+
 def test_api_writes_quick(bench_env, cluster):
     if not cluster.embedded and not os.environ.get("DDPJOB_AUDIT_LOG"):
         pytest.skip("needs the API server's audit log (the embedded cluster keeps one)")

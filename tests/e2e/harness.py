@@ -647,3 +647,57 @@ def diagnostics(k: Kubectl, namespace: str, operator: Operator | None = None) ->
     if operator is not None:
         text += "\n----- operator log -----\n" + operator.logs(150)
     return text
+
+
+# --- Kueue (tests/e2e/test_e2e_kueue.py, tests/benchmarks/kueue_queue.py) --------------------------------------
+KUEUE_API = "kueue.x-k8s.io/v1beta2"
+KUEUE_QUEUE = "team-a"
+# A 2-node digits job asks for 2 x 100m + the store's 10m CPU and 2 x 512Mi + 64Mi memory: this quota fits one.
+KUEUE_ONE_JOB_QUOTA = {"cpu": "300m", "memory": "1600Mi"}
+
+
+def kueue_module():
+    """hack/kueue.py (installs the pinned Kueue into the cluster), imported from its path."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("hack_kueue", REPO / "hack" / "kueue.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def kueue_queue(k: Kubectl, namespace: str, flavor: str, quota: dict[str, str] = KUEUE_ONE_JOB_QUOTA) -> str:
+    """A ClusterQueue named after `namespace` (only its LocalQueues may use it; preempting lower priorities) with
+    `quota` on `flavor`, and the LocalQueue KUEUE_QUEUE in `namespace`; waits until it is active. Returns the
+    ClusterQueue's name (cluster-scoped: the caller deletes it)."""
+    apply(k, namespace, [
+        {"apiVersion": KUEUE_API, "kind": "ClusterQueue", "metadata": {"name": namespace},
+         "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+                  "preemption": {"withinClusterQueue": "LowerPriority"},
+                  "resourceGroups": [{"coveredResources": sorted(quota), "flavors": [
+                      {"name": flavor, "resources": [{"name": r, "nominalQuota": q} for r, q in sorted(quota.items())]}
+                  ]}]}},
+        {"apiVersion": KUEUE_API, "kind": "LocalQueue", "metadata": {"name": KUEUE_QUEUE, "namespace": namespace},
+         "spec": {"clusterQueue": namespace}},
+    ])
+
+    def active():
+        conds = k.json("get", "clusterqueue", namespace).get("status", {}).get("conditions") or []
+        return any(c["type"] == "Active" and c["status"] == "True" for c in conds)
+    wait_for(active, 60, f"ClusterQueue {namespace} to be active")
+    return namespace
+
+
+def queued(manifest: dict, priority: str | None = None) -> dict:
+    """The DDPJob in LocalQueue KUEUE_QUEUE (and a WorkloadPriorityClass)."""
+    manifest = copy.deepcopy(manifest)
+    labels = manifest["metadata"].setdefault("labels", {})
+    labels["kueue.x-k8s.io/queue-name"] = KUEUE_QUEUE
+    if priority:
+        labels["kueue.x-k8s.io/priority-class"] = priority
+    return manifest
+
+
+def workload(k: Kubectl, namespace: str, job: str) -> dict | None:
+    """The DDPJob's Kueue Workload (by the job-name label the operator puts on it)."""
+    items = k.json("get", "workloads.kueue.x-k8s.io", "-n", namespace, "-l", f"{LABEL_JOB}={job}")["items"]
+    return items[0] if items else None

@@ -9,7 +9,6 @@ ResourceFlavor with a node label and a toleration, so the tests can see the flav
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import time
 
@@ -17,31 +16,21 @@ import pytest
 
 from tests.e2e import harness as h
 
-KUEUE_API = "kueue.x-k8s.io/v1beta2"
+KUEUE_API = h.KUEUE_API
 FLAVOR = "ddp-e2e-flavor"
 FLAVOR_NODE_LABELS = {"kubernetes.io/os": "linux"}
 FLAVOR_TOLERATION = {"key": "ddp.dev/e2e-flavor", "operator": "Exists", "effect": "NoSchedule"}
-QUEUE = "team-a"
-# A 2-node digits job asks for 2 x 100m + the store's 10m CPU and 2 x 512Mi + 64Mi memory: the quota fits one.
-QUOTA = {"cpu": "300m", "memory": "1600Mi"}
 PRIORITIES = {"ddp-e2e-low": 10, "ddp-e2e-high": 1000}
 STEP_DELAY = 0.1
 CHECKPOINT_MOUNT = "/checkpoints"
 RUN_TIMEOUT = 420
 
 
-def _kueue_module():
-    spec = importlib.util.spec_from_file_location("hack_kueue", h.REPO / "hack" / "kueue.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def kueue(cluster, kubectl):
     """Kueue in the cluster (installed when missing, and then removed after this module), the flavor and the
     priority classes every test here uses."""
-    mod = _kueue_module()
+    mod = h.kueue_module()
     was_there = mod.release(cluster.kubeconfig) is not None
     timings = mod.up(cluster.kubeconfig)
     h.log(f"kueue up: {timings}")
@@ -72,24 +61,9 @@ def operator(cluster, kubectl, kueue, request):
 @pytest.fixture
 def queue(kubectl, ns):
     """A ClusterQueue whose quota fits one 2-node job (preempting lower priorities) and the LocalQueue `team-a`."""
-    cq = ns  # cluster-scoped: named after the test's namespace
-    h.apply(kubectl, ns, [
-        {"apiVersion": KUEUE_API, "kind": "ClusterQueue", "metadata": {"name": cq},
-         "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
-                  "preemption": {"withinClusterQueue": "LowerPriority"},
-                  "resourceGroups": [{"coveredResources": ["cpu", "memory"], "flavors": [
-                      {"name": FLAVOR, "resources": [{"name": r, "nominalQuota": q} for r, q in QUOTA.items()]}]}]}},
-        {"apiVersion": KUEUE_API, "kind": "LocalQueue", "metadata": {"name": QUEUE, "namespace": ns},
-         "spec": {"clusterQueue": cq}},
-    ])
-    h.wait_for(lambda: _cq_active(kubectl, cq), 60, f"ClusterQueue {cq} to be active")
+    cq = h.kueue_queue(kubectl, ns, FLAVOR)
     yield cq
     kubectl("delete", "clusterqueue", cq, "--ignore-not-found", "--wait=false", check=False)
-
-
-def _cq_active(kubectl, cq: str) -> bool:
-    conds = kubectl.json("get", "clusterqueue", cq).get("status", {}).get("conditions") or []
-    return any(c["type"] == "Active" and c["status"] == "True" for c in conds)
 
 
 def queued_job(name: str, *, priority: str | None = None, checkpoint: str | None = None, epochs: int = 4,
@@ -99,7 +73,7 @@ def queued_job(name: str, *, priority: str | None = None, checkpoint: str | None
     env = {"DDPJOB_CHECKPOINT_EVERY": "5"} if checkpoint else {}
     spec = {"checkpoint": {"volume": {"hostPath": {"path": checkpoint, "type": "DirectoryOrCreate"}},
                            "mountPath": CHECKPOINT_MOUNT}} if checkpoint else None
-    job = h.digits_job(name, nodes=2, step_delay=step_delay, epochs=epochs, env=env, spec=spec)
+    job = h.queued(h.digits_job(name, nodes=2, step_delay=step_delay, epochs=epochs, env=env, spec=spec), priority)
     if checkpoint:
         job["spec"]["template"]["spec"]["initContainers"] = [{
             "name": "checkpoint-owner", "image": h.TRAINER_IMAGE, "imagePullPolicy": "IfNotPresent",
@@ -107,15 +81,10 @@ def queued_job(name: str, *, priority: str | None = None, checkpoint: str | None
             "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
                                 "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}},
             "volumeMounts": [{"name": "checkpoint", "mountPath": CHECKPOINT_MOUNT}]}]
-    job["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": QUEUE}
-    if priority:
-        job["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] = priority
     return job
 
 
-def workload(kubectl, ns: str, job: str) -> dict | None:
-    items = kubectl.json("get", "workloads.kueue.x-k8s.io", "-n", ns, "-l", f"{h.LABEL_JOB}={job}")["items"]
-    return items[0] if items else None
+workload = h.workload
 
 
 def wl_condition(wl: dict | None, type_: str) -> dict:

@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""What queueing behind a real Kueue costs a DDPJob (`make bench-kueue`).
+
+    tests/benchmarks/kueue_queue.py [--rounds 3] [--quick] [--record]
+
+Kueue (hack/kueue.py, installed when missing and removed afterwards) and the operator with its Kueue
+integration on (the chart's kueue.enabled). Each round, in a fresh namespace with a ClusterQueue whose quota fits
+one 2-node digits job:
+- queued start: `kubectl apply` of job A into the empty queue -> its first training step (Kueue admits the
+  Workload, then the operator creates the pods);
+- hand-off: job B is applied while A trains and waits (Suspended, reason Queued, no pods); A's success frees the
+  quota (its Workload is marked Finished) -> B's first training step. Measured from A's status.completionTime
+  (the pass that marks the Workload Finished; one-second resolution);
+- baseline, in its own namespace: the same job without the queue label, apply -> first step (no Kueue).
+The first step is the trainer's own `event=step` log line (h.job_events). Medians over the rounds; the
+difference queued - baseline is paired by round (both share the machine's load).
+The last line is one JSON object: queued_first_step_s, baseline_first_step_s, admission_delay_s,
+handoff_s, rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.benchmarks import results  # noqa: E402
+from tests.e2e import harness as h  # noqa: E402
+
+FLAVOR = "ddp-bench-flavor"
+TIMEOUT = 420.0
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="one round (smoke test)")
+    results.add_record_arg(p)
+    a = p.parse_args()
+    if a.quick:
+        a.rounds = 1
+    return a
+
+
+def first_step(k: h.Kubectl, ns: str, job: str, after: float) -> float:
+    """Wall-clock time of the job's first training step logged at or after `after`."""
+    def check():
+        st = h.status(k, ns, job)
+        if st.get("phase") == "Failed":
+            raise h.PhaseError(f"{ns}/{job} failed: {st.get('message')}")
+        steps = [e.time for e in h.job_events(k, ns, job) if e.event == "step" and e.time >= after]
+        return min(steps) if steps else None
+    return h.wait_for_or_raise(check, TIMEOUT, f"{ns}/{job}'s first step", h.PhaseError, interval=0.5)
+
+
+def job(name: str) -> dict:
+    return h.digits_job(name, nodes=2, epochs=1)
+
+
+def queued_round(k: h.Kubectl, i: int) -> dict:
+    ns = h.new_namespace(k, f"bench-kueue-{i}")
+    cq = h.kueue_queue(k, ns, FLAVOR)
+    try:
+        t0 = time.time()
+        h.apply(k, ns, h.queued(job("a")))
+        a_first = first_step(k, ns, "a", t0)
+        h.apply(k, ns, h.queued(job("b")))
+        st = h.wait_for(lambda: (lambda s: s if s.get("reason") == "Queued" else None)(h.status(k, ns, "b")), 120,
+                        "job b to wait in the queue")
+        # All or nothing: the waiting job has no pods while the first one holds the quota.
+        if h.trainer_pods(k, ns, "b"):
+            raise AssertionError(f"job b has pods while waiting in the queue: {st}")
+        done = h.wait_phase(k, ns, "a", "Succeeded", TIMEOUT)
+        completed = h.parse_rfc3339(done.get("completionTime"))
+        b_first = first_step(k, ns, "b", completed - 1)
+        h.wait_phase(k, ns, "b", "Succeeded", TIMEOUT)
+        wl = h.workload(k, ns, "a")
+        finished = next((c for c in (wl or {}).get("status", {}).get("conditions") or [] if c["type"] == "Finished"),
+                        {})
+        if finished.get("status") != "True":
+            raise AssertionError(f"job a's Workload is not Finished: {wl}")
+        return {"queued_first_step_s": round(a_first - t0, 2), "handoff_s": round(b_first - completed, 2)}
+    finally:
+        h.delete_namespace(k, ns, wait=True)
+        k("delete", "clusterqueue", cq, "--ignore-not-found", check=False)
+
+
+def baseline_round(k: h.Kubectl, i: int) -> float:
+    ns = h.new_namespace(k, f"bench-kueue-base-{i}")
+    try:
+        t0 = time.time()
+        h.apply(k, ns, job("a"))
+        first = first_step(k, ns, "a", t0)
+        h.wait_phase(k, ns, "a", "Succeeded", TIMEOUT)
+        return round(first - t0, 2)
+    finally:
+        h.delete_namespace(k, ns, wait=True)
+
+
+def main() -> int:
+    a = parse_args()
+    cluster = h.connect()
+    k = h.Kubectl(cluster.kubeconfig)
+    h.ensure_images(cluster)
+    kueue = h.kueue_module()
+    was_there = kueue.release(cluster.kubeconfig) is not None
+    kueue.up(cluster.kubeconfig)
+    flavor = {"apiVersion": h.KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": FLAVOR}, "spec": {}}
+    h.apply(k, "default", flavor)
+    op = h.Operator(cluster, k, kueue=True).start()
+    rounds: list[dict] = []
+    try:
+        for i in range(a.rounds):
+            r = queued_round(k, i)
+            r["baseline_first_step_s"] = baseline_round(k, i)
+            h.log(f"round {i}: {r}")
+            rounds.append(r)
+    finally:
+        op.stop()
+        k("delete", "resourceflavor", FLAVOR, "--ignore-not-found", check=False)
+        if not was_there:
+            kueue.down(cluster.kubeconfig)
+    result = {
+        "queued_first_step_s": h.p50([r["queued_first_step_s"] for r in rounds]),
+        "baseline_first_step_s": h.p50([r["baseline_first_step_s"] for r in rounds]),
+        "admission_delay_s": h.p50([r["queued_first_step_s"] - r["baseline_first_step_s"] for r in rounds]),
+        "handoff_s": h.p50([r["handoff_s"] for r in rounds]),
+        "kueue_version": kueue.version(),
+        "rounds": rounds,
+    }
+    results.emit("kueue_queue", result, mode="quick" if a.quick else "full", record=a.record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
