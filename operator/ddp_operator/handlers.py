@@ -41,7 +41,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import kopf
 from kubernetes.client.exceptions import ApiException
@@ -523,15 +523,21 @@ class Reconciler:
         return {"kueue": True, "workload": workload, "flavors": flavors, "priority": priority}
 
     def _flavor(self, name: str) -> Mapping[str, Any] | None:
+        """A ResourceFlavor's spec, read at most once per FLAVOR_CACHE_SECONDS."""
+        return self._read_cached(self._flavors, name, FLAVOR_CACHE_SECONDS, self.api.resource_flavor)
+
+    def _read_cached(self, store: dict[str, tuple[Any, float]], name: str, seconds: float,
+                     read: Callable[[str], Any]) -> Any:
+        """read(name), or what it returned less than `seconds` ago."""
         now = time.monotonic()
         with self._guard:
-            cached = self._flavors.get(name)
-        if cached is not None and now - cached[1] < FLAVOR_CACHE_SECONDS:
+            cached = store.get(name)
+        if cached is not None and now - cached[1] < seconds:
             return cached[0]
-        spec = self.api.resource_flavor(name)
+        value = read(name)
         with self._guard:
-            self._flavors[name] = (spec, now)
-        return spec
+            store[name] = (value, now)
+        return value
 
     def _workload_write(self, namespace: str, key: tuple[str, str], action: Any) -> None:
         if action.verb == DELETE:
@@ -547,15 +553,7 @@ class Reconciler:
     # --- nodes ----------------------------------------------------------------------------------------
     def _node_state(self, name: str) -> NodeState | None:
         """A node's state for the node-loss rule, read at most once per NODE_CACHE_SECONDS."""
-        now = time.monotonic()
-        with self._guard:
-            cached = self._nodes.get(name)
-        if cached is not None and now - cached[1] < NODE_CACHE_SECONDS:
-            return cached[0]
-        state = self.api.node_state(name)
-        with self._guard:
-            self._nodes[name] = (state, now)
-        return state
+        return self._read_cached(self._nodes, name, NODE_CACHE_SECONDS, self.api.node_state)
 
     def _conflict(self, key: tuple[str, str], name: str, message: str) -> None:
         """A foreign object holds a child's name: the next pass reports it (condition + Event); the create is

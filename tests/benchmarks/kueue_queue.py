@@ -20,7 +20,6 @@ handoff_s, rounds.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -31,17 +30,6 @@ from tests.e2e import harness as h  # noqa: E402
 
 FLAVOR = "ddp-bench-flavor"
 TIMEOUT = 420.0
-
-
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="one round (smoke test)")
-    results.add_record_arg(p)
-    a = p.parse_args()
-    if a.quick:
-        a.rounds = 1
-    return a
 
 
 def first_step(k: h.Kubectl, ns: str, job: str, after: float) -> float:
@@ -100,7 +88,7 @@ def baseline_round(k: h.Kubectl, i: int) -> float:
 
 
 def main() -> int:
-    a = parse_args()
+    a = results.rounds_args(__doc__.split("\n")[0], 3)
     cluster = h.connect()
     k = h.Kubectl(cluster.kubeconfig)
     h.ensure_images(cluster)

@@ -29,6 +29,21 @@ def add_record_arg(parser: argparse.ArgumentParser) -> None:
                         help=f"also write the result to {BENCH_DIR.relative_to(ROOT)}/<name>.json (make bench-* does)")
 
 
+def rounds_args(description: str, rounds: int, extra=None) -> argparse.Namespace:
+    """The command line of a benchmark made of rounds: --rounds, --quick (one round: the smoke test), --record;
+    `extra(parser)` adds its own options."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--quick", action="store_true", help="one round (smoke test)")
+    if extra is not None:
+        extra(p)
+    add_record_arg(p)
+    a = p.parse_args()
+    if a.quick:
+        a.rounds = 1
+    return a
+
+
 def _git(*args: str) -> str | None:
     try:
         p = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30)

@@ -20,7 +20,6 @@ baseline_running_s, delta_s, rounds.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import uuid
@@ -39,16 +38,10 @@ from ddp_operator import spec as spec_model  # noqa: E402
 JOB = "st"
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=5, help="DDPJob + baseline pairs")
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="one round (smoke test)")
-    results.add_record_arg(p)
-    a = p.parse_args()
-    if a.quick:
-        a.rounds = 1
-    return a
+def parse_args():
+    """--rounds (DDPJob + baseline pairs), --quick, --record, --nodes."""
+    return results.rounds_args(__doc__.split("\n")[0], 5,
+                               lambda p: p.add_argument("--nodes", type=int, default=2))
 
 
 def baseline_objects(manifest: dict, namespace: str) -> list[dict]:
