@@ -20,6 +20,8 @@ Rules (the contract of Kueue's external job integrations, as its own job framewo
   once none is left the admission is released (QuotaReserved=False reason Pending, admission cleared, Requeued
   as Kueue's job framework does), so Kueue can queue it again. Readmission starts the pods again; the trainers
   resume from their disk checkpoint (spec.checkpoint) when they have one.
+- A job is queued (a Workload created, or an evicted one's quota released) only once no pod of its last run is
+  left, so a readmitted job never meets its own terminating pods.
 - Pod sets of a Workload cannot change (Kueue's API). spec.nodes (kubectl scale) within what was admitted keeps
   the admission (quota for the admitted count stays reserved, so the job can scale back up without queueing);
   beyond it, the Workload is deleted and a new one of the new size is queued: the job is held until Kueue
@@ -273,6 +275,9 @@ def gate(job: Job, ws: WorkloadState | None, *, group: int, pods_live: bool, now
     if ws is None:
         if isinstance(priority, str):
             return Gate(hold=True, reason=names.REASON_QUEUED, message=priority)
+        if pods_live:  # its Workload went (resized, deleted): queued again once the pods of the last run are gone
+            return Gate(hold=True, reason=names.REASON_QUEUED,
+                        message="waiting for the job's pods to stop before queueing it again")
         return Gate(hold=True, reason=names.REASON_QUEUED,
                     message=f"waiting in LocalQueue {job.queue_name} for Kueue to admit workload {workload_name(job)}",
                     create=render_workload(job, group, priority))

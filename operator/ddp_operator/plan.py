@@ -342,6 +342,13 @@ class _Pass:
                 self.disruptions += 1
             self.suspended(g.reason, g.message)
             return True
+        if held_before and any(p.deleting for p in self.live):
+            # Readmitted before the last run's pods were gone: they would be taken for failures of this run.
+            self.suspended(before.get("reason") or names.REASON_QUEUED,
+                           f"{g.message}; waiting for the pods of the last run to stop")
+            return True
+        if held_before:  # the ends of pods deleted for the hold are no failures of the run that starts now
+            self.observed = replace(self.observed, pods=tuple(p for p in self.observed.pods if not p.gone))
         self.placements = g.placements
         if before.get("reason") != names.REASON_ADMITTED:
             self.cond(names.COND_SUSPENDED, False, names.REASON_ADMITTED, g.message)

@@ -201,3 +201,38 @@ def test_preempted_job_resumes_from_its_checkpoint_after_readmission(kubectl, ns
     print(f"kueue preemption: low job evicted at step >= {(st.get('progress') or {}).get('step')} (status.progress), "
           f"resumed from its checkpoint at step {rec.resumed_from}; readmitted and training "
           f"{rec.seconds:.1f} s after the high-priority job arrived")
+
+
+def test_scaling_an_admitted_job_follows_kueues_rules(kubectl, ns):
+    """An admitted elastic job scaled down keeps its admission (no new Workload, it keeps training); scaled up
+    beyond what Kueue admitted, its Workload is replaced by one of the new size and the job runs again once
+    Kueue admits that."""
+    cq = h.kueue_queue(kubectl, ns, FLAVOR, {"cpu": "450m", "memory": "2200Mi"})  # room for 3 trainers
+    try:
+        manifest = h.queued(h.digits_job("el", nodes=2, min_nodes=1, max_nodes=3, step_delay=STEP_DELAY, epochs=6))
+        h.apply(kubectl, ns, manifest)
+        h.wait_rank0_step(kubectl, ns, "el", 10, 240)
+        first = workload(kubectl, ns, "el")
+        assert [(p["name"], p["count"]) for p in first["spec"]["podSets"]] == [("trainer", 2), ("rdzv", 1)]
+
+        kubectl("scale", "ddpj", "el", "-n", ns, "--replicas=1")
+        h.wait_for(lambda: len([p for p in h.trainer_pods(kubectl, ns, "el") if h.running(p)]) == 1, 120,
+                   "one trainer pod after the scale-down")
+        assert workload(kubectl, ns, "el")["metadata"]["uid"] == first["metadata"]["uid"]
+        st = h.status(kubectl, ns, "el")
+        assert st["phase"] in ("Running", "Restarting") and suspended_condition(st).get("reason") == "Admitted", st
+
+        kubectl("scale", "ddpj", "el", "-n", ns, "--replicas=3")
+        def resized():
+            wl = workload(kubectl, ns, "el")
+            return wl if wl and wl["metadata"]["uid"] != first["metadata"]["uid"] else None
+        second = h.wait_for(resized, 120, "a Workload of the new size")
+        assert [(p["name"], p["count"]) for p in second["spec"]["podSets"]] == [("trainer", 3), ("rdzv", 1)]
+        h.wait_for(lambda: wl_condition(workload(kubectl, ns, "el"), "Admitted").get("status") == "True", 120,
+                   "the resized Workload to be admitted")
+        h.wait_for(lambda: len([p for p in h.trainer_pods(kubectl, ns, "el") if h.running(p)]) == 3, 180,
+                   "three trainer pods after the scale-up")
+        done = h.wait_phase(kubectl, ns, "el", "Succeeded", RUN_TIMEOUT)
+        assert done.get("restarts", 0) == 0, done  # a requeue is neither a failure nor a disruption
+    finally:
+        kubectl("delete", "clusterqueue", cq, "--ignore-not-found", "--wait=false", check=False)

@@ -256,3 +256,21 @@ def test_jobs_without_the_label_never_see_kueue():
     p = plan(make_job(), {}, observed(service_exists=False, kueue=True), NOW)
     assert not [a for a in p.actions if a.kind == "Workload"]
     assert p.status["phase"] == names.PHASE_PENDING
+
+
+def test_a_job_is_queued_again_only_once_its_last_pods_are_gone():
+    job = queued_job(nodes=3, minNodes=1, maxNodes=3)
+    terminating = [trainer(0, deleting_since=NOW), trainer(1, deleting_since=NOW)]
+    # Its Workload went (scale-up beyond the admission): no new one while the old pods terminate.
+    p = plan(job, {}, kueue_observed(*terminating), NOW)
+    assert not [a for a in p.actions if a.kind == "Workload"]
+    assert p.status["phase"] == names.PHASE_SUSPENDED and "pods to stop" in p.status["message"]
+    p2 = plan(job, p.status, kueue_observed(gone=terminating), later(5))
+    assert [a.verb for a in p2.actions if a.kind == "Workload"] == [CREATE]
+    # Admitted while pods of the last run still terminate: no pods yet, nothing counted.
+    ws = workload(job, admitted=True)
+    p3 = plan(job, p2.status, kueue_observed(trainer(0, deleting_since=NOW), ws=ws), later(6))
+    assert not [a for a in p3.actions if a.verb == CREATE] and p3.status["phase"] == names.PHASE_SUSPENDED
+    p4 = plan(job, p3.status, kueue_observed(ws=ws, gone=[trainer(0)]), later(8))
+    assert sorted(a.name for a in p4.actions if a.verb == CREATE) == ["mnist-0", "mnist-1", "mnist-2", "mnist-rdzv"]
+    assert p4.status["restarts"] == 0 and p4.status.get("disruptions", 0) == 0
