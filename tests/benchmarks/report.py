@@ -120,10 +120,11 @@ def startup(doc: Doc) -> str:
 
 def kueue_queue(doc: Doc) -> str:
     r = doc["result"]
-    return (f"first step {_n(r.get('queued_first_step_s'), ' s')} after apply (no Kueue: "
-            f"{_n(r.get('baseline_first_step_s'), ' s')}; Kueue adds {_n(r.get('admission_delay_s'), ' s')}); "
-            f"a waiting job's first step {_n(r.get('handoff_s'), ' s')} after the running one succeeded "
-            f"(Kueue {r.get('kueue_version')})")
+    return (f"apply → pods {_n(r.get('queued_pods_s'), ' s')} (no Kueue: {_n(r.get('baseline_pods_s'), ' s')}), "
+            f"→ first step {_n(r.get('queued_first_step_s'), ' s')} (no Kueue: "
+            f"{_n(r.get('baseline_first_step_s'), ' s')}); the waiting job's pods {_n(r.get('handoff_pods_s'), ' s')} "
+            f"and first step {_n(r.get('handoff_s'), ' s')} after the running one succeeded (Kueue "
+            f"{r.get('kueue_version')})")
 
 
 def api(period_key: str) -> Callable[[Doc], str]:
