@@ -122,6 +122,13 @@ class Run:
         self._step_s: float | None = None  # moving average of the time between step_done calls
         self._copy_s: float | None = None  # moving average of what one snapshot costs
         self._copy_seen: int | None = None
+        # What a snapshot costs training, seen on the steps themselves: on a CPU the copy runs during the next
+        # step (whose optimizer step waits for it) and slows it beyond the copy's own CPU time (memory
+        # bandwidth, caches). `_clean_step_s` averages steps that follow no save point; the step after a
+        # snapshot's save point, minus that, is the snapshot's measured cost (`_snapshot_extra_s`).
+        self._clean_step_s: float | None = None
+        self._after_save: str | None = None  # "snapshot" or "checkpoint": the save point the running step follows
+        self._snapshot_extra_s: float | None = None
         self.log_every = log_every or 0
 
         # Only global rank 0 touches the checkpoint directory; it alone validates it.
@@ -333,6 +340,11 @@ class Run:
         if self._last_step_time is not None:
             dt = max(now - self._last_step_time, 1e-9)
             self._step_s = dt if self._step_s is None else 0.9 * self._step_s + 0.1 * dt
+            if self._after_save is None:
+                self._clean_step_s = dt if self._clean_step_s is None else 0.9 * self._clean_step_s + 0.1 * dt
+            elif self._after_save == "snapshot" and self._clean_step_s is not None:
+                self._snapshot_extra_s = max(0.0, dt - self._clean_step_s)
+        self._after_save = None
         if samples is not None and self._last_step_time is not None:
             dt = max(now - self._last_step_time, 1e-9)
             rate = samples * self.session.world_size / dt
@@ -428,11 +440,13 @@ class Run:
             if snaps.last_copy_s is not None and snaps.last_step != self._copy_seen:
                 # one copy's cost is noisy (page cache, other processes): average the recent ones
                 self._copy_seen = snaps.last_step
-                c = snaps.last_copy_s
+                # Its cost: the copy's own time, or what it measurably added to the step it overlapped.
+                c = max(snaps.last_copy_s, self._snapshot_extra_s or 0.0)
+                self._snapshot_extra_s = None
                 self._copy_s = c if self._copy_s is None else 0.5 * self._copy_s + 0.5 * c
-            if self._copy_s is not None and self._step_s is not None:
-                # The step time average includes the snapshot stalls: a slight under-estimate of K's room.
-                k = choose_interval(self._copy_s, self._step_s, self.snapshot_budget_pct, self.snapshot_max_every)
+            step_s = self._clean_step_s or self._step_s
+            if self._copy_s is not None and step_s is not None:
+                k = choose_interval(self._copy_s, step_s, self.snapshot_budget_pct, self.snapshot_max_every)
             measured = self._copy_s is not None and self._step_s is not None
             if k != self.snapshot_every or (measured and not self._interval_logged):
                 self._interval_logged = True
@@ -442,7 +456,7 @@ class Run:
                     every=k,
                     previous=self.snapshot_every,
                     copy_ms=round(self._copy_s * 1e3, 3) if self._copy_s is not None else None,
-                    step_ms=round(self._step_s * 1e3, 3) if self._step_s is not None else None,
+                    step_ms=round(step_s * 1e3, 3) if step_s is not None else None,
                     bytes=snaps.last_bytes,
                     budget_pct=self.snapshot_budget_pct,
                 )
@@ -461,6 +475,7 @@ class Run:
         state = None
         if self._snapshot_due(step):
             self._snapshot(step)
+            self._after_save = "snapshot"
         if (
             checkpoint
             and self.checkpoints is not None
@@ -470,6 +485,7 @@ class Run:
         ):
             state = state or self.components.state_dict(self.position)
             self.checkpoints.save_async(step, detached_copy(state))
+            self._after_save = "checkpoint"  # its cost is the checkpoint's, not a snapshot's
 
     def _ckpt_step(self) -> int | None:
         return self.checkpoints.last_saved_step if self.checkpoints is not None else None
