@@ -13,7 +13,7 @@ from ddp_trainer import snapshot as snapmod
 from ddp_trainer.log import Logger
 from ddp_trainer.run import Run, model_digest
 from ddp_trainer.session import Session
-from ddp_trainer.snapshot import PeerSnapshots, choose_interval
+from ddp_trainer.snapshot import PeerSnapshots, StepCost, choose_interval
 
 
 def test_interval_keeps_the_copy_within_the_budget():
@@ -26,6 +26,23 @@ def test_interval_keeps_the_copy_within_the_budget():
     for copy_s, step_s, budget in [(0.3, 1.4, 2.0), (0.02, 0.15, 2.0), (1e-4, 1e-2, 0.5)]:
         k = choose_interval(copy_s, step_s, budget)
         assert 1 <= k <= 50 and copy_s / (k * step_s) <= budget / 100 + 1e-12
+
+
+def test_step_cost_is_what_a_snapshot_adds_to_the_step_it_overlaps():
+    cost = StepCost()
+    cost.step(0.150, "snapshot")
+    assert cost.take() is None  # no clean average yet
+    for _ in range(20):
+        cost.step(0.100, None)
+    cost.step(0.400, "checkpoint")  # a checkpoint's step counts for neither
+    assert cost.take() is None and abs(cost.clean_s - 0.100) < 1e-9
+    cost.step(0.160, "snapshot")
+    assert abs(cost.take() - 0.060) < 1e-9
+    assert cost.take() is None  # taken once
+    cost.step(0.090, "snapshot")  # faster than the average: costs nothing, never negative
+    assert cost.take() == 0.0
+    # With it, K counts the slowdown: a 25 ms copy that adds 118 ms to a 164 ms step needs K = 36 for 2 %.
+    assert choose_interval(max(0.025, 0.118), 0.164, 2.0) == 36
 
 
 def test_interval_before_anything_is_measured_and_bad_bounds():

@@ -46,7 +46,7 @@ from .progress import Progress, ProgressServer, termination_log_path, write_term
 from .recovery import HighWaterMark, complete, recovery_record
 from .sampler import ResumableDistributedSampler
 from .session import Session
-from .snapshot import PeerSnapshots, choose_interval, default_dir
+from .snapshot import PeerSnapshots, StepCost, choose_interval, default_dir
 from .state import Components, Position, detached_copy, unwrap
 
 _FROM_ENV: Any = object()
@@ -122,13 +122,9 @@ class Run:
         self._step_s: float | None = None  # moving average of the time between step_done calls
         self._copy_s: float | None = None  # moving average of what one snapshot costs
         self._copy_seen: int | None = None
-        # What a snapshot costs training, seen on the steps themselves: on a CPU the copy runs during the next
-        # step (whose optimizer step waits for it) and slows it beyond the copy's own CPU time (memory
-        # bandwidth, caches). `_clean_step_s` averages steps that follow no save point; the step after a
-        # snapshot's save point, minus that, is the snapshot's measured cost (`_snapshot_extra_s`).
-        self._clean_step_s: float | None = None
+        # What a snapshot costs the step it overlaps (snapshot.StepCost), besides the copy's own CPU time.
+        self._step_cost = StepCost()
         self._after_save: str | None = None  # "snapshot" or "checkpoint": the save point the running step follows
-        self._snapshot_extra_s: float | None = None
         self.log_every = log_every or 0
 
         # Only global rank 0 touches the checkpoint directory; it alone validates it.
@@ -340,10 +336,7 @@ class Run:
         if self._last_step_time is not None:
             dt = max(now - self._last_step_time, 1e-9)
             self._step_s = dt if self._step_s is None else 0.9 * self._step_s + 0.1 * dt
-            if self._after_save is None:
-                self._clean_step_s = dt if self._clean_step_s is None else 0.9 * self._clean_step_s + 0.1 * dt
-            elif self._after_save == "snapshot" and self._clean_step_s is not None:
-                self._snapshot_extra_s = max(0.0, dt - self._clean_step_s)
+            self._step_cost.step(dt, self._after_save)
         self._after_save = None
         if samples is not None and self._last_step_time is not None:
             dt = max(now - self._last_step_time, 1e-9)
@@ -441,10 +434,9 @@ class Run:
                 # one copy's cost is noisy (page cache, other processes): average the recent ones
                 self._copy_seen = snaps.last_step
                 # Its cost: the copy's own time, or what it measurably added to the step it overlapped.
-                c = max(snaps.last_copy_s, self._snapshot_extra_s or 0.0)
-                self._snapshot_extra_s = None
+                c = max(snaps.last_copy_s, self._step_cost.take() or 0.0)
                 self._copy_s = c if self._copy_s is None else 0.5 * self._copy_s + 0.5 * c
-            step_s = self._clean_step_s or self._step_s
+            step_s = self._step_cost.clean_s or self._step_s
             if self._copy_s is not None and step_s is not None:
                 k = choose_interval(self._copy_s, step_s, self.snapshot_budget_pct, self.snapshot_max_every)
             measured = self._copy_s is not None and self._step_s is not None

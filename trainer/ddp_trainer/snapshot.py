@@ -79,6 +79,30 @@ def choose_interval(copy_s: float, step_s: float, budget_pct: float, max_every: 
     return max(1, min(max_every, k))
 
 
+class StepCost:
+    """What a save point costs the step after it, seen on the step times themselves.
+
+    On a CPU a snapshot's copy runs during the next step (whose optimizer step waits for it) and slows that step
+    by more than the copy's own CPU time (memory bandwidth, caches). ``step(dt, after)`` takes every step's time
+    and what it follows (None, "snapshot" or "checkpoint"): steps that follow no save point make the clean
+    average; a step after a snapshot, minus that average, is the snapshot's measured cost, which ``take()``
+    returns once (None before a clean average exists). Steps after a checkpoint count for neither."""
+
+    def __init__(self) -> None:
+        self.clean_s: float | None = None
+        self._extra_s: float | None = None
+
+    def step(self, dt: float, after: str | None) -> None:
+        if after is None:
+            self.clean_s = dt if self.clean_s is None else 0.9 * self.clean_s + 0.1 * dt
+        elif after == "snapshot" and self.clean_s is not None:
+            self._extra_s = max(0.0, dt - self.clean_s)
+
+    def take(self) -> float | None:
+        extra, self._extra_s = self._extra_s, None
+        return extra
+
+
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
