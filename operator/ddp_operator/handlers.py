@@ -77,7 +77,7 @@ CREATE_BACKOFF_INITIAL_SECONDS = 1.0
 CREATE_BACKOFF_MAX_SECONDS = 60.0
 # How long a node's state read for the node-loss rule is reused (one read per node, not per pod or pass).
 NODE_CACHE_SECONDS = 5.0
-# How long a ResourceFlavor read for a Kueue admission is reused (flavors rarely change).
+# How long a ResourceFlavor or WorkloadPriorityClass read for Kueue is reused (they rarely change).
 FLAVOR_CACHE_SECONDS = 30.0
 # Status fields that only count pods: a change in them alone may wait a moment to be batched.
 _COUNT_FIELDS = frozenset({"nodes", "nodesReady", "message"})
@@ -118,7 +118,9 @@ class Reconciler:
         self.api = api
         self.network_policy = network_policy
         self.kueue = kueue  # the Kueue integration (kueue.py) is on: Workloads are watched and written
-        self._flavors: dict[str, tuple[Mapping[str, Any] | None, float]] = {}  # ResourceFlavor -> (spec, when read)
+        # Kueue's cluster-scoped objects, read at most once per FLAVOR_CACHE_SECONDS: name -> (what was read, when)
+        self._flavors: dict[str, tuple[Mapping[str, Any] | None, float]] = {}  # ResourceFlavors
+        self._priorities: dict[str, tuple[tuple[str, int] | str, float]] = {}  # WorkloadPriorityClasses
         # NetworkPolicies created but not yet seen by the watch (key -> uid, when): not created twice.
         self._policies_created: dict[tuple[str, str], tuple[str, float]] = {}
         self._locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
@@ -519,7 +521,8 @@ class Reconciler:
         owned = [observe_workload(w) for w in self._values("workloads_by_job", key) if _owned_by(w, uid)]
         workload: WorkloadState | None = owned[0] if owned else None
         flavors = {f: self._flavor(f) for f in workload.flavor_names()} if workload and workload.admitted else {}
-        priority = (self.api.workload_priority(priority_class) if priority_class and workload is None else None)
+        priority = (self._read_cached(self._priorities, priority_class, FLAVOR_CACHE_SECONDS, self.api.workload_priority)
+                    if priority_class and workload is None else None)
         return {"kueue": True, "workload": workload, "flavors": flavors, "priority": priority}
 
     def _flavor(self, name: str) -> Mapping[str, Any] | None:

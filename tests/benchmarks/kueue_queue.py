@@ -34,17 +34,6 @@ FLAVOR = "ddp-bench-flavor"
 TIMEOUT = 420.0
 
 
-def first_step(k: h.Kubectl, ns: str, job: str, after: float) -> float:
-    """Wall-clock time of the job's first training step logged at or after `after`."""
-    def check():
-        st = h.status(k, ns, job)
-        if st.get("phase") == "Failed":
-            raise h.PhaseError(f"{ns}/{job} failed: {st.get('message')}")
-        steps = [e.time for e in h.job_events(k, ns, job) if e.event == "step" and e.time >= after]
-        return min(steps) if steps else None
-    return h.wait_for_or_raise(check, TIMEOUT, f"{ns}/{job}'s first step", h.PhaseError, interval=0.5)
-
-
 def pods_created(k: h.Kubectl, ns: str, job: str, n: int = 2) -> float:
     """Wall-clock time (polled every 0.1 s) at which the job's n trainer pods exist: the control plane's part of a
     start (Kueue's admission and the operator's pass), without the pods' own start-up."""
@@ -69,7 +58,7 @@ def queued_round(k: h.Kubectl, i: int) -> dict:
         t0 = time.time()
         h.apply(k, ns, h.queued(job("a")))
         a_pods = pods_created(k, ns, "a")
-        a_first = first_step(k, ns, "a", t0)
+        a_first = h.first_step_after(k, ns, "a", t0, TIMEOUT)
         h.apply(k, ns, h.queued(job("b")))
         st = h.wait_for(lambda: (lambda s: s if s.get("reason") == "Queued" else None)(h.status(k, ns, "b")), 120,
                         "job b to wait in the queue")
@@ -78,7 +67,7 @@ def queued_round(k: h.Kubectl, i: int) -> dict:
             raise AssertionError(f"job b has pods while waiting in the queue: {st}")
         done = h.wait_phase(k, ns, "a", "Succeeded", TIMEOUT)
         completed = h.parse_rfc3339(done.get("completionTime"))
-        b_first = first_step(k, ns, "b", completed - 1)
+        b_first = h.first_step_after(k, ns, "b", completed - 1, TIMEOUT)
         b_pods = created_at(k, ns, "b")
         h.wait_phase(k, ns, "b", "Succeeded", TIMEOUT)
         wl = h.workload(k, ns, "a")
@@ -99,7 +88,7 @@ def baseline_round(k: h.Kubectl, i: int) -> dict:
         t0 = time.time()
         h.apply(k, ns, job("a"))
         pods = pods_created(k, ns, "a")
-        first = first_step(k, ns, "a", t0)
+        first = h.first_step_after(k, ns, "a", t0, TIMEOUT)
         h.wait_phase(k, ns, "a", "Succeeded", TIMEOUT)
         return {"baseline_pods_s": round(pods - t0, 2), "baseline_first_step_s": round(first - t0, 2)}
     finally:

@@ -622,6 +622,18 @@ def recovery_after(k: Kubectl, namespace: str, name: str, killed_at: float, step
                              interval=1.0)
 
 
+def first_step_after(k: Kubectl, namespace: str, name: str, after: float, timeout: float) -> float:
+    """Wall-clock time of the job's first training step logged at or after `after` (the trainers' own
+    `event=step` lines); fails at once if the job failed."""
+    def check():
+        st = status(k, namespace, name)
+        if st.get("phase") == "Failed":
+            raise PhaseError(f"{namespace}/{name} failed: {st.get('message')}")
+        steps = [e.time for e in job_events(k, namespace, name) if e.event == "step" and e.time >= after]
+        return min(steps) if steps else None
+    return wait_for_or_raise(check, timeout, f"{namespace}/{name}'s first step", PhaseError, interval=0.5)
+
+
 def final_accuracy(k: Kubectl, namespace: str, name: str) -> float | None:
     """testAccuracy from status.progress (the termination-log JSON), else from rank 0's log line."""
     st = status(k, namespace, name)

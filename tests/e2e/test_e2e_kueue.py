@@ -104,14 +104,6 @@ def wait_reason(kubectl, ns: str, job: str, reason: str, timeout: float = 120) -
     return h.wait_for_or_raise(check, timeout, f"{ns}/{job} to have reason {reason}", h.PhaseError)
 
 
-def first_step_time(kubectl, ns: str, job: str, after: float) -> float:
-    """Wall-clock time of the job's first training step logged after `after` (the trainers' own log lines)."""
-    def check():
-        steps = [e.time for e in h.job_events(kubectl, ns, job) if e.event == "step" and e.time >= after]
-        return min(steps) if steps else None
-    return h.wait_for(check, RUN_TIMEOUT, f"{ns}/{job} to log a training step", interval=1.0)
-
-
 def test_jobs_queue_for_quota_and_run_one_after_the_other(kubectl, ns, queue):
     """Two 2-node jobs, quota for one: the second waits (Kueue's reason in its status) while the first runs, is
     placed by its flavor, survives a killed pod without Kueue evicting it and succeeds; then the second is
@@ -162,7 +154,7 @@ def test_jobs_queue_for_quota_and_run_one_after_the_other(kubectl, ns, queue):
                "the first job's Workload to be Finished")
     assert wl_condition(workload(kubectl, ns, "first"), "Finished")["reason"] == "Succeeded"
 
-    started = first_step_time(kubectl, ns, "second", 0)
+    started = h.first_step_after(kubectl, ns, "second", 0, RUN_TIMEOUT)
     second = h.wait_phase(kubectl, ns, "second", "Succeeded", RUN_TIMEOUT)
     assert second.get("restarts", 0) == 0, second
     completion = h.parse_rfc3339(done.get("completionTime")) or succeeded_at
