@@ -8,9 +8,9 @@ order each round so machine load hits all of them alike:
 - ``bare``: a plain DDP loop (forward, backward, optimizer step);
 - ``run``: the same loop driven by ``ddp_trainer.Run`` with snapshots and checkpoints off (RNG reseeding,
   step accounting, progress, step log line);
-- ``full``: ``Run`` as a job runs by default: peer snapshots at the adaptive interval K
-  (``DDPJOB_SNAPSHOT_BUDGET_PCT``, default 2 %), a disk checkpoint every 50 steps and the progress
-  server on.
+- ``full``: ``Run`` with everything on: peer snapshots at the adaptive interval K
+  (``DDPJOB_SNAPSHOT_EVERY=auto``, budget ``DDPJOB_SNAPSHOT_BUDGET_PCT``, default 2 %), a disk checkpoint
+  every 50 steps and the progress server. (A job's default is K = 1: at most one step lost.)
 
 ``ratio`` = full / bare samples/s, the median of per-round ratios of back-to-back segments (load swings
 on a shared machine cancel out), with their spread (``ratio_p25``/``ratio_p75``, min, max);
@@ -27,7 +27,7 @@ sending half the snapshot to the other rank costs (``buddy_transfer_s``: what a 
 per snapshot; see docs/recovery.md for the decision). Prints one JSON object as its last line.
 
     .venv/bin/python tests/benchmarks/trainer_overhead.py [--quick] [--record] [--rounds 20 --steps 60]
-        [--sizes 1e6,1e7,1e8 --sweep-rounds 6 --segment-s 3]
+        [--sizes 1e6,1e7,1e8 --sweep-rounds 16 --segment-s 3 --size-budget-s 150]
 """
 
 from __future__ import annotations
@@ -346,12 +346,12 @@ def summarize(sz: dict) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="2 short rounds (smoke test)")
-    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--sizes", default="1e6,1e7,1e8", help="approximate parameter counts of the sweep")
-    p.add_argument("--sweep-rounds", type=int, default=6)
+    p.add_argument("--sweep-rounds", type=int, default=16)
     p.add_argument("--segment-s", type=float, default=3.0, help="seconds per sweep segment (whole K-cycles)")
-    p.add_argument("--size-budget-s", type=float, default=60.0, help="seconds of measured rounds per size")
+    p.add_argument("--size-budget-s", type=float, default=150.0, help="seconds of measured rounds per size")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workdir", default="", help=argparse.SUPPRESS)
     results.add_record_arg(p)

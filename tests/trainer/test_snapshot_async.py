@@ -13,7 +13,7 @@ from ddp_trainer import snapshot as snapmod
 from ddp_trainer.log import Logger
 from ddp_trainer.run import Run, model_digest
 from ddp_trainer.session import Session
-from ddp_trainer.snapshot import PeerSnapshots, StepCost, choose_interval
+from ddp_trainer.snapshot import PeerSnapshots, StepCost, choose_interval, settle_interval
 
 
 def test_interval_keeps_the_copy_within_the_budget():
@@ -31,18 +31,49 @@ def test_interval_keeps_the_copy_within_the_budget():
 def test_step_cost_is_what_a_snapshot_adds_to_the_step_it_overlaps():
     cost = StepCost()
     cost.step(0.150, "snapshot")
-    assert cost.take() is None  # no clean average yet
+    cost.copy(0.010)
+    assert cost.extra_s() is None and cost.cost_s() == 0.010  # no clean step yet: the copy's own time
     for _ in range(20):
         cost.step(0.100, None)
     cost.step(0.400, "checkpoint")  # a checkpoint's step counts for neither
-    assert cost.take() is None and abs(cost.clean_s - 0.100) < 1e-9
+    assert cost.extra_s() is None and abs(cost.clean_s - 0.100) < 1e-9
     cost.step(0.160, "snapshot")
-    assert abs(cost.take() - 0.060) < 1e-9
-    assert cost.take() is None  # taken once
-    cost.step(0.090, "snapshot")  # faster than the average: costs nothing, never negative
-    assert cost.take() == 0.0
+    assert abs(cost.extra_s() - 0.060) < 1e-9 and abs(cost.cost_s() - 0.060) < 1e-9  # larger than the copy
+    cost.step(0.090, "snapshot")
+    cost.step(0.090, "snapshot")  # faster than the clean steps: costs nothing, never negative
+    assert cost.extra_s() == 0.0 and cost.cost_s() == 0.010
     # With it, K counts the slowdown: a 25 ms copy that adds 118 ms to a 164 ms step needs K = 36 for 2 %.
     assert choose_interval(max(0.025, 0.118), 0.164, 2.0) == 36
+
+
+def test_step_cost_ignores_a_step_slowed_by_something_else():
+    """Medians: one step stalled by another process (3x the step) moves neither the clean time nor the cost."""
+    cost = StepCost()
+    for i in range(40):
+        cost.step(0.300 if i == 17 else 0.100, None)
+        if i % 4 == 3:
+            cost.step(0.900 if i == 19 else 0.102, "snapshot")
+            cost.copy(0.001)
+    assert abs(cost.clean_s - 0.100) < 1e-9
+    assert abs(cost.cost_s() - 0.002) < 1e-9
+
+
+def test_interval_settles_instead_of_following_every_estimate():
+    # 2 ms snapshots on a 100 ms step: 2 % at K = 1
+    assert settle_interval(1, 0.002, 0.100, 2.0) == 1
+    # the estimate wobbles by +-20 %: K only moves when the budget is exceeded, and then to the smallest K in budget
+    assert settle_interval(1, 0.0024, 0.100, 2.0) == 2
+    assert settle_interval(2, 0.0022, 0.100, 2.0) == 2  # back to 2.2 ms: 1.1 % at K 2, kept
+    assert settle_interval(2, 0.0016, 0.100, 2.0) == 1  # 0.8 % at K 2: below half the budget, and K 1 fits
+    assert settle_interval(5, 0.009, 0.100, 2.0) == 5  # 1.8 %
+    assert settle_interval(5, 0.011, 0.100, 2.0) == 6  # 2.2 %: over budget
+    assert settle_interval(6, 0.0085, 0.100, 2.0) == 6  # 1.4 %: kept
+    assert settle_interval(6, 0.005, 0.100, 2.0) == 3  # 0.83 %: the cost halved, K follows it down
+    assert settle_interval(60, 0.005, 0.100, 2.0, max_every=50) == 3  # outside the bound: chosen anew
+    for k in range(1, 51):
+        for copy_s in (0.0005, 0.003, 0.02, 0.2):
+            got = settle_interval(k, copy_s, 0.1, 2.0)
+            assert 1 <= got <= 50 and (100 * copy_s / (got * 0.1) <= 2.0 or got == 50)
 
 
 def test_interval_before_anything_is_measured_and_bad_bounds():

@@ -46,7 +46,7 @@ from .progress import Progress, ProgressServer, termination_log_path, write_term
 from .recovery import HighWaterMark, complete, recovery_record
 from .sampler import ResumableDistributedSampler
 from .session import Session
-from .snapshot import PeerSnapshots, StepCost, choose_interval, default_dir
+from .snapshot import PeerSnapshots, StepCost, default_dir, settle_interval
 from .state import Components, Position, detached_copy, unwrap
 
 _FROM_ENV: Any = object()
@@ -120,7 +120,7 @@ class Run:
         ) or envmod.DEFAULT_SNAPSHOT_MAX_EVERY
         self._next_snapshot_step = 0
         self._step_s: float | None = None  # moving average of the time between step_done calls
-        self._copy_s: float | None = None  # moving average of what one snapshot costs
+        self._copy_s: float | None = None  # what one snapshot costs (StepCost.cost_s)
         self._copy_seen: int | None = None
         # What a snapshot costs the step it overlaps (snapshot.StepCost), besides the copy's own CPU time.
         self._step_cost = StepCost()
@@ -431,14 +431,13 @@ class Run:
         if self.snapshot_adaptive:
             k = self.snapshot_every
             if snaps.last_copy_s is not None and snaps.last_step != self._copy_seen:
-                # one copy's cost is noisy (page cache, other processes): average the recent ones
                 self._copy_seen = snaps.last_step
-                # Its cost: the copy's own time, or what it measurably added to the step it overlapped.
-                c = max(snaps.last_copy_s, self._step_cost.take() or 0.0)
-                self._copy_s = c if self._copy_s is None else 0.5 * self._copy_s + 0.5 * c
+                self._step_cost.copy(snaps.last_copy_s)
+            # one copy's cost is noisy (page cache, other processes): StepCost takes medians of the recent ones
+            self._copy_s = self._step_cost.cost_s()
             step_s = self._step_cost.clean_s or self._step_s
             if self._copy_s is not None and step_s is not None:
-                k = choose_interval(self._copy_s, step_s, self.snapshot_budget_pct, self.snapshot_max_every)
+                k = settle_interval(k, self._copy_s, step_s, self.snapshot_budget_pct, self.snapshot_max_every)
             measured = self._copy_s is not None and self._step_s is not None
             if k != self.snapshot_every or (measured and not self._interval_logged):
                 self._interval_logged = True

@@ -38,21 +38,25 @@ Slot layout (little endian)::
 
 from __future__ import annotations
 
+import io
 import math
 import mmap
 import os
 import pickle
+import queue
 import re
+import statistics
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .state import flatten, unflatten
+from .state import TensorRef, flatten, unflatten
 
 MAGIC = b"DDPSNAP1"
 _HEADER = struct.Struct("<8sQqQQQ")
@@ -79,28 +83,70 @@ def choose_interval(copy_s: float, step_s: float, budget_pct: float, max_every: 
     return max(1, min(max_every, k))
 
 
+def settle_interval(k: int, copy_s: float, step_s: float, budget_pct: float, max_every: int = 50) -> int:
+    """Keep the interval ``k`` while its snapshots cost between half the budget and the budget; else choose anew.
+
+    The band stops K flipping with every noisy estimate (K is what a user reads as the steps a failure may lose):
+    :func:`choose_interval` picks the smallest K within budget, whose share is above half the budget for any K > 1,
+    so K only moves when the measured cost leaves the budget or halves."""
+    if k >= 1 and copy_s > 0.0 and step_s > 0.0 and budget_pct > 0.0 and k <= max_every:
+        share_pct = 100.0 * copy_s / (k * step_s)
+        if share_pct <= budget_pct and (k == 1 or share_pct >= budget_pct / 2):
+            return k
+    return choose_interval(copy_s, step_s, budget_pct, max_every)
+
+
+class _MetaPickler(pickle.Pickler):
+    """Pickles a skeleton's tensor placeholders as bare indices: pickling the 2-3 placeholders per parameter through
+    ``TensorRef.__reduce__`` cost more than the rest of a small model's snapshot."""
+
+    def persistent_id(self, obj: Any) -> int | None:
+        return obj.index if type(obj) is TensorRef else None
+
+
+class _MetaUnpickler(pickle.Unpickler):
+    def persistent_load(self, pid: Any) -> TensorRef:
+        return TensorRef(int(pid))
+
+
 class StepCost:
-    """What a save point costs the step after it, seen on the step times themselves.
+    """What one snapshot costs training: its copy's own time, or what it adds to the step it overlaps.
 
-    On a CPU a snapshot's copy runs during the next step (whose optimizer step waits for it) and slows that step
+    On a CPU a snapshot's copy runs during the next step (whose optimizer step waits for it) and can slow that step
     by more than the copy's own CPU time (memory bandwidth, caches). ``step(dt, after)`` takes every step's time
-    and what it follows (None, "snapshot" or "checkpoint"): steps that follow no save point make the clean
-    average; a step after a snapshot, minus that average, is the snapshot's measured cost, which ``take()``
-    returns once (None before a clean average exists). Steps after a checkpoint count for neither."""
+    and what it follows (None, "snapshot" or "checkpoint"); ``copy(s)`` every finished copy's own cost. Steps that
+    follow no save point are the clean steps; steps after a checkpoint count for neither. ``cost_s()`` is the larger
+    of the median copy and (median step after a snapshot - median clean step): medians over recent windows, so one
+    step slowed by another process moves neither the cost nor K."""
 
-    def __init__(self) -> None:
-        self.clean_s: float | None = None
-        self._extra_s: float | None = None
+    def __init__(self, window: int = 9, clean_window: int = 49) -> None:
+        self._clean: deque[float] = deque(maxlen=clean_window)
+        self._after: deque[float] = deque(maxlen=window)
+        self._copies: deque[float] = deque(maxlen=window)
+
+    @property
+    def clean_s(self) -> float | None:
+        return statistics.median(self._clean) if self._clean else None
 
     def step(self, dt: float, after: str | None) -> None:
         if after is None:
-            self.clean_s = dt if self.clean_s is None else 0.9 * self.clean_s + 0.1 * dt
-        elif after == "snapshot" and self.clean_s is not None:
-            self._extra_s = max(0.0, dt - self.clean_s)
+            self._clean.append(dt)
+        elif after == "snapshot" and self._clean:
+            self._after.append(dt)
 
-    def take(self) -> float | None:
-        extra, self._extra_s = self._extra_s, None
-        return extra
+    def copy(self, seconds: float) -> None:
+        self._copies.append(seconds)
+
+    def extra_s(self) -> float | None:
+        """Median slowdown of the step after a snapshot (None until both kinds of step were seen)."""
+        if not self._after or not self._clean:
+            return None
+        return max(0.0, statistics.median(self._after) - statistics.median(self._clean))
+
+    def cost_s(self) -> float | None:
+        if not self._copies:
+            return None
+        return max(statistics.median(self._copies), self.extra_s() or 0.0)
 
 
 def _align(n: int, a: int) -> int:
@@ -183,8 +229,10 @@ class PeerSnapshots:
         self._layout: tuple | None = None
         self._specs: list[tuple] = []
         self._data_len = 0
-        # asynchronous writes: one in flight at a time
-        self._thread: threading.Thread | None = None
+        # asynchronous writes: one in flight at a time, on one long-lived writer thread (starting a thread
+        # per snapshot costs more than copying a small model's state)
+        self._jobs: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
         self._sources_read = threading.Event()
         self._sources_read.set()
         self._done = threading.Event()
@@ -240,11 +288,14 @@ class PeerSnapshots:
         self._done.clear()
         self.in_flight_step = step
         self.last_sync_s = time.perf_counter() - t0
-        self._thread = threading.Thread(
-            target=self._write_in_thread, args=(step, meta, sources, event), name="ddp-snapshot",
-            daemon=True,
-        )
-        self._thread.start()
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._writer_loop, name="ddp-snapshot", daemon=True)
+            self._writer.start()
+        self._jobs.put((step, meta, sources, event))
+
+    def _writer_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            self._write_in_thread(*job)
 
     def _write_in_thread(self, step: int, meta: bytes, sources: list[torch.Tensor], event: Any) -> None:
         try:
@@ -310,9 +361,6 @@ class PeerSnapshots:
             self._done.wait()
             waited = time.perf_counter() - t0
             self.stall_s += waited
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
         if self._error is not None:
             exc, self._error = self._error, None
             raise exc
@@ -329,10 +377,11 @@ class PeerSnapshots:
                 specs.append((_dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
                 offset = _align(offset + nbytes, _ALIGN)
             self._layout, self._specs, self._data_len = layout, specs, offset
-        return pickle.dumps(
-            {"run_key": self.run_key, "skeleton": skeleton, "specs": self._specs, "every": every},
-            protocol=pickle.HIGHEST_PROTOCOL,
+        buf = io.BytesIO()
+        _MetaPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(
+            {"run_key": self.run_key, "skeleton": skeleton, "specs": self._specs, "every": every}
         )
+        return buf.getvalue()
 
     def _write(self, step: int, meta: bytes, tensors: list[torch.Tensor],
                on_sources_read: Callable[[], None] | None = None) -> float:
@@ -404,7 +453,7 @@ class PeerSnapshots:
         if gen_end != gen:
             return None
         try:
-            meta = pickle.loads(bytes(data[_HEADER_SIZE : _HEADER_SIZE + meta_len]))
+            meta = _MetaUnpickler(io.BytesIO(bytes(data[_HEADER_SIZE : _HEADER_SIZE + meta_len]))).load()
         except Exception:
             return None
         if meta.get("run_key") != self.run_key:
@@ -428,6 +477,10 @@ class PeerSnapshots:
         try:
             self.wait()
         finally:
+            if self._writer is not None:
+                self._jobs.put(None)
+                self._writer.join()
+                self._writer = None
             self._close(remove)
 
     def _close(self, remove: bool) -> None:
