@@ -83,17 +83,24 @@ def choose_interval(copy_s: float, step_s: float, budget_pct: float, max_every: 
     return max(1, min(max_every, k))
 
 
+# K is chosen for this share of the budget: the estimates of a snapshot's cost and of the step are medians of
+# noisy samples, and the budget is a ceiling, not a target.
+TARGET_SHARE_OF_BUDGET = 0.75
+
+
 def settle_interval(k: int, copy_s: float, step_s: float, budget_pct: float, max_every: int = 50) -> int:
-    """Keep the interval ``k`` while its snapshots cost between half the budget and the budget; else choose anew.
+    """Keep the interval ``k`` while its snapshots cost at most the budget and at least half the target; else choose
+    anew, the smallest K within the target (``TARGET_SHARE_OF_BUDGET`` of the budget).
 
     The band stops K flipping with every noisy estimate (K is what a user reads as the steps a failure may lose):
-    :func:`choose_interval` picks the smallest K within budget, whose share is above half the budget for any K > 1,
-    so K only moves when the measured cost leaves the budget or halves."""
+    a K chosen for the target costs between half the target and the target, so K only moves when the measured cost
+    goes over the budget or below half the target."""
+    target_pct = budget_pct * TARGET_SHARE_OF_BUDGET
     if k >= 1 and copy_s > 0.0 and step_s > 0.0 and budget_pct > 0.0 and k <= max_every:
         share_pct = 100.0 * copy_s / (k * step_s)
-        if share_pct <= budget_pct and (k == 1 or share_pct >= budget_pct / 2):
+        if share_pct <= budget_pct and (k == 1 or share_pct >= target_pct / 2):
             return k
-    return choose_interval(copy_s, step_s, budget_pct, max_every)
+    return choose_interval(copy_s, step_s, target_pct, max_every)
 
 
 class _MetaPickler(pickle.Pickler):
