@@ -69,8 +69,10 @@ demo: ## fresh machine → cluster, images, chart, a digits job that survives a 
 demo-down: ## remove what the demo added
 	hack/demo.sh down
 
-kind-e2e: ## for users with Docker: the e2e suite on kind
+kind-e2e: ## the whole e2e suite on a 3-node kind cluster (offline: own Docker engine and node image)
+	hack/install-deps.sh --docker
 	hack/kind-e2e.sh
+
 
 kueue-up: ## install Kueue (its own chart, image built offline) into the embedded cluster; seconds when installed
 	$(PY) hack/kueue.py up

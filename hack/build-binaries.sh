@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds every Go component of the embedded cluster from the Go module proxy into a cache directory
 # keyed by the versions in hack/versions.env, so a second run is a no-op. Never writes into the repo.
-#   hack/build-binaries.sh [component...]   components: kube etcd coredns helm kube-router kueue (default: all)
+#   hack/build-binaries.sh [component...]   components: kube etcd coredns helm kube-router kueue kind
+#   (default: all but kind, which only the kind cluster of hack/kind_node.py needs)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=hack/versions.env
@@ -18,9 +19,9 @@ export GOROOT=$goroot PATH="$goroot/bin:$PATH"
 # Each component gets its own scratch module so dependency graphs never mix.
 scratch() { local d="$CACHE_ROOT/src/$1"; mkdir -p "$d"; echo "$d"; }
 
-build_kube() {
-  local out="$CACHE_ROOT/kube-$KUBE_VERSION"
-  [[ -x $out/kubelet && -x $out/kubectl && -x $out/kube-proxy ]] && { log "kube $KUBE_VERSION cached"; return; }
+# The scratch module every kube binary is built in (kubeadm of the kind target too, so it reuses the
+# kube target's build cache).
+kube_src() {
   local src; src=$(scratch "kube-$KUBE_VERSION")
   cd "$src"
   if [[ ! -f go.mod ]]; then
@@ -52,14 +53,25 @@ GO
     # godebug defaults of the Go version kubernetes itself declares
     grep -q '^godebug' go.mod || printf '\ngodebug default=go%s\n' "$(echo "$goline" | cut -d. -f1,2)" >> go.mod
   fi
+}
+
+# -ldflags that stamp $KUBE_VERSION into a kube binary (what `kubectl version` and kubeadm read)
+kube_ldflags() {
   local minor; minor=$(echo "$KUBE_VERSION" | cut -d. -f2)
   local ldf="-s -w" kv
   for kv in "gitVersion=$KUBE_VERSION" gitMajor=1 "gitMinor=$minor" gitTreeState=clean gitCommit=0000000000000000000000000000000000000000 buildDate=2026-01-01T00:00:00Z; do
     ldf="$ldf -X k8s.io/component-base/version.$kv -X k8s.io/client-go/pkg/version.$kv"
   done
+  echo "$ldf"
+}
+
+build_kube() {
+  local out="$CACHE_ROOT/kube-$KUBE_VERSION"
+  [[ -x $out/kubelet && -x $out/kubectl && -x $out/kube-proxy ]] && { log "kube $KUBE_VERSION cached"; return; }
+  kube_src
   mkdir -p "$out.tmp"
   log "building kube $KUBE_VERSION (cold: tens of minutes on 2 cores)"
-  CGO_ENABLED=0 go build -trimpath -ldflags "$ldf" -o "$out.tmp/" \
+  CGO_ENABLED=0 go build -trimpath -ldflags "$(kube_ldflags)" -o "$out.tmp/" \
     k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
     k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl k8s.io/kubernetes/cmd/kube-proxy \
     k8s.io/kubernetes/cmd/kubelet
@@ -167,6 +179,56 @@ build_kueue() {
   rm -rf "$out"; mv "$out.tmp" "$out"; log "kueue done"
 }
 
+build_kind() {
+  # kind itself plus what a kind node image needs that the embedded cluster does not: kubeadm, and a
+  # CoreDNS with every plugin of kubeadm's default Corefile (the coredns target builds a minimal one).
+  local out="$CACHE_ROOT/kind-$KIND_VERSION"
+  [[ -x $out/kind && -x $out/kubeadm && -x $out/coredns && \
+     $("$out/kubeadm" version -o short 2>/dev/null) == "$KUBE_VERSION" ]] && { log "kind cached"; return; }
+  rm -rf "$out.tmp"; mkdir -p "$out.tmp"
+  log "building kind $KIND_VERSION"
+  # kind's go.mod has no replace directives, so `go install` builds it as released
+  GOBIN="$out.tmp" CGO_ENABLED=0 go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kind@$KIND_VERSION"
+  log "building kubeadm $KUBE_VERSION (after the kube target: minutes, most packages are cached)"
+  kube_src
+  CGO_ENABLED=0 go build -trimpath -ldflags "$(kube_ldflags)" -o "$out.tmp/kubeadm" k8s.io/kubernetes/cmd/kubeadm
+  log "building coredns $COREDNS_VERSION with the plugins of kubeadm's Corefile"
+  local src; src=$(scratch "coredns-kubeadm-$COREDNS_VERSION"); cd "$src"
+  cat > main.go <<'GO'
+package main
+
+import (
+	"github.com/coredns/coredns/core/dnsserver"
+	"github.com/coredns/coredns/coremain"
+	_ "github.com/coredns/coredns/plugin/cache"
+	_ "github.com/coredns/coredns/plugin/errors"
+	_ "github.com/coredns/coredns/plugin/forward"
+	_ "github.com/coredns/coredns/plugin/health"
+	_ "github.com/coredns/coredns/plugin/kubernetes"
+	_ "github.com/coredns/coredns/plugin/loadbalance"
+	_ "github.com/coredns/coredns/plugin/log"
+	_ "github.com/coredns/coredns/plugin/loop"
+	_ "github.com/coredns/coredns/plugin/metrics"
+	_ "github.com/coredns/coredns/plugin/ready"
+	_ "github.com/coredns/coredns/plugin/reload"
+)
+
+// The order of CoreDNS's plugin.cfg, restricted to the plugins above (it decides which runs first).
+func init() {
+	dnsserver.Directives = []string{"reload", "ready", "health", "prometheus", "errors", "log", "loadbalance",
+		"cache", "kubernetes", "loop", "forward"}
+}
+
+func main() { coremain.Run() }
+GO
+  if [[ ! -f go.mod ]]; then
+    go mod init local.build/coredns >/dev/null 2>&1
+    go get "github.com/coredns/coredns@$COREDNS_VERSION"
+  fi
+  CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$out.tmp/coredns" .
+  rm -rf "$out"; mv "$out.tmp" "$out"; log "kind done"
+}
+
 mkdir -p "$CACHE_ROOT"
 components=("$@"); [[ ${#components[@]} -gt 0 ]] || components=(etcd coredns helm kube-router kube kueue)
 for c in "${components[@]}"; do
@@ -177,6 +239,7 @@ for c in "${components[@]}"; do
     helm) build_helm ;;
     kube-router) build_kube_router ;;
     kueue) build_kueue ;;
+    kind) build_kind ;;
     *) echo "unknown component $c" >&2; exit 2 ;;
   esac
 done

@@ -7,6 +7,8 @@
 # change re-imports the small top layer, never the torch layer.
 # DDPJOB_IMAGE_BUILDER=docker: `docker build` into the local Docker engine instead (kind users, then
 # `kind load docker-image`); Docker's layer cache does the skipping.
+# DDPJOB_IMAGE_BUILDER=buildah: the offline build without the containerd import (kind offline, where
+# Docker cannot pull the python base: then `hack/image.py archive` + `kind load image-archive`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,8 +19,8 @@ PY=python3
 log() { printf '[images %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
 case $BUILDER in
-  offline | docker) ;;
-  *) echo "DDPJOB_IMAGE_BUILDER must be offline or docker, not '$BUILDER'" >&2; exit 2 ;;
+  offline | docker | buildah) ;;
+  *) echo "DDPJOB_IMAGE_BUILDER must be offline, docker or buildah, not '$BUILDER'" >&2; exit 2 ;;
 esac
 
 names=("$@")
@@ -33,6 +35,9 @@ for name in "${names[@]}"; do
   if [[ $BUILDER == docker ]]; then
     log "docker build $ref"
     docker build -f "$name/Dockerfile" -t "$ref" .
+  elif [[ $BUILDER == buildah ]]; then
+    log "$ref (buildah only, for kind)"
+    "$PY" hack/image.py build --no-import -f "$name/Dockerfile" -t "$ref" .
   else
     log "$ref (offline; the first trainer build downloads torch: several minutes)"
     "$PY" hack/image.py build -f "$name/Dockerfile" -t "$ref" .

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Container images without a Docker engine or a registry: buildah builds them, containerd runs them.
 
-    hack/image.py build -f Dockerfile -t localhost/NAME:TAG [--build-arg K=V]... [--target STAGE] CONTEXT
+    hack/image.py build -f Dockerfile -t localhost/NAME:TAG [--build-arg K=V]... [--target STAGE] [--no-import] CONTEXT
+    hack/image.py archive REF FILE   write buildah's image REF as a docker-archive (`kind load image-archive`)
     hack/image.py pause            build and import the pause image the cluster's containerd uses
     hack/image.py ls               images in containerd's k8s.io namespace
     hack/image.py has REF          exit 0 when REF is in containerd
@@ -246,6 +247,13 @@ def import_image(ref: str) -> str:
         return to_containerd(ref, Path(tmp) / "image")
 
 
+def archive(ref: str, path: str | Path) -> None:
+    """Write buildah's image `ref` to `path` as a docker-archive named `ref` (what `kind load image-archive`
+    and `docker load` read); layers stay uncompressed."""
+    Path(path).unlink(missing_ok=True)
+    buildah("push", "--quiet", ref, f"docker-archive:{path}:{ref}")
+
+
 # --------------------------------------------------------------------------------------------
 # base images
 
@@ -336,9 +344,10 @@ def ensure_bases(dockerfile: Path, build_args: dict[str, str] | None = None) -> 
 # build
 
 def build(dockerfile: str | Path, ref: str, context: str | Path, build_args: dict[str, str] | None = None,
-          target: str | None = None) -> str:
+          target: str | None = None, to_containerd_ns: bool = True) -> str:
     """Build a Dockerfile with buildah and put it into containerd's k8s.io namespace as `ref`; returns the
-    manifest digest (the same for the same inputs: buildah's layer cache)."""
+    manifest digest (the same for the same inputs: buildah's layer cache). to_containerd_ns=False leaves
+    it in buildah's store only (for kind, which gets it through `archive`)."""
     check_ref(ref)
     if os.geteuid() != 0:
         raise BuildError("image builds need root (buildah, containerd)")
@@ -360,7 +369,11 @@ def build(dockerfile: str | Path, ref: str, context: str | Path, build_args: dic
         if target:
             argv += ["--target", target]
         buildah(*argv, str(context), capture=False)
-        digest = import_image(ref)
+        if to_containerd_ns:
+            digest = import_image(ref)
+        else:
+            manifest = json.loads(buildah("inspect", "--type", "image", ref))["Manifest"].encode()
+            digest = "sha256:" + hashlib.sha256(manifest).hexdigest()
     log(f"{ref} {digest[:19]} ready in {time.monotonic() - t0:.1f}s")
     return digest
 
@@ -376,11 +389,8 @@ def go_binary() -> str:
     return str(Path(goroot) / "bin" / "go")
 
 
-def ensure_pause() -> str:
-    """Build Kubernetes' own pause.c statically and import it as cluster.PAUSE_IMAGE (no pull possible)."""
-    ref = cluster.PAUSE_IMAGE
-    if has_image(ref):
-        return ref
+def pause_binary() -> Path:
+    """Kubernetes' own pause.c, compiled statically once into the cache (touches no containerd)."""
     kube = cluster.versions()["KUBE_VERSION"]
     out = CACHE / f"pause-{cluster.PAUSE_VERSION}"
     binary = out / "pause"
@@ -396,6 +406,15 @@ def ensure_pause() -> str:
         subprocess.run(["gcc", "-Os", "-static", "-Wall", "-Werror", f'-DVERSION=v{cluster.PAUSE_VERSION}-ddpjob',
                         "-o", str(binary), str(src)], check=True)
         subprocess.run(["strip", str(binary)], check=False)
+    return binary
+
+
+def ensure_pause() -> str:
+    """Build Kubernetes' own pause.c statically and import it as cluster.PAUSE_IMAGE (no pull possible)."""
+    ref = cluster.PAUSE_IMAGE
+    if has_image(ref):
+        return ref
+    binary = pause_binary()
     container = buildah("from", "scratch").strip()
     try:
         buildah("copy", "--quiet", container, str(binary), "/pause")
@@ -417,7 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("-t", "--tag", required=True, help="fully qualified ref, e.g. localhost/name:0.1.0")
     b.add_argument("--build-arg", action="append", default=[], metavar="K=V")
     b.add_argument("--target")
+    b.add_argument("--no-import", action="store_true", help="leave the image in buildah's store (kind)")
     b.add_argument("context")
+    ar = sub.add_parser("archive")
+    ar.add_argument("ref")
+    ar.add_argument("path")
     sub.add_parser("pause")
     sub.add_parser("ls")
     h = sub.add_parser("has")
@@ -426,7 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.cmd == "build":
             args = dict(kv.partition("=")[::2] for kv in a.build_arg)
-            build(a.file or Path(a.context) / "Dockerfile", a.tag, a.context, args, a.target)
+            build(a.file or Path(a.context) / "Dockerfile", a.tag, a.context, args, a.target,
+                  to_containerd_ns=not a.no_import)
+        elif a.cmd == "archive":
+            archive(a.ref, a.path)
         elif a.cmd == "pause":
             print(ensure_pause())
         elif a.cmd == "ls":

@@ -4,7 +4,8 @@
 #   - .venv at the repository root with requirements-dev.txt and the project itself (editable)
 # Go is not needed: hack/build-binaries.sh uses a new enough `go` on PATH or fetches the pinned
 # toolchain itself (hack/install-go.py).
-#   hack/install-deps.sh
+#   hack/install-deps.sh            the embedded cluster's needs
+#   hack/install-deps.sh --docker   also Debian's docker.io, for kind (hack/docker.py runs a private engine)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 log() { printf '[deps %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -17,6 +18,14 @@ PACKAGES=(containerd runc containernetworking-plugins conntrack iptables ipset i
           buildah debootstrap tini gcc libc6-dev tar util-linux ca-certificates python3 python3-venv)
 # ShellCheck lints the shipping scripts in tests/chart/test_scripts.py (which fails without it in CI).
 PACKAGES+=(shellcheck)
+# kind only (opt-in): dockerd and its CLI. hack/docker.py runs its own engine; the package's system engine
+# (its iptables rules set the FORWARD policy to DROP, cutting off the embedded cluster's pods) is
+# stopped and disabled again where this run installed it on a systemd host.
+if [[ ${1:-} == --docker ]]; then
+  PACKAGES+=(docker.io)
+elif [[ $# -gt 0 ]]; then
+  echo "usage: hack/install-deps.sh [--docker]" >&2; exit 2
+fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -28,6 +37,9 @@ if ((${#missing[@]})); then
   $SUDO apt-get update -qq
   # Debian's containerd does not start itself without systemd; the cluster runs its own instance.
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  if [[ " ${missing[*]} " == *" docker.io "* && -d /run/systemd/system ]]; then
+    $SUDO systemctl disable --now docker.service docker.socket >/dev/null 2>&1 || true
+  fi
 else
   log "system packages present"
 fi

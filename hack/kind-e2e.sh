@@ -1,33 +1,106 @@
 #!/usr/bin/env bash
-# For users with Docker: the end-to-end suite (tests/e2e) on a kind cluster.
+# The end-to-end suite (tests/e2e) on a kind cluster: one control plane and two workers
+# (hack/kind-config.yaml).
 #   hack/kind-e2e.sh            create (or reuse) kind cluster "ddpjob", build + load images, install
 #                               the chart, run tests/e2e, delete the cluster
+#   hack/kind-e2e.sh --node-loss     the same, running only the multi-node node-loss test
+#                               (tests/e2e/test_e2e_node_loss.py: what `make test` runs on kind)
 #   KIND_KEEP=1 hack/kind-e2e.sh     keep the cluster afterwards (KUBECONFIG path is printed)
-# Knobs: KIND_CLUSTER_NAME (ddpjob), KIND_NODE_IMAGE (kind's default; e.g. kindest/node:v1.34.0),
-#        KIND, HELM, KUBECTL (binaries on PATH by default), PYTEST_ARGS (extra pytest arguments).
+# Every stage's duration is printed at the end (also after a failure); the exit code is non-zero on any failure.
+# Works offline: without a Docker engine that answers, it starts the private one of hack/docker.py (root;
+# `hack/install-deps.sh --docker` installs dockerd); kind, kubectl and helm come from PATH or else from
+# hack/build-binaries.sh's cache; and without KIND_NODE_IMAGE, where Docker Hub cannot be reached, the node
+# image is built here from the project's own binaries (hack/kind_node.py), else kind's default is used.
+# Knobs: KIND_CLUSTER_NAME (ddpjob), KIND_NODE_IMAGE (e.g. kindest/node:v1.34.0 or ddpjob/kind-node:v1.34.4),
+#        KIND, HELM, KUBECTL (binaries), PYTEST_ARGS (extra pytest arguments).
 # The suite itself is provider-agnostic: it only sees KUBECONFIG and images already on the nodes, the
 # same way it sees the embedded cluster after hack/build-images.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+# shellcheck source=hack/versions.env
+source hack/versions.env
 
 CLUSTER=${KIND_CLUSTER_NAME:-ddpjob}
-KIND=${KIND:-kind}
-HELM=${HELM:-helm}
-KUBECTL=${KUBECTL:-kubectl}
+CACHE_ROOT=${DDPJOB_CACHE:-$HOME/.cache/ddpjob}
 TAG=0.1.0
 RELEASE=ddp-operator
 OPERATOR_NS=ddp-system
 KCFG=${XDG_CACHE_HOME:-$HOME/.cache}/ddpjob/kind-$CLUSTER.kubeconfig
 log() { printf '[kind-e2e %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
-for bin in docker "$KIND" "$HELM" "$KUBECTL" python3; do
-  command -v "$bin" >/dev/null || { echo "kind-e2e needs '$bin' on PATH" >&2; exit 2; }
-done
-docker info >/dev/null 2>&1 || { echo "kind-e2e needs a running Docker engine" >&2; exit 2; }
+TESTS=(tests/e2e)
+case ${1:-} in
+  --node-loss) TESTS=(tests/e2e/test_e2e_node_loss.py) ;;
+  "") ;;
+  *) echo "usage: hack/kind-e2e.sh [--node-loss]" >&2; exit 2 ;;
+esac
+
+# stage NAME: ends the previous stage (its duration goes into the summary) and starts NAME
+STAGES=()
+STAGE=""
+STAGE_T0=$SECONDS
+STARTED=$SECONDS
+stage() {
+  [[ -n $STAGE ]] && STAGES+=("$(printf '%-28s %5d s' "$STAGE" $((SECONDS - STAGE_T0)))")
+  STAGE=$1
+  STAGE_T0=$SECONDS
+  [[ -n $STAGE ]] && log "$STAGE"
+  return 0
+}
+summary() {
+  stage ""
+  log "stage times:"
+  printf '  %s\n' "${STAGES[@]}" >&2
+  printf '  %-28s %5d s\n' total $((SECONDS - STARTED)) >&2
+}
+
+# A tool from PATH, else from hack/build-binaries.sh's cache (built there on first use).
+tool() { # name cached-path build-target
+  if command -v "$1" >/dev/null; then echo "$1"; return; fi
+  [[ -x $2 ]] || { log "building $3 (hack/build-binaries.sh $3)"; hack/build-binaries.sh "$3" >&2; }
+  echo "$2"
+}
+stage "tools (kind, kubectl, helm)"
+KIND=${KIND:-$(tool kind "$CACHE_ROOT/kind-$KIND_VERSION/kind" kind)}
+KUBECTL=${KUBECTL:-$(tool kubectl "$CACHE_ROOT/kube-$KUBE_VERSION/kubectl" kube)}
+HELM=${HELM:-$(tool helm "$CACHE_ROOT/helm-$HELM_VERSION/helm" helm)}
+# tests/conftest.py runs `kind load` by name
+[[ $KIND == */* ]] && PATH="$(cd "$(dirname "$KIND")" && pwd):$PATH" && export PATH
+
+command -v docker >/dev/null || { echo "kind-e2e needs docker (hack/install-deps.sh --docker)" >&2; exit 2; }
+if ! docker info >/dev/null 2>&1; then
+  stage "Docker engine (hack/docker.py up)"
+  python3 hack/docker.py up
+  STARTED_ENGINE=1
+  eval "$(python3 hack/docker.py env)"
+  export DOCKER_HOST
+fi
+
+# Online (Docker Hub answers): kind's default node image, images built by Docker. Offline: the node image
+# is built here, and the operator/trainer images (and those the suite builds, tests/conftest.py) by
+# buildah, then loaded as archives.
+if python3 - <<'PY' 2>/dev/null
+import urllib.error, urllib.request
+try:
+    urllib.request.urlopen("https://registry-1.docker.io/v2/", timeout=5)
+except urllib.error.HTTPError:
+    pass  # 401: the registry is there
+PY
+then
+  IMAGE_BUILDER=docker
+else
+  IMAGE_BUILDER=buildah
+  if [[ -z ${KIND_NODE_IMAGE:-} ]]; then
+    stage "node image (hack/kind_node.py build; Docker Hub is unreachable)"
+    KIND_NODE_IMAGE=$(python3 hack/kind_node.py build)
+  fi
+fi
+export DDPJOB_IMAGE_BUILDER=$IMAGE_BUILDER
 
 cleanup() {
   local rc=$?
+  stage "cleanup"
   if [[ $rc -ne 0 ]]; then
     log "failed: operator logs follow"
     "$KUBECTL" -n "$OPERATOR_NS" logs "deployment/$RELEASE" --tail=100 2>/dev/null || true
@@ -37,31 +110,58 @@ cleanup() {
   else
     log "deleting kind cluster $CLUSTER"
     "$KIND" delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true
+    if [[ -n ${STARTED_ENGINE:-} ]]; then
+      log "stopping the Docker engine this run started"
+      python3 hack/docker.py down >/dev/null 2>&1 || true
+    fi
   fi
+  summary
+  if [[ -s $NODE_LOSS_RESULTS ]]; then
+    log "node loss (tests/e2e/test_e2e_node_loss.py):"
+    sed 's/^/  /' "$NODE_LOSS_RESULTS" >&2
+  fi
+  rm -f "$NODE_LOSS_RESULTS"
+  if [[ $rc -eq 0 ]]; then log "passed"; else log "FAILED (exit $rc)"; fi
   exit "$rc"
 }
+NODE_LOSS_RESULTS=$(mktemp /tmp/ddpjob-node-loss-XXXXXX.jsonl)
 trap cleanup EXIT
 
 mkdir -p "$(dirname "$KCFG")"
 if "$KIND" get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
-  log "reusing kind cluster $CLUSTER"
+  stage "cluster (reused)"
   "$KIND" export kubeconfig --name "$CLUSTER" --kubeconfig "$KCFG"
 else
-  log "creating kind cluster $CLUSTER"
-  create=(create cluster --name "$CLUSTER" --kubeconfig "$KCFG" --wait 180s)
+  stage "cluster (kind create cluster)"
+  create=(create cluster --name "$CLUSTER" --config hack/kind-config.yaml --kubeconfig "$KCFG" --wait 180s)
   [[ -n ${KIND_NODE_IMAGE:-} ]] && create+=(--image "$KIND_NODE_IMAGE")
   "$KIND" "${create[@]}"
 fi
 export KUBECONFIG=$KCFG
 
-log "building images with Docker"
-DDPJOB_IMAGE_BUILDER=docker DDPJOB_IMAGE_TAG=$TAG hack/build-images.sh
-for name in operator trainer; do
-  log "loading localhost/ddp-$name:$TAG into $CLUSTER"
-  "$KIND" load docker-image "localhost/ddp-$name:$TAG" --name "$CLUSTER"
-done
+if [[ $IMAGE_BUILDER == docker ]]; then
+  stage "images (docker build, kind load)"
+  DDPJOB_IMAGE_BUILDER=docker DDPJOB_IMAGE_TAG=$TAG hack/build-images.sh
+  for name in operator trainer; do
+    log "loading localhost/ddp-$name:$TAG into $CLUSTER"
+    "$KIND" load docker-image "localhost/ddp-$name:$TAG" --name "$CLUSTER"
+  done
+else
+  stage "images (buildah, kind load image-archive)"
+  DDPJOB_IMAGE_BUILDER=buildah DDPJOB_IMAGE_TAG=$TAG hack/build-images.sh
+  archives=$(mktemp -d /var/tmp/ddpjob-kind-XXXXXX)
+  # the workers only: pods never run on kind's tainted control plane, and the trainer image is GBs
+  workers=$("$KIND" get nodes --name "$CLUSTER" | grep -v -- '-control-plane$' | paste -sd, -)
+  for name in operator trainer; do
+    log "loading localhost/ddp-$name:$TAG into $workers"
+    python3 hack/image.py archive "localhost/ddp-$name:$TAG" "$archives/$name.tar"
+    "$KIND" load image-archive "$archives/$name.tar" --name "$CLUSTER" --nodes "$workers"
+    rm -f "$archives/$name.tar"
+  done
+  rmdir "$archives"
+fi
 
-log "installing the chart"
+stage "chart (helm upgrade --install)"
 "$HELM" upgrade --install "$RELEASE" helm/ddp-operator --namespace "$OPERATOR_NS" --create-namespace \
   --wait --timeout 5m
 
@@ -71,11 +171,12 @@ if [[ ! -x .venv/bin/python ]]; then
   .venv/bin/pip install -q -r requirements-dev.txt
 fi
 
-log "running tests/e2e against kind"
+stage "tests (${TESTS[*]})"
 # DDPJOB_TEST_KUBECONFIG is what makes tests/conftest.py use kind (it never follows a plain
 # KUBECONFIG); its context name (kind-<cluster>) is how the suite knows to `kind load` any image it
 # builds itself.
 # DDPJOB_OPERATOR=installed: the chart installed above is the operator under test.
 read -r -a extra <<<"${PYTEST_ARGS:-}"
+DDPJOB_NODE_LOSS_RESULTS=$NODE_LOSS_RESULTS \
 DDPJOB_TEST_KUBECONFIG=$KCFG DDPJOB_OPERATOR=installed PYTHONPATH="$ROOT/operator:$ROOT/trainer:$ROOT" \
-  .venv/bin/python -m pytest -ra tests/e2e "${extra[@]}"
+  .venv/bin/python -m pytest -ra "${TESTS[@]}" "${extra[@]}"

@@ -20,7 +20,8 @@
   its pods, events, descriptions and container logs are printed first (shown in the report).
 - `wait_for` (and the module-level function): poll a condition with a timeout, never a fixed sleep.
 - `ensure_image`: make a locally built image available to the cluster (embedded: hack/image.py
-  into containerd, a no-op when nothing changed; kind: docker build + kind load).
+  into containerd, a no-op when nothing changed; kind: docker build + kind load, or offline
+  (DDPJOB_IMAGE_BUILDER=buildah) buildah + kind load image-archive).
 - Tests marked `cluster_restart` (they stop the cluster) run after every other test.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ import re
 import secrets
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,6 +173,14 @@ def ensure_image(cluster: Cluster, ref: str, dockerfile: str | Path, context: st
     """Make `ref` available to the cluster's node(s), building it when its inputs changed."""
     if cluster.embedded:
         image_builder.build(dockerfile, ref, context, build_args)
+    elif cluster.kind_name and os.environ.get("DDPJOB_IMAGE_BUILDER") == "buildah":
+        # offline kind (hack/kind-e2e.sh sets it where Docker cannot pull the python base): buildah builds,
+        # the nodes' containerd imports the archive
+        image_builder.build(dockerfile, ref, context, build_args, to_containerd_ns=False)
+        with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="ddpjob-kind-") as tmp:
+            archive = Path(tmp) / "image.tar"
+            image_builder.archive(ref, archive)
+            subprocess.run(["kind", "load", "image-archive", str(archive), "--name", cluster.kind_name], check=True)
     elif cluster.kind_name:
         args = [a for k, v in (build_args or {}).items() for a in ("--build-arg", f"{k}={v}")]
         subprocess.run(["docker", "build", "-f", str(dockerfile), "-t", ref, *args, str(context)], check=True)
