@@ -5,7 +5,7 @@ export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)
 
 .PHONY: help deps binaries cluster-up cluster-down cluster-status image images generate \
         test test-unit test-trainer test-cluster test-integration test-e2e test-chart \
-        demo demo-down kind-e2e kueue-up kueue-down \
+        demo demo-down kind-e2e kind-node-loss kueue-up kueue-down \
         bench-trainer-recovery bench-baselines bench-overhead bench-e2e-recovery bench-startup bench-api \
         bench-scale bench-faults bench-kueue bench-report
 
@@ -39,7 +39,8 @@ generate: ## regenerate every copy of the CRD from its single source
 test: deps binaries ## the whole suite, exactly as CI runs it
 	$(PY) hack/cluster.py up
 	hack/build-images.sh
-	$(PY) -m pytest -ra tests/unit tests/bootstrap tests/trainer tests/cluster tests/integration tests/chart tests/e2e tests/benchmarks
+	$(PY) -m pytest -ra tests/unit tests/bootstrap tests/trainer tests/cluster tests/integration tests/chart tests/e2e tests/benchmarks \
+		--ignore=tests/e2e/test_e2e_node_loss.py
 
 test-unit: ## pure unit tests (no cluster)
 	$(PY) -m pytest -ra tests/unit
@@ -73,6 +74,9 @@ kind-e2e: ## the whole e2e suite on a 3-node kind cluster (offline: own Docker e
 	hack/install-deps.sh --docker
 	hack/kind-e2e.sh
 
+kind-node-loss: ## a kind worker stopped, then paused, under a training job (tests/e2e/test_e2e_node_loss.py on kind)
+	hack/install-deps.sh --docker
+	hack/kind-e2e.sh --node-loss
 
 kueue-up: ## install Kueue (its own chart, image built offline) into the embedded cluster; seconds when installed
 	$(PY) hack/kueue.py up

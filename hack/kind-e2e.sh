@@ -71,8 +71,9 @@ HELM=${HELM:-$(tool helm "$CACHE_ROOT/helm-$HELM_VERSION/helm" helm)}
 command -v docker >/dev/null || { echo "kind-e2e needs docker (hack/install-deps.sh --docker)" >&2; exit 2; }
 if ! docker info >/dev/null 2>&1; then
   stage "Docker engine (hack/docker.py up)"
+  # stopped again at the end only when this run started it
+  python3 hack/docker.py status >/dev/null 2>&1 || STARTED_ENGINE=1
   python3 hack/docker.py up
-  STARTED_ENGINE=1
   eval "$(python3 hack/docker.py env)"
   export DOCKER_HOST
 fi
@@ -139,23 +140,24 @@ else
 fi
 export KUBECONFIG=$KCFG
 
+# The workers run the tests' pods (kind's control plane is tainted); the trainer image (GBs) goes there only. The
+# operator runs on the control plane, as on a cluster with system nodes: a test that stops a worker must not stop
+# the operator with it (its pod would wait out the 300 s unreachable toleration before moving).
+workers=$("$KIND" get nodes --name "$CLUSTER" | grep -v -- '-control-plane$' | paste -sd, -)
 if [[ $IMAGE_BUILDER == docker ]]; then
   stage "images (docker build, kind load)"
   DDPJOB_IMAGE_BUILDER=docker DDPJOB_IMAGE_TAG=$TAG hack/build-images.sh
-  for name in operator trainer; do
-    log "loading localhost/ddp-$name:$TAG into $CLUSTER"
-    "$KIND" load docker-image "localhost/ddp-$name:$TAG" --name "$CLUSTER"
-  done
+  "$KIND" load docker-image "localhost/ddp-operator:$TAG" --name "$CLUSTER"
+  "$KIND" load docker-image "localhost/ddp-trainer:$TAG" --name "$CLUSTER" --nodes "$workers"
 else
   stage "images (buildah, kind load image-archive)"
   DDPJOB_IMAGE_BUILDER=buildah DDPJOB_IMAGE_TAG=$TAG hack/build-images.sh
   archives=$(mktemp -d /var/tmp/ddpjob-kind-XXXXXX)
-  # the workers only: pods never run on kind's tainted control plane, and the trainer image is GBs
-  workers=$("$KIND" get nodes --name "$CLUSTER" | grep -v -- '-control-plane$' | paste -sd, -)
   for name in operator trainer; do
-    log "loading localhost/ddp-$name:$TAG into $workers"
+    nodes=$(if [[ $name == trainer ]]; then echo "$workers"; else "$KIND" get nodes --name "$CLUSTER" | paste -sd, -; fi)
+    log "loading localhost/ddp-$name:$TAG into $nodes"
     python3 hack/image.py archive "localhost/ddp-$name:$TAG" "$archives/$name.tar"
-    "$KIND" load image-archive "$archives/$name.tar" --name "$CLUSTER" --nodes "$workers"
+    "$KIND" load image-archive "$archives/$name.tar" --name "$CLUSTER" --nodes "$nodes"
     rm -f "$archives/$name.tar"
   done
   rmdir "$archives"
@@ -163,7 +165,22 @@ fi
 
 stage "chart (helm upgrade --install)"
 "$HELM" upgrade --install "$RELEASE" helm/ddp-operator --namespace "$OPERATOR_NS" --create-namespace \
+  --set-json 'nodeSelector={"node-role.kubernetes.io/control-plane":""}' \
+  --set-json 'tolerations=[{"key":"node-role.kubernetes.io/control-plane","operator":"Exists","effect":"NoSchedule"}]' \
   --wait --timeout 5m
+
+stage "warm-up (the trainer image on every worker)"
+# The first pod of a 5 GB image on a fresh node reads torch from disk: its agent once took over a minute to
+# reach the rendezvous after its peer had joined, past torch's 60 s wait for the peers' role information.
+# Read the image once per worker, as a long-running cluster would have, before the tests time anything.
+for node in ${workers//,/ }; do
+  "$KUBECTL" run "warm-$node" --restart=Never --image "localhost/ddp-trainer:$TAG" --image-pull-policy=Never \
+    --overrides "{\"spec\": {\"nodeName\": \"$node\"}}" --command -- python -c "import torch.distributed.run" >/dev/null
+done
+for node in ${workers//,/ }; do
+  "$KUBECTL" wait --for=jsonpath='{.status.phase}'=Succeeded "pod/warm-$node" --timeout=600s >/dev/null
+  "$KUBECTL" delete pod "warm-$node" --wait=false >/dev/null
+done
 
 if [[ ! -x .venv/bin/python ]]; then
   log "creating .venv (requirements-dev.txt)"
