@@ -7,7 +7,7 @@ export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)
         test test-unit test-trainer test-cluster test-integration test-e2e test-chart \
         demo demo-down kind-e2e kind-node-loss kueue-up kueue-down \
         bench-trainer-recovery bench-baselines bench-overhead bench-e2e-recovery bench-startup bench-api \
-        bench-scale bench-faults bench-kueue bench-report
+        bench-scale bench-faults bench-kueue bench-node-loss bench-report
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-24s %s\n", $$1, $$2}'
@@ -112,6 +112,10 @@ bench-scale: ## 200 DDPJobs at once, control plane only (JSON, docs/bench/scale.
 
 bench-faults: ## every fault once on the cluster: store/agent/worker/operator loss, hang, apiserver restart, NotReady node (docs/bench/faults.json)
 	$(PY) tests/benchmarks/faults.py --record
+
+bench-node-loss: ## a kind worker stopped and frozen under a training job (docs/bench/node_loss.json)
+	hack/install-deps.sh --docker
+	KIND_RECORD=1 hack/kind-e2e.sh --node-loss
 
 bench-report: ## rewrite the README's Measured table and docs/recovery.md's baselines from docs/bench/*.json
 	$(PY) tests/benchmarks/report.py --write

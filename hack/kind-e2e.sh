@@ -6,6 +6,7 @@
 #   hack/kind-e2e.sh --node-loss     the same, running only the multi-node node-loss test
 #                               (tests/e2e/test_e2e_node_loss.py: what `make test` runs on kind)
 #   KIND_KEEP=1 hack/kind-e2e.sh     keep the cluster afterwards (KUBECONFIG path is printed)
+#   KIND_RECORD=1 hack/kind-e2e.sh --node-loss   also record docs/bench/node_loss.json (make bench-node-loss)
 # Every stage's duration is printed at the end (also after a failure); the exit code is non-zero on any failure.
 # Works offline: without a Docker engine that answers, it starts the private one of hack/docker.py (root;
 # `hack/install-deps.sh --docker` installs dockerd); kind, kubectl and helm come from PATH or else from
@@ -118,8 +119,8 @@ cleanup() {
   fi
   summary
   if [[ -s $NODE_LOSS_RESULTS ]]; then
-    log "node loss (tests/e2e/test_e2e_node_loss.py):"
-    sed 's/^/  /' "$NODE_LOSS_RESULTS" >&2
+    log "node loss (tests/e2e/test_e2e_node_loss.py; KIND_RECORD=1 also writes docs/bench/node_loss.json):"
+    .venv/bin/python tests/benchmarks/node_loss.py "$NODE_LOSS_RESULTS" ${KIND_RECORD:+--record} >&2 || true
   fi
   rm -f "$NODE_LOSS_RESULTS"
   if [[ $rc -eq 0 ]]; then log "passed"; else log "FAILED (exit $rc)"; fi

@@ -127,6 +127,15 @@ def kueue_queue(doc: Doc) -> str:
             f"{r.get('kueue_version')})")
 
 
+def node_loss(doc: Doc) -> str:
+    r = doc["result"]
+    cases = r.get("cases") or {}
+    parts = [f"{how}: {_n(c.get('recovery_s'), ' s')} (NotReady after {_n(c.get('notready_s'), ' s')}, then "
+             f"{_n(c.get('after_notready_s'), ' s')}), {c.get('steps_lost')} steps lost"
+             for how, c in sorted(cases.items(), key=lambda kv: kv[0] != "stop")]
+    return "; ".join(parts) + f" (nodeLostTimeoutSeconds {r.get('node_lost_timeout_s')})"
+
+
 def api(period_key: str) -> Callable[[Doc], str]:
     def figure(doc: Doc) -> str:
         r = doc["result"]
@@ -288,6 +297,9 @@ ROWS: list[tuple[str, str, Callable[[Doc], str], str, str]] = [
      "progress ≤ 12/min", "make bench-api"),
     ("every fault once: store, agent, worker, operator lost; hung worker; API server restart; NotReady node",
      "faults", faults_summary, "all survived, ≤ 1 step lost", "make bench-faults"),
+    ("a kind worker stopped (`docker stop`) / frozen (`docker pause`) under a 2-node job → first resumed step, "
+     "3-node kind", "node_loss", node_loss, "after NotReady ≤ nodeLostTimeoutSeconds + 15 s, ≤ 1 step lost",
+     "make bench-node-loss"),
     ("DDPJobs at once, control plane only", "scale", scale, "200 in ≤ 30 s, ≤ 200 MiB", "make bench-scale"),
     ("digits training with snapshots (adaptive K) + checkpoints vs a bare DDP loop", "trainer_overhead", overhead,
      "≥ 0.97, ≤ 2 %", "make bench-overhead"),
@@ -355,12 +367,30 @@ def phases_table(bench_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def node_loss_table(bench_dir: Path) -> str:
+    doc = results.load("node_loss", bench_dir)
+    if doc is None:
+        return "Not recorded yet: run `make bench-node-loss`."
+    r = doc["result"]
+    lines = ["| how | node lost → NotReady | NotReady → first resumed step | node lost → first resumed step | "
+             "steps lost | resumed from |", "|---|---|---|---|---|---|"]
+    for how, c in sorted((r.get("cases") or {}).items(), key=lambda kv: kv[0] != "stop"):
+        lines.append(f"| `docker {how}` | {_n(c.get('notready_s'), ' s')} | {_n(c.get('after_notready_s'), ' s')} | "
+                     f"{_n(c.get('recovery_s'), ' s')} | {c.get('steps_lost')} | {c.get('source')} |")
+    lines.append("")
+    lines.append(f"Recorded by `make bench-node-loss`: {recorded(doc)}; nodeLostTimeoutSeconds "
+                 f"{r.get('node_lost_timeout_s')} s, target after NotReady ≤ {_n(r.get('target_after_notready_s'), ' s')}"
+                 f" (the timeout + 15 s); one fresh 2-node digits job per case, step delay 0.15 s.")
+    return "\n".join(lines)
+
+
 BLOCKS: list[tuple[Path, str, Callable[[Path], str]]] = [
     (README, "measured", measured_table),
     (RECOVERY, "baselines", baselines_table),
     (RECOVERY, "overhead", overhead_table),
     (RECOVERY, "faults", faults_table),
     (RECOVERY, "phases", phases_table),
+    (RECOVERY, "node-loss", node_loss_table),
 ]
 
 

@@ -13,8 +13,8 @@ containers, and a frozen agent that wakes up first is refused by the rendezvous 
 the replacement of the same pod, docs/recovery.md). The job's world size never exceeds its nodes.
 
 The figure (node stopped -> first resumed step; target: nodeLostTimeoutSeconds + 15 s) is printed and appended
-to $DDPJOB_NODE_LOSS_RESULTS when set (hack/kind-e2e.sh reports it). Only kind has nodes this test can stop:
-elsewhere it is skipped, except under CI=true, where the kind stage of `make test` must provide one.
+to $DDPJOB_NODE_LOSS_RESULTS when set (hack/kind-e2e.sh reports it). Only kind has nodes this test can stop
+(`make kind-node-loss`, `make kind-e2e`): elsewhere it is skipped, or fails under CI=true (`make test` leaves it out).
 """
 
 from __future__ import annotations
