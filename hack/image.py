@@ -262,6 +262,25 @@ def base_rootfs_path() -> Path:
     return CACHE / f"rootfs-{suite}-v{BASE_REVISION}"
 
 
+def debootstrap(target: Path, packages: list[str], suite: str) -> None:
+    """A Debian `suite` minbase root filesystem with `packages` in `target` (hack/kind_node.py's too)."""
+    subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", suite, str(target),
+                    DEBIAN_MIRROR], check=True, stdout=subprocess.DEVNULL)
+
+
+def strip_host(root: Path) -> None:
+    """Make a debootstrapped root filesystem look like an image, not a host: no apt caches, no host resolver or
+    hostname."""
+    for p in ["var/cache/apt/archives", "var/lib/apt/lists"]:
+        for f in (root / p).glob("*"):
+            if f.is_file():
+                f.unlink()
+    for f in (root / "var/cache/apt").glob("*.bin"):
+        f.unlink()
+    (root / "etc/resolv.conf").write_text("")
+    (root / "etc/hostname").unlink(missing_ok=True)
+
+
 def base_rootfs() -> Path:
     """The cached Debian base root filesystem, made on first use (call with the build lock held)."""
     suite = cluster.versions().get("DEBIAN_SUITE", "bookworm")
@@ -272,17 +291,8 @@ def base_rootfs() -> Path:
     if not (tmp / "usr" / "bin" / "python3").exists():
         shutil.rmtree(tmp, ignore_errors=True)
         log(f"debootstrap {suite} minbase + {' '.join(BASE_PACKAGES)} (once; about 2 minutes)")
-        subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", suite,
-                        str(tmp), DEBIAN_MIRROR], check=True, stdout=subprocess.DEVNULL)
-    # Make it look like an image, not a host: no apt caches, no host resolver or hostname.
-    for p in ["var/cache/apt/archives", "var/lib/apt/lists"]:
-        for f in (tmp / p).glob("*"):
-            if f.is_file():
-                f.unlink()
-    for f in (tmp / "var/cache/apt").glob("*.bin"):
-        f.unlink()
-    (tmp / "etc/resolv.conf").write_text("")
-    (tmp / "etc/hostname").unlink(missing_ok=True)
+        debootstrap(tmp, BASE_PACKAGES, suite)
+    strip_host(tmp)
     for name in ("python", "python3"):  # as in the python image
         link = tmp / "usr/local/bin" / name
         if not link.is_symlink():

@@ -53,7 +53,6 @@ import docker as engine  # noqa: E402  (hack/docker.py: the engine's socket)
 import image  # noqa: E402  (hack/image.py: the pause binary)
 
 CACHE = Path(os.environ.get("DDPJOB_CACHE", Path.home() / ".cache" / "ddpjob"))
-DEBIAN_MIRROR = os.environ.get("DEBIAN_MIRROR", "http://deb.debian.org/debian")
 ROOTFS_REVISION = 1  # bump when a package list or the rootfs post-processing changes
 IMAGE_LABEL = "dev.ddpjob.kind-node.inputs"  # hash of everything the node image is made from
 
@@ -140,16 +139,8 @@ def rootfs(name: str, packages: list[str], suite: str) -> Path:
     if not (tmp / "etc/os-release").exists():
         shutil.rmtree(tmp, ignore_errors=True)
         log(f"debootstrap {suite} for the {name} image (once; a minute or two)")
-        subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", suite, str(tmp),
-                        DEBIAN_MIRROR], check=True, stdout=subprocess.DEVNULL)
-    for sub in ("var/cache/apt/archives", "var/lib/apt/lists"):
-        for f in (tmp / sub).glob("*"):
-            if f.is_file():
-                f.unlink()
-    for f in (tmp / "var/cache/apt").glob("*.bin"):
-        f.unlink()
-    (tmp / "etc/resolv.conf").write_text("")
-    (tmp / "etc/hostname").unlink(missing_ok=True)
+        image.debootstrap(tmp, packages, suite)
+    image.strip_host(tmp)
     tmp.rename(d)
     return d
 
