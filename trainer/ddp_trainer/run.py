@@ -120,9 +120,8 @@ class Run:
         ) or envmod.DEFAULT_SNAPSHOT_MAX_EVERY
         self._next_snapshot_step = 0
         self._step_s: float | None = None  # moving average of the time between step_done calls
-        self._copy_s: float | None = None  # what one snapshot costs (StepCost.cost_s)
         self._copy_seen: int | None = None
-        # What a snapshot costs the step it overlaps (snapshot.StepCost), besides the copy's own CPU time.
+        # What one snapshot costs training: its copy's own time or what it adds to the step it overlaps (medians).
         self._step_cost = StepCost()
         self._after_save: str | None = None  # "snapshot" or "checkpoint": the save point the running step follows
         self.log_every = log_every or 0
@@ -434,11 +433,11 @@ class Run:
                 self._copy_seen = snaps.last_step
                 self._step_cost.copy(snaps.last_copy_s)
             # one copy's cost is noisy (page cache, other processes): StepCost takes medians of the recent ones
-            self._copy_s = self._step_cost.cost_s()
+            cost_s = self._step_cost.cost_s()
             step_s = self._step_cost.clean_s or self._step_s
-            if self._copy_s is not None and step_s is not None:
-                k = settle_interval(k, self._copy_s, step_s, self.snapshot_budget_pct, self.snapshot_max_every)
-            measured = self._copy_s is not None and self._step_s is not None
+            if cost_s is not None and step_s is not None:
+                k = settle_interval(k, cost_s, step_s, self.snapshot_budget_pct, self.snapshot_max_every)
+            measured = cost_s is not None and self._step_s is not None
             if k != self.snapshot_every or (measured and not self._interval_logged):
                 self._interval_logged = True
                 self.log(
@@ -446,7 +445,7 @@ class Run:
                     all_ranks=True,
                     every=k,
                     previous=self.snapshot_every,
-                    copy_ms=round(self._copy_s * 1e3, 3) if self._copy_s is not None else None,
+                    copy_ms=round(cost_s * 1e3, 3) if cost_s is not None else None,
                     step_ms=round(step_s * 1e3, 3) if step_s is not None else None,
                     bytes=snaps.last_bytes,
                     budget_pct=self.snapshot_budget_pct,
