@@ -49,10 +49,11 @@ from pathlib import Path
 
 HACK = Path(__file__).resolve().parent
 sys.path.insert(0, str(HACK))
+import cluster  # noqa: E402  (hack/cluster.py: the cache and the pinned versions)
 import docker as engine  # noqa: E402  (hack/docker.py: the engine's socket)
 import image  # noqa: E402  (hack/image.py: the pause binary)
 
-CACHE = Path(os.environ.get("DDPJOB_CACHE", Path.home() / ".cache" / "ddpjob"))
+CACHE = cluster.CACHE
 ROOTFS_REVISION = 1  # bump when a package list or the rootfs post-processing changes
 IMAGE_LABEL = "dev.ddpjob.kind-node.inputs"  # hash of everything the node image is made from
 
@@ -73,15 +74,6 @@ class BuildError(RuntimeError):
 
 def log(msg: str) -> None:
     print(f"[kind-node {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def versions() -> dict[str, str]:
-    out = {}
-    for line in (HACK / "versions.env").read_text().splitlines():
-        if "=" in line and not line.lstrip().startswith("#"):
-            k, v = line.split("=", 1)
-            out[k.strip()] = v.strip()
-    return out
 
 
 def docker(*args: str, stdin=None, capture: bool = True) -> str:
@@ -544,7 +536,7 @@ def preload(stage: str, images: list[str], ref: str, label: str) -> None:
 
 
 def build(tag: str | None = None) -> str:
-    v = versions()
+    v = cluster.versions()
     ref = tag or default_ref(v)
     bins = binaries(v)
     suite = v.get("DEBIAN_SUITE", "bookworm")
@@ -575,7 +567,7 @@ def build(tag: str | None = None) -> str:
 
 
 def default_ref(v: dict[str, str] | None = None) -> str:
-    return f"ddpjob/kind-node:{(v or versions())['KUBE_VERSION']}"
+    return f"ddpjob/kind-node:{(v or cluster.versions())['KUBE_VERSION']}"
 
 
 def main(argv: list[str] | None = None) -> int:
