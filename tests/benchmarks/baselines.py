@@ -117,15 +117,20 @@ def run_config(cfg: Config, work: Path, kills: int, epochs: int, delay: float, e
                     next_kill = max(rec["resumed_from"], rec["last_step_before_kill"] or 0) + GAP
                 job.append(rec)
                 print(f"{cfg.name}: kill {len(records) + len(job)}: {rec}", file=sys.stderr, flush=True)
-            completed = False
+            completed, ending = False, None
             if alive:
                 try:
                     rcs = c.wait_exit(live, timeout=600)
                     completed = set(rcs.values()) == {0}
-                except ClusterTimeout:
-                    completed = False
+                    ending = rcs
+                except ClusterTimeout as e:
+                    ending = str(e)[:2000]
+                if not completed:
+                    print(f"{cfg.name}: the job did not finish cleanly: {ending}\n{c.dump()[-6000:]}",
+                          file=sys.stderr, flush=True)
         for rec in job:
             rec["survived"] = bool(rec.get("recovered")) and completed
+            rec["exit_codes"] = ending
         records += job
         attempt += 1
     records = records[:kills]
@@ -142,7 +147,8 @@ def run_config(cfg: Config, work: Path, kills: int, epochs: int, delay: float, e
         "steps_lost": lost,
         "waited_s": wait_s,
         "detail": [{k: v for k, v in r.items() if k in ("recovered", "survived", "recovery_s", "steps_lost",
-                                                      "resumed_from", "source", "waited_s", "error")}
+                                                      "resumed_from", "source", "waited_s", "error",
+                                                      "exit_codes")}
                    for r in records],
     }
 

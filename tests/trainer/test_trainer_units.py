@@ -418,3 +418,20 @@ def test_rendezvous_a_recreated_pods_agent_takes_its_predecessors_place():
             dr._RendezvousContext(dead, state, settings), time.monotonic() + 60)
     assert rendezvous._not_taken_over(dr._RendezvousKeepAliveOp(), False, "1")(
         dr._RendezvousContext(dead, state, settings), time.monotonic() + 60) == dr._Action.FINISH
+
+
+def test_rendezvous_an_agent_restarted_in_place_has_a_name_of_its_own():
+    """torch names an agent <address>_<pid>_<n>, n counting handlers per process; a container restarted in place
+    runs its agent as PID 1 again at the same pod IP, so it had its predecessor's name (on kind: refused as the agent
+    taken out, restart after restart). Rule 4 draws n per agent process instead."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    from ddp_trainer import rendezvous
+
+    class Handler:  # the one attribute fresh_identity reads and writes
+        def __init__(self) -> None:
+            self._this_node = dr._NodeDesc("10.244.1.7", 1, 0)
+
+    names = {rendezvous.fresh_identity(Handler()) for _ in range(20)}
+    assert len(names) == 20
+    assert all(n.addr == "10.244.1.7" and n.pid == 1 and n.local_id >= 0 for n in names)

@@ -29,6 +29,14 @@ go"):
    expire. Here the rendezvous handler, ``c10d`` or ``ddpjob-c10d``, records each agent's pod (``DDPJOB_POD_INDEX``)
    and the agent of a recreated pod takes the old agent of that pod out of the rendezvous when it enters it
    (``ddp_trainer.rendezvous``, rule 4). ``DDPJOB_TAKE_OVER=0`` turns it off.
+5. **A failed agent leaves the rendezvous open.** torchrun's agent closes the rendezvous for good whenever it ends
+   without a signal — after its workers failed more than ``--max-restarts`` times, or on an error of its own (a
+   role-info wait timed out on a slow first start, seen on kind). Every later agent of that run id then fails with
+   ``RendezvousClosedError``: the pods the operator recreates crash-loop until the job's backoff limit, and a job
+   that one pod's failure should only have cost a restart is lost. In a DDPJob pod (``DDPJOB_POD_INDEX`` set) the
+   operator decides whether a job goes on, so an agent closes the rendezvous only when its workers succeeded (the
+   end of the training, which also releases the hot spares); a failed one leaves its round, so that the others
+   re-form at once with its replacement. Outside a DDPJob torch's behaviour stays.
 
 CUDA stays correct: the agent and the forkserver import torch but never initialise CUDA (torch initialises it
 lazily, in the worker, after the fork); the forkserver is forked before torchrun parses its arguments, while the
@@ -49,12 +57,12 @@ import runpy
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from . import rendezvous
-from .env import FORKSERVER, LEAVE_ON_SIGNAL, RDZV_POLL, ConfigError, get_float, get_int, get_str
+from .env import FORKSERVER, LEAVE_ON_SIGNAL, POD_INDEX, RDZV_POLL, ConfigError, get_float, get_int, get_str
 
 # Imported once by the forkserver; every worker inherits them (copy-on-write) instead of importing them.
 # torch._inductor (and torch._dynamo under it) is imported lazily by torch.use_deterministic_algorithms,
@@ -186,6 +194,21 @@ def leave_rendezvous(handler: Any, timeout: float = LEAVE_TIMEOUT_S) -> bool:
     return True
 
 
+def keep_open_on_failure(handler: Any, succeeded: Callable[[], bool]) -> None:
+    """Item 5 of the module doc: the handler's ``shutdown`` (torchrun calls it as its agent ends) closes the rendezvous
+    only when ``succeeded()``; otherwise this node leaves its round and the rendezvous stays open."""
+    close = handler.shutdown
+
+    def shutdown() -> bool:
+        if succeeded():
+            return close()
+        print(f"ddp_trainer.launch: node {handler._this_node} failed; the rendezvous stays open for its replacement "
+              "(the operator decides whether the job goes on)", file=sys.stderr, flush=True)
+        return leave_rendezvous(handler)
+
+    handler.shutdown = shutdown
+
+
 class _Leaver:
     """Item 3 of the module doc: the rendezvous handlers this agent made, and the thread that leaves them."""
 
@@ -207,10 +230,11 @@ class _Leaver:
             self.thread.join(LEAVE_TIMEOUT_S)
 
 
-def _tune_torchrun(poll_s: float, leave_on_signal: bool = True) -> None:
-    """Patch the six places of torch's launcher this module changes (torch is imported here, not before)."""
+def _tune_torchrun(poll_s: float, leave_on_signal: bool = True, in_ddpjob: bool = False) -> None:
+    """Patch the seven places of torch's launcher this module changes (torch is imported here, not before)."""
     from torch._logging._internal import TorchLogsFormatter
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
     from torch.distributed.elastic.multiprocessing import api as mp_api
     from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, SignalException
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous, registry, utils
@@ -222,14 +246,23 @@ def _tune_torchrun(poll_s: float, leave_on_signal: bool = True) -> None:
     torch_get_handler = registry.get_rendezvous_handler
     torch_on_signal = mp_api._terminate_process_handler
     torch_launch_agent = launcher_api.launch_agent
+    torch_agent_run = SimpleElasticAgent.run
     leaver = _Leaver()
+    succeeded: list[bool] = []  # item 5: the outcome of this agent's run, once known
 
     def get_rendezvous_handler(params: Any) -> Any:
         handler = torch_get_handler(params)
         rendezvous.enable_take_over(handler, rendezvous.this_pod())  # item 4
+        if in_ddpjob:
+            keep_open_on_failure(handler, lambda: succeeded == [True])  # item 5
         if leave_on_signal:
             leaver.handlers.append(handler)
         return handler
+
+    def agent_run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = torch_agent_run(self, *args, **kwargs)
+        succeeded[:] = [not result.is_failed()]
+        return result
 
     def on_signal(signum: int, frame: Any) -> None:
         leaver.start()  # side by side with the agent stopping its workers
@@ -283,6 +316,7 @@ def _tune_torchrun(poll_s: float, leave_on_signal: bool = True) -> None:
     MultiprocessContext._poll = poll_counting_clean_exits
     dynamic_rendezvous._delay = delay
     registry.get_rendezvous_handler = get_rendezvous_handler
+    SimpleElasticAgent.run = agent_run
     if leave_on_signal:
         mp_api._terminate_process_handler = on_signal
         launcher_api.launch_agent = launch_agent
@@ -303,7 +337,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if mode == "fork" and not fork_forkserver():
         start_forkserver()
 
-    _tune_torchrun(poll_s, leave_on_signal=get_int(LEAVE_ON_SIGNAL, 1, minimum=0) != 0)
+    _tune_torchrun(poll_s, leave_on_signal=get_int(LEAVE_ON_SIGNAL, 1, minimum=0) != 0,
+                   in_ddpjob=get_str(POD_INDEX, None) is not None)
     torchrun.main(list(sys.argv[1:] if argv is None else argv))
 
 

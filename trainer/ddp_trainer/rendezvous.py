@@ -53,7 +53,12 @@ This backend is the c10d handler with these rules added:
    takes any other agent recorded for that pod out of every list, as torch's heartbeat expiry would: the round no
    longer waits for a dead agent. The agent taken out is remembered; should it still run (a pod force-deleted on a
    node that lost its connection), its next join fails with a message saying a newer agent of its pod replaced it,
-   rather than taking the place back. Without ``DDPJOB_POD_INDEX`` (plain torchrun outside a DDPJob) nothing changes;
+   rather than taking the place back. That holds for an agent whose heartbeats expired too (a frozen node woken after
+   its pod was recreated elsewhere): records are kept per pod, not per heartbeat. torch names an agent
+   ``<address>_<pid>_<n>``; in a container the agent is PID 1, so a container restarted in place would repeat the
+   name of the agent it replaces. With rule 4 on, ``<n>`` is an incarnation number drawn when the agent starts
+   (``fresh_identity``), so every agent process has a name of its own.
+   Without ``DDPJOB_POD_INDEX`` (plain torchrun outside a DDPJob) nothing changes;
    ``DDPJOB_TAKE_OVER=0`` turns the rule off. It applies to plain ``c10d`` too when ``ddp_trainer.launch`` runs the
    agent (jobs without spares): the executor below, with rules 1-3 off.
 
@@ -208,16 +213,20 @@ def _priority_key(state: Any) -> Callable[[Any], tuple[float, str]]:
 def take_over(state: Any, me: Any, pod: str, settings: Any) -> list[Any]:
     """Rule 4, in the state write of an agent that enters the rendezvous or sends a heartbeat: record that ``me`` runs
     in ``pod`` and take every other agent recorded for that pod out of the rendezvous (as torch's heartbeat expiry
-    takes out a dead one: the lists, the heartbeats, and a complete round left without participants is over).
-    Returns the agents taken out."""
+    takes out a dead one: the lists, the heartbeats, and a complete round left without participants is over),
+    whether or not its heartbeats expired already. Returns the agents taken out."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    pods = {n: p for n, p in getattr(state, _POD, {}).items() if n in state.last_heartbeats}  # forget the expired
+    # An agent stays recorded after its heartbeats expired: a frozen node's agent (a paused VM, a node cut off
+    # longer than the keep-alive expiry) is forgotten by torch, and woken after its pod was recreated elsewhere it
+    # would join as a newcomer and take its replacement's place. Recorded here, it is taken out like a dead one.
+    # One record per pod, so the map stays as small as the job.
+    pods = dict(getattr(state, _POD, {}))
     gone = [n for n, p in pods.items() if p == pod and n != me]
     left_participants = False
     for node in gone:
         del pods[node]
-        del state.last_heartbeats[node]
+        state.last_heartbeats.pop(node, None)
         if node in state.participants:
             del state.participants[node]
             left_participants = True
@@ -317,7 +326,7 @@ def create_handler(params: Any) -> Any:
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 
     needed = ("_DistributedRendezvousOpExecutor", "_RendezvousJoinOp", "_RendezvousContext", "_Action",
-              "_should_keep_alive")
+              "_should_keep_alive", "_NodeDesc")
     missing = [n for n in needed if not hasattr(dr, n)]
     if missing:
         raise RuntimeError(f"rendezvous backend {BACKEND}: this torch lacks {', '.join(missing)}; "
@@ -329,9 +338,12 @@ def create_handler(params: Any) -> Any:
         if not hasattr(handler, attr):
             raise RuntimeError(f"rendezvous backend {BACKEND}: this torch's handler lacks {attr}; "
                                f"use --rdzv-backend=c10d (without spares)")
+    pod = this_pod()
+    if pod is not None:
+        fresh_identity(handler)
     executor = _executor_class()(handler._this_node, handler._state_holder, handler._settings)
     handler._op_executor = executor
-    enable_take_over(handler, this_pod())
+    enable_take_over(handler, pod)
     handler._backend_name = BACKEND  # torchrun checks that the handler is of the backend it asked for
     size = executor.size = _Size(handler, os.environ.get(envmod.NODES_FILE))
     size.follow()
@@ -362,7 +374,8 @@ def enable_take_over(handler: Any, pod: str | None) -> bool:
         return False
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    needed = ("_remove_participant_epilogue", "_DistributedRendezvousOpExecutor", "_RendezvousJoinOp", "_Action")
+    needed = ("_remove_participant_epilogue", "_DistributedRendezvousOpExecutor", "_RendezvousJoinOp", "_Action",
+              "_NodeDesc")
     if not isinstance(handler, dr.DynamicRendezvousHandler) or not all(hasattr(dr, n) for n in needed) or \
             not all(hasattr(handler, a) for a in ("_op_executor", "_this_node", "_state_holder", "_settings")):
         log.warning("%s: a replacement cannot take its predecessor's place here (not torch's dynamic rendezvous); "
@@ -372,10 +385,22 @@ def enable_take_over(handler: Any, pod: str | None) -> bool:
     if not isinstance(executor, _executor_class(False)):
         if type(executor) is not dr._DistributedRendezvousOpExecutor:
             return False
+        fresh_identity(handler)
         executor = _executor_class(False)(handler._this_node, handler._state_holder, handler._settings)
         handler._op_executor = executor
     executor.pod = pod
     return True
+
+
+def fresh_identity(handler: Any) -> Any:
+    """Give the handler's agent a name no earlier agent of its pod had (rule 4): torch's ``<address>_<pid>_<n>`` with
+    ``<n>`` an incarnation number drawn now instead of a per-process counter, which repeats with the PID (1 in a
+    container) when a container restarts in place. Call before the handler's first operation."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    node = handler._this_node
+    handler._this_node = dr._NodeDesc(node.addr, node.pid, int.from_bytes(os.urandom(4), "big") >> 1)
+    return handler._this_node
 
 
 def get_handler() -> Callable[[Any], Any]:

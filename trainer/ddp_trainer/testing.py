@@ -240,8 +240,10 @@ class LocalCluster:
         env: Mapping[str, str] | None = None,
         args: Sequence[str] | None = None,
         rdzv_id: str | None = None,
+        max_restarts: int | None = None,
     ) -> Node:
-        """Start one agent. ``is_host`` defaults to: the first node hosts unless a store process runs."""
+        """Start one agent. ``is_host`` defaults to: the first node hosts unless a store process runs;
+        ``max_restarts`` to the cluster's."""
         index = len(self.nodes)
         name = name or f"node{index}"
         addr = f"127.0.0.{self._next_addr}"
@@ -267,7 +269,7 @@ class LocalCluster:
             f"--rdzv-id={rdzv_id or self.rdzv_id}",
             "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),
             f"--local-addr={addr}",
-            f"--max-restarts={self.max_restarts}",
+            f"--max-restarts={self.max_restarts if max_restarts is None else max_restarts}",
             "--monitor-interval=0.2",
         ]
         if self.module.endswith(".py"):
