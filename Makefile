@@ -39,7 +39,7 @@ generate: ## regenerate every copy of the CRD from its single source
 test: deps binaries ## the whole suite, exactly as CI runs it
 	$(PY) hack/cluster.py up
 	hack/build-images.sh
-	$(PY) -m pytest -ra tests/unit tests/bootstrap tests/trainer tests/cluster tests/integration tests/chart tests/e2e tests/benchmarks \
+	$(PY) -m pytest -ra --durations=25 tests/unit tests/bootstrap tests/trainer tests/cluster tests/integration tests/chart tests/e2e tests/benchmarks \
 		--ignore=tests/e2e/test_e2e_node_loss.py
 
 test-unit: ## pure unit tests (no cluster)
