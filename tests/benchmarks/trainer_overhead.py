@@ -50,6 +50,7 @@ from tests.benchmarks import results  # noqa: E402
 
 
 INPUTS, OUTPUTS, HIDDEN_LAYERS = 256, 10, 4
+MIN_SWEEP_ROUNDS = 11  # paired rounds per size, however long a size's K-cycle (quick runs excepted)
 
 
 def mlp_params(width: int) -> int:
@@ -244,8 +245,11 @@ def sweep_size(session, target: int, workdir: str, rounds: int, segment_s: float
     k = runs["full"].snapshot_every
     # segments of whole K-cycles, about segment_s long; every rank must agree on the length
     n_steps = max(k, round(segment_s / step_guess / k) * k)
-    # big models have long K-cycles: fewer rounds (at least 3) keep the sweep within minutes
-    rounds = max(3, min(rounds, int(size_budget_s / (2 * n_steps * step_guess))))
+    # big models have long K-cycles: fewer rounds keep the sweep within minutes, but never fewer than
+    # MIN_SWEEP_ROUNDS (the step time of ~100M drifts by +-20 % within minutes here: the median of 5 pairs was
+    # off by several percent)
+    floor = MIN_SWEEP_ROUNDS if rounds >= MIN_SWEEP_ROUNDS else 3
+    rounds = max(floor, min(rounds, int(size_budget_s / (2 * n_steps * step_guess))))
     n = torch.tensor([n_steps, rounds], dtype=torch.int64)
     dist.broadcast(n, src=0)
     n_steps, rounds = int(n[0]), int(n[1])
