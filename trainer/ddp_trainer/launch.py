@@ -200,7 +200,8 @@ def keep_open_on_failure(handler: Any, succeeded: Callable[[], bool]) -> None:
     close = handler.shutdown
 
     def shutdown() -> bool:
-        if succeeded():
+        state = getattr(getattr(handler, "_state_holder", None), "state", None)
+        if succeeded() or getattr(state, "closed", False):  # the end, or a spare released by it: nothing to keep
             return close()
         print(f"ddp_trainer.launch: node {handler._this_node} failed; the rendezvous stays open for its replacement "
               "(the operator decides whether the job goes on)", file=sys.stderr, flush=True)
