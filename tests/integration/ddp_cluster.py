@@ -85,13 +85,12 @@ class Operator:
         previous test's namespace was terminating. Best effort: after ``timeout`` it starts anyway."""
         from kubernetes import client
         core = client.CoreV1Api(_api(self.kubeconfig))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            terminating = [n.metadata.name for n in core.list_namespace().items
-                           if n.metadata.name.startswith(NS_PREFIX) and n.status.phase == "Terminating"]
-            if not terminating:
-                return
-            time.sleep(0.5)
+        try:
+            wait_for(lambda: not any(n.metadata.name.startswith(NS_PREFIX) and n.status.phase == "Terminating"
+                                     for n in core.list_namespace().items),
+                     timeout, interval=0.5, what="no terminating test namespace")
+        except AssertionError:
+            pass
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
