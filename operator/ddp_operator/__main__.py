@@ -14,7 +14,7 @@ import uuid
 
 import kopf
 
-from ddp_operator import __version__, metrics, names
+from ddp_operator import __version__, kopf_mends, metrics, names
 from ddp_operator.netpol import NetworkPolicyConfig, parse_labels
 
 
@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         # kopf logs every handler run at INFO; our reconciler logs what it does instead.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     from ddp_operator import handlers  # registers the kopf handlers
+
+    kopf_mends.apply()
 
     handlers.NETWORK_POLICY = network_policy_config(args)
     if args.kueue == "true":

@@ -66,7 +66,6 @@ class Operator:
         self.metrics_port = 0
 
     def start(self) -> None:
-        self._no_watched_namespace_terminating()
         self.metrics_port = _free_port()
         env = {**os.environ, "KUBECONFIG": self.kubeconfig,
                "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), os.environ.get("PYTHONPATH", "")])}
@@ -76,21 +75,6 @@ class Operator:
              "--metrics-port", str(self.metrics_port), "--liveness-port", "0"],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         wait_for(lambda: self.metrics() is not None, 30, what="operator metrics endpoint")
-
-    def _no_watched_namespace_terminating(self, timeout: float = 120.0) -> None:
-        """Start only once no namespace the operator watches is being deleted. kopf (1.45) blocks every handler
-        until each watched namespace's first listing is done, and a namespace that disappears before its listing
-        ends never releases that block (orchestration.terminate_redundancies drops the pause toggles, not the
-        index toggles): the operator would wait forever. Seen once when a test restarted the operator while the
-        previous test's namespace was terminating. Best effort: after ``timeout`` it starts anyway."""
-        from kubernetes import client
-        core = client.CoreV1Api(_api(self.kubeconfig))
-        try:
-            wait_for(lambda: not any(n.metadata.name.startswith(NS_PREFIX) and n.status.phase == "Terminating"
-                                     for n in core.list_namespace().items),
-                     timeout, interval=0.5, what="no terminating test namespace")
-        except AssertionError:
-            pass
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
