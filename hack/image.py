@@ -254,6 +254,18 @@ def archive(ref: str, path: str | Path) -> None:
     buildah("push", "--quiet", ref, f"docker-archive:{path}:{ref}")
 
 
+def kind_load(ref: str, cluster_name: str, nodes: list[str] | None = None, kind: str = "kind") -> None:
+    """Put buildah's image `ref` on the nodes of kind cluster `cluster_name` (all of them by default): the
+    offline way in, where Docker cannot build (no base image to pull)."""
+    with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="ddpjob-kind-") as tmp:
+        path = Path(tmp) / "image.tar"
+        archive(ref, path)
+        argv = [kind, "load", "image-archive", str(path), "--name", cluster_name]
+        if nodes:
+            argv += ["--nodes", ",".join(nodes)]
+        subprocess.run(argv, check=True)
+
+
 # --------------------------------------------------------------------------------------------
 # base images
 
@@ -451,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     ar = sub.add_parser("archive")
     ar.add_argument("ref")
     ar.add_argument("path")
+    kl = sub.add_parser("kind-load", help="archive buildah's image and `kind load` it")
+    kl.add_argument("ref")
+    kl.add_argument("--name", required=True, help="the kind cluster")
+    kl.add_argument("--nodes", default="", help="comma-separated node names (default: every node)")
+    kl.add_argument("--kind", default="kind", help="the kind binary")
     sub.add_parser("pause")
     sub.add_parser("ls")
     h = sub.add_parser("has")
@@ -463,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
                   to_containerd_ns=not a.no_import)
         elif a.cmd == "archive":
             archive(a.ref, a.path)
+        elif a.cmd == "kind-load":
+            kind_load(a.ref, a.name, [n for n in a.nodes.split(",") if n], a.kind)
         elif a.cmd == "pause":
             print(ensure_pause())
         elif a.cmd == "ls":

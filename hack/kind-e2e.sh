@@ -2,7 +2,8 @@
 # The end-to-end suite (tests/e2e) on a kind cluster: one control plane and two workers
 # (hack/kind-config.yaml).
 #   hack/kind-e2e.sh            create (or reuse) kind cluster "ddpjob", build + load images, install
-#                               the chart, run tests/e2e, delete the cluster
+#                               Kueue (hack/kueue.py) and the chart (kueue.enabled=true), run tests/e2e,
+#                               delete the cluster
 #   hack/kind-e2e.sh --node-loss     the same, running only the multi-node node-loss test
 #                               (tests/e2e/test_e2e_node_loss.py: what `make test` runs on kind)
 #   KIND_KEEP=1 hack/kind-e2e.sh     keep the cluster afterwards (KUBECONFIG path is printed)
@@ -31,8 +32,9 @@ KCFG=${XDG_CACHE_HOME:-$HOME/.cache}/ddpjob/kind-$CLUSTER.kubeconfig
 log() { printf '[kind-e2e %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
 TESTS=(tests/e2e)
+NODE_LOSS_ONLY=
 case ${1:-} in
-  --node-loss) TESTS=(tests/e2e/test_e2e_node_loss.py) ;;
+  --node-loss) TESTS=(tests/e2e/test_e2e_node_loss.py); NODE_LOSS_ONLY=1 ;;
   "") ;;
   *) echo "usage: hack/kind-e2e.sh [--node-loss]" >&2; exit 2 ;;
 esac
@@ -68,6 +70,12 @@ KUBECTL=${KUBECTL:-$(tool kubectl "$CACHE_ROOT/kube-$KUBE_VERSION/kubectl" kube)
 HELM=${HELM:-$(tool helm "$CACHE_ROOT/helm-$HELM_VERSION/helm" helm)}
 # tests/conftest.py runs `kind load` by name
 [[ $KIND == */* ]] && PATH="$(cd "$(dirname "$KIND")" && pwd):$PATH" && export PATH
+
+if [[ ! -x .venv/bin/python ]]; then
+  log "creating .venv (requirements-dev.txt)"
+  python3 -m venv .venv
+  .venv/bin/pip install -q -r requirements-dev.txt
+fi
 
 command -v docker >/dev/null || { echo "kind-e2e needs docker (hack/install-deps.sh --docker)" >&2; exit 2; }
 if ! docker info >/dev/null 2>&1; then
@@ -129,7 +137,7 @@ cleanup() {
 NODE_LOSS_RESULTS=$(mktemp /tmp/ddpjob-node-loss-XXXXXX.jsonl)
 trap cleanup EXIT
 
-mkdir -p "$(dirname "$KCFG")"
+mkdir -p "$(dirname "$KCFG")" /var/tmp/ddpjob-shared  # the workers' shared directory (hack/kind-config.yaml)
 if "$KIND" get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
   stage "cluster (reused)"
   "$KIND" export kubeconfig --name "$CLUSTER" --kubeconfig "$KCFG"
@@ -153,22 +161,26 @@ if [[ $IMAGE_BUILDER == docker ]]; then
 else
   stage "images (buildah, kind load image-archive)"
   DDPJOB_IMAGE_BUILDER=buildah DDPJOB_IMAGE_TAG=$TAG hack/build-images.sh
-  archives=$(mktemp -d /var/tmp/ddpjob-kind-XXXXXX)
   for name in operator trainer; do
     nodes=$(if [[ $name == trainer ]]; then echo "$workers"; else "$KIND" get nodes --name "$CLUSTER" | paste -sd, -; fi)
     log "loading localhost/ddp-$name:$TAG into $nodes"
-    python3 hack/image.py archive "localhost/ddp-$name:$TAG" "$archives/$name.tar"
-    "$KIND" load image-archive "$archives/$name.tar" --name "$CLUSTER" --nodes "$nodes"
-    rm -f "$archives/$name.tar"
+    python3 hack/image.py kind-load "localhost/ddp-$name:$TAG" --name "$CLUSTER" --nodes "$nodes" --kind "$KIND"
   done
-  rmdir "$archives"
+fi
+
+if [[ -z $NODE_LOSS_ONLY ]]; then
+  # tests/e2e/test_e2e_kueue.py needs Kueue and the operator's Kueue integration; jobs without a queue label are
+  # not gated, so every other test runs against the same operator.
+  stage "Kueue (hack/kueue.py up)"
+  .venv/bin/python hack/kueue.py --kubeconfig "$KCFG" --kind-cluster "$CLUSTER" --kind "$KIND" up
+  CHART_KUEUE=true
 fi
 
 stage "chart (helm upgrade --install)"
 "$HELM" upgrade --install "$RELEASE" helm/ddp-operator --namespace "$OPERATOR_NS" --create-namespace \
   --set-json 'nodeSelector={"node-role.kubernetes.io/control-plane":""}' \
   --set-json 'tolerations=[{"key":"node-role.kubernetes.io/control-plane","operator":"Exists","effect":"NoSchedule"}]' \
-  --wait --timeout 5m
+  --set "kueue.enabled=${CHART_KUEUE:-false}" --wait --timeout 5m
 
 stage "warm-up (the trainer image on every worker)"
 # The first pod of a 5 GB image on a fresh node reads torch from disk: its agent once took over a minute to
@@ -182,12 +194,6 @@ for node in ${workers//,/ }; do
   "$KUBECTL" wait --for=jsonpath='{.status.phase}'=Succeeded "pod/warm-$node" --timeout=600s >/dev/null
   "$KUBECTL" delete pod "warm-$node" --wait=false >/dev/null
 done
-
-if [[ ! -x .venv/bin/python ]]; then
-  log "creating .venv (requirements-dev.txt)"
-  python3 -m venv .venv
-  .venv/bin/pip install -q -r requirements-dev.txt
-fi
 
 stage "tests (${TESTS[*]})"
 # DDPJOB_TEST_KUBECONFIG is what makes tests/conftest.py use kind (it never follows a plain

@@ -8,6 +8,7 @@ can wait in Kueue queues.
                             and workload with them)
     hack/kueue.py status [--json]   release, pod, webhooks, configuration (exit 1 unless all are well)
     hack/kueue.py --kubeconfig PATH ...   another kubeconfig (default: the embedded cluster's)
+    hack/kueue.py --kubeconfig PATH --kind-cluster NAME up   a kind cluster: the image goes in with `kind load`
 
 What it owns, and where each piece comes from (nothing is pulled from a registry):
 - the manager binary and Kueue's own Helm chart: `hack/build-binaries.sh kueue` builds
@@ -15,7 +16,8 @@ What it owns, and where each piece comes from (nothing is pulled from a registry
   $DDPJOB_CACHE/kueue-$KUEUE_VERSION/{manager,chart/};
 - the image localhost/kueue:$KUEUE_VERSION: hack/kueue/Dockerfile (FROM scratch + the static binary),
   built by hack/image.py with that cache directory as the context and imported into the embedded
-  cluster's containerd (with --kubeconfig of another cluster, its nodes must have that image already);
+  cluster's containerd, or loaded into a kind cluster's nodes (--kind-cluster); with --kubeconfig of any
+  other cluster, its nodes must have that image already;
 - the Helm release `kueue` in namespace kueue-system, with the values of `values()`: the local image
   (pullPolicy Never), one replica, small requests, no KueueViz/Prometheus/cert-manager (Kueue's internal
   certificate management, the chart's default), and the chart's own manager configuration with
@@ -145,9 +147,15 @@ def ensure_build() -> None:
         raise KueueError(f"hack/build-binaries.sh kueue failed (exit {p.returncode}); its output is above")
 
 
-def ensure_image() -> str:
-    """localhost/kueue:$KUEUE_VERSION in containerd; returns its manifest digest."""
+def ensure_image(kind_cluster: str | None = None, kind: str = "kind") -> str:
+    """localhost/kueue:$KUEUE_VERSION in the embedded cluster's containerd, or on every node of kind cluster
+    `kind_cluster` (built with buildah, loaded with `kind load image-archive`); returns its manifest digest."""
     ref = image_ref()
+    if kind_cluster:
+        digest = image.build(DOCKERFILE, ref, build_dir(), to_containerd_ns=False)
+        log(f"loading {ref} into kind cluster {kind_cluster}")
+        image.kind_load(ref, kind_cluster, kind=kind)
+        return digest
     digest = image.containerd_images().get(ref)
     if digest:
         return digest
@@ -299,8 +307,10 @@ def _cluster_reachable(kubeconfig: Path) -> None:
 # --------------------------------------------------------------------------------------------
 # up / down / status
 
-def up(kubeconfig: Path | str = cluster.KUBECONFIG) -> dict[str, float]:
-    """Install Kueue or bring the release to the configuration above; returns the seconds per stage."""
+def up(kubeconfig: Path | str = cluster.KUBECONFIG, kind_cluster: str | None = None,
+       kind: str = "kind") -> dict[str, float]:
+    """Install Kueue or bring the release to the configuration above; returns the seconds per stage.
+    `kind_cluster`: the kubeconfig's cluster is that kind cluster, whose nodes get the image by `kind load`."""
     kubeconfig = Path(kubeconfig)
     timings: dict[str, float] = {}
     t0 = time.monotonic()
@@ -308,7 +318,7 @@ def up(kubeconfig: Path | str = cluster.KUBECONFIG) -> dict[str, float]:
         _cluster_reachable(kubeconfig)
         ensure_build()
         timings["build"] = time.monotonic() - t0
-        digest = ensure_image()
+        digest = ensure_image(kind_cluster, kind)
         timings["image"] = time.monotonic() - t0 - timings["build"]
         want = values(digest)
         t1 = time.monotonic()
@@ -426,6 +436,9 @@ def print_status(st: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kubeconfig", default=str(cluster.KUBECONFIG), help="default: the embedded cluster's")
+    ap.add_argument("--kind-cluster", default="", help="the kubeconfig's cluster is this kind cluster: `up` loads "
+                                                        "the image into its nodes")
+    ap.add_argument("--kind", default="kind", help="the kind binary (with --kind-cluster)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("up")
     sub.add_parser("down")
@@ -437,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "up":
             if os.geteuid() != 0:
                 raise KueueError("hack/kueue.py up needs root (image builds: buildah, containerd)")
-            up(a.kubeconfig)
+            up(a.kubeconfig, a.kind_cluster or None, a.kind)
         elif a.cmd == "down":
             down(a.kubeconfig)
         elif a.cmd == "post-render":

@@ -33,7 +33,6 @@ import re
 import secrets
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,26 +166,33 @@ class Cluster:
     def kubectl(self, *args: str, **kw) -> subprocess.CompletedProcess:
         return Kubectl(self.kubeconfig)(*args, **kw)
 
+    @property
+    def host_processes(self) -> bool:
+        """Its pods' processes are processes of this host's kernel, seen (and signalled) through /proc: the
+        embedded cluster's containers, and kind's, whose nodes are containers of a Docker engine on this host."""
+        docker_host = os.environ.get("DOCKER_HOST", "")
+        return self.embedded or (self.kind_name is not None and (not docker_host or docker_host.startswith("unix://")))
+
 
 def ensure_image(cluster: Cluster, ref: str, dockerfile: str | Path, context: str | Path,
                  build_args: dict[str, str] | None = None) -> str:
-    """Make `ref` available to the cluster's node(s), building it when its inputs changed."""
+    """Make `ref` available to the cluster's node(s), building it when its inputs changed; returns its digest
+    (manifest digest from buildah, image ID from Docker; "" for any other cluster)."""
     if cluster.embedded:
-        image_builder.build(dockerfile, ref, context, build_args)
-    elif cluster.kind_name and os.environ.get("DDPJOB_IMAGE_BUILDER") == "buildah":
+        return image_builder.build(dockerfile, ref, context, build_args)
+    if cluster.kind_name and os.environ.get("DDPJOB_IMAGE_BUILDER") == "buildah":
         # offline kind (hack/kind-e2e.sh sets it where Docker cannot pull the python base): buildah builds,
         # the nodes' containerd imports the archive
-        image_builder.build(dockerfile, ref, context, build_args, to_containerd_ns=False)
-        with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="ddpjob-kind-") as tmp:
-            archive = Path(tmp) / "image.tar"
-            image_builder.archive(ref, archive)
-            subprocess.run(["kind", "load", "image-archive", str(archive), "--name", cluster.kind_name], check=True)
-    elif cluster.kind_name:
+        digest = image_builder.build(dockerfile, ref, context, build_args, to_containerd_ns=False)
+        image_builder.kind_load(ref, cluster.kind_name)
+        return digest
+    if cluster.kind_name:
         args = [a for k, v in (build_args or {}).items() for a in ("--build-arg", f"{k}={v}")]
         subprocess.run(["docker", "build", "-f", str(dockerfile), "-t", ref, *args, str(context)], check=True)
         subprocess.run(["kind", "load", "docker-image", ref, "--name", cluster.kind_name], check=True)
-    # any other cluster: the image must already be where its nodes can pull it from
-    return ref
+        return subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", ref], check=True,
+                              capture_output=True, text=True).stdout.strip()
+    return ""  # any other cluster: the image must already be where its nodes can pull it from
 
 
 def _reachable(kubeconfig: str) -> bool:

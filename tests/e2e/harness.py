@@ -68,6 +68,10 @@ NS_PREFIX = "ddp-e2e-"
 LABEL_JOB, LABEL_ROLE = "ddp.dev/job-name", "ddp.dev/role"
 PROGRESS_PORT = 29401
 METRICS_PORT = 8080
+# A host directory every node of the cluster under test sees at this same path: the embedded cluster's node is the
+# host, and kind's workers mount it (hack/kind-config.yaml). For state that must outlive pods that may come back
+# on another node (a checkpoint on "shared storage").
+SHARED_HOST_DIR = "/var/tmp/ddpjob-shared"
 
 
 def log(msg: str) -> None:

@@ -1,9 +1,10 @@
 """A hung worker on a real cluster: failurePolicy.hangTimeoutSeconds finds the stuck pod and replaces it.
 
-The embedded cluster's containers are plain host processes, so the test freezes pod 1's torchrun *worker* (not
-the agent) with SIGSTOP: nothing fails, pod 0 waits in its all-reduce, and only the progress channel shows that
-global rank 0's step stopped. The operator must delete pod 1 within hangTimeout + 10 s (plus the probes'
-deadlines), record an attempt with reason Hang, and the job must finish, resumed from pod 0's peer snapshot.
+The embedded cluster's containers (and kind's, on a local Docker engine) are processes of this host, so the test
+freezes pod 1's torchrun *worker* (not the agent) with SIGSTOP: nothing fails, pod 0 waits in its all-reduce, and
+only the progress channel shows that global rank 0's step stopped. The operator must delete pod 1 within
+hangTimeout + 10 s (plus the probes' deadlines), record an attempt with reason Hang, and the job must finish,
+resumed from pod 0's peer snapshot.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ def _hang_attempt(st: dict) -> dict | None:
 
 
 def test_stopped_worker_is_detected_as_a_hang_and_replaced(kubectl, ns, cluster):
-    if not cluster.embedded:
-        pytest.skip("needs the embedded cluster: the test stops a container's process from the host")
+    if not cluster.host_processes:
+        pytest.skip("needs a cluster whose containers run on this host (embedded, or kind on a local Docker "
+                    "engine): the test stops a container's process from the host")
     name = "hang"
     h.apply(kubectl, ns, h.digits_job(name, nodes=2, step_delay=STEP_DELAY,
                                       spec={"failurePolicy": {"hangTimeoutSeconds": HANG_TIMEOUT}}))

@@ -32,7 +32,7 @@ def kueue(cluster, kubectl):
     priority classes every test here uses."""
     mod = h.kueue_module()
     was_there = mod.release(cluster.kubeconfig) is not None
-    timings = mod.up(cluster.kubeconfig)
+    timings = mod.up(cluster.kubeconfig, kind_cluster=cluster.kind_name)
     h.log(f"kueue up: {timings}")
     shared = [{"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": FLAVOR},
                "spec": {"nodeLabels": FLAVOR_NODE_LABELS, "tolerations": [FLAVOR_TOLERATION]}}]
@@ -68,8 +68,8 @@ def queue(kubectl, ns):
 
 def queued_job(name: str, *, priority: str | None = None, checkpoint: str | None = None, epochs: int = 4,
                step_delay: float = STEP_DELAY) -> dict:
-    """The digits job in LocalQueue team-a; `checkpoint`: a host directory that outlives the pods (the cluster's
-    only node), made writable for the trainer's uid by an init container."""
+    """The digits job in LocalQueue team-a; `checkpoint`: a directory of every node that outlives the pods
+    (under harness.SHARED_HOST_DIR), made writable for the trainer's uid by an init container."""
     env = {"DDPJOB_CHECKPOINT_EVERY": "5"} if checkpoint else {}
     spec = {"checkpoint": {"volume": {"hostPath": {"path": checkpoint, "type": "DirectoryOrCreate"}},
                            "mountPath": CHECKPOINT_MOUNT}} if checkpoint else None
@@ -167,8 +167,8 @@ def test_jobs_queue_for_quota_and_run_one_after_the_other(kubectl, ns, queue):
 def test_preempted_job_resumes_from_its_checkpoint_after_readmission(kubectl, ns, queue, request):
     """A higher-priority job evicts a running one: its pods go (a disruption, not a failure), the high one runs
     and succeeds, then the evicted job is admitted again and resumes from its disk checkpoint."""
-    host_dir = f"/var/tmp/{ns}-checkpoints"
-    request.addfinalizer(lambda: shutil.rmtree(host_dir, ignore_errors=True))  # the embedded cluster's node
+    host_dir = f"{h.SHARED_HOST_DIR}/{ns}-checkpoints"  # every node sees it: the job may come back on another
+    request.addfinalizer(lambda: shutil.rmtree(host_dir, ignore_errors=True))
     h.apply(kubectl, ns, queued_job("low", priority="ddp-e2e-low", checkpoint=host_dir, epochs=5))
     h.wait_rank0_step(kubectl, ns, "low", 20, 240)
     h.apply(kubectl, ns, queued_job("high", priority="ddp-e2e-high", step_delay=0.0, epochs=3))
