@@ -6,7 +6,8 @@
 #                               delete the cluster
 #   hack/kind-e2e.sh --node-loss     the same, running only the multi-node node-loss test
 #                               (tests/e2e/test_e2e_node_loss.py: what `make test` runs on kind)
-#   KIND_KEEP=1 hack/kind-e2e.sh     keep the cluster afterwards (KUBECONFIG path is printed)
+#   KIND_KEEP=1 hack/kind-e2e.sh     keep the cluster afterwards (KUBECONFIG path is printed); a cluster the
+#                               run found already there is always kept (only what a run creates is deleted)
 #   KIND_RECORD=1 hack/kind-e2e.sh --node-loss   also record docs/bench/node_loss.json (make bench-node-loss)
 # Every stage's duration is printed at the end (also after a failure); the exit code is non-zero on any failure.
 # Works offline: without a Docker engine that answers, it starts the private one of hack/docker.py (root;
@@ -115,8 +116,9 @@ cleanup() {
     log "failed: operator logs follow"
     "$KUBECTL" -n "$OPERATOR_NS" logs "deployment/$RELEASE" --tail=100 2>/dev/null || true
   fi
-  if [[ -n ${KIND_KEEP:-} ]]; then
-    log "cluster kept: export KUBECONFIG=$KCFG   (delete: $KIND delete cluster --name $CLUSTER)"
+  if [[ -n ${KIND_KEEP:-} || -z ${CREATED_CLUSTER:-} ]]; then
+    # a cluster this run found (reused) is left as it was found: only what the run created goes
+    log "cluster kept${CREATED_CLUSTER:+ (KIND_KEEP)}: export KUBECONFIG=$KCFG   (delete: $KIND delete cluster --name $CLUSTER)"
   else
     log "deleting kind cluster $CLUSTER"
     "$KIND" delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true
@@ -145,6 +147,7 @@ else
   stage "cluster (kind create cluster)"
   create=(create cluster --name "$CLUSTER" --config hack/kind-config.yaml --kubeconfig "$KCFG" --wait 180s)
   [[ -n ${KIND_NODE_IMAGE:-} ]] && create+=(--image "$KIND_NODE_IMAGE")
+  CREATED_CLUSTER=1  # set first: a create that fails half-way leaves nodes to delete
   "$KIND" "${create[@]}"
 fi
 export KUBECONFIG=$KCFG
