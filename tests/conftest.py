@@ -176,23 +176,20 @@ class Cluster:
 
 def ensure_image(cluster: Cluster, ref: str, dockerfile: str | Path, context: str | Path,
                  build_args: dict[str, str] | None = None) -> str:
-    """Make `ref` available to the cluster's node(s), building it when its inputs changed; returns its digest
-    (manifest digest from buildah, image ID from Docker; "" for any other cluster)."""
+    """Make `ref` available to the cluster's node(s), building it when its inputs changed."""
     if cluster.embedded:
-        return image_builder.build(dockerfile, ref, context, build_args)
-    if cluster.kind_name and os.environ.get("DDPJOB_IMAGE_BUILDER") == "buildah":
+        image_builder.build(dockerfile, ref, context, build_args)
+    elif cluster.kind_name and os.environ.get("DDPJOB_IMAGE_BUILDER") == "buildah":
         # offline kind (hack/kind-e2e.sh sets it where Docker cannot pull the python base): buildah builds,
         # the nodes' containerd imports the archive
-        digest = image_builder.build(dockerfile, ref, context, build_args, to_containerd_ns=False)
+        image_builder.build(dockerfile, ref, context, build_args, to_containerd_ns=False)
         image_builder.kind_load(ref, cluster.kind_name)
-        return digest
-    if cluster.kind_name:
+    elif cluster.kind_name:
         args = [a for k, v in (build_args or {}).items() for a in ("--build-arg", f"{k}={v}")]
         subprocess.run(["docker", "build", "-f", str(dockerfile), "-t", ref, *args, str(context)], check=True)
         subprocess.run(["kind", "load", "docker-image", ref, "--name", cluster.kind_name], check=True)
-        return subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", ref], check=True,
-                              capture_output=True, text=True).stdout.strip()
-    return ""  # any other cluster: the image must already be where its nodes can pull it from
+    # any other cluster: the image must already be where its nodes can pull it from
+    return ref
 
 
 def _reachable(kubeconfig: str) -> bool:

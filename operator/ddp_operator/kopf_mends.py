@@ -37,9 +37,10 @@ class _RecordingToggleSet:
         self.made.append(toggle)
         return toggle
 
-    def __getattr__(self, name: str) -> Any:  # is_on, is_off, wait_for, drop_toggle(s), __contains__ via real
+    def __getattr__(self, name: str) -> Any:  # is_on, is_off, wait_for, drop_toggle(s): the real set's
         return getattr(self._real, name)
 
+    # dunder methods are looked up on the class, not through __getattr__
     def __contains__(self, toggle: object) -> bool:
         return toggle in self._real
 

@@ -11,6 +11,4 @@ TESTIMAGE_DIR = Path(__file__).parent / "testimage"
 @pytest.fixture(scope="session")
 def testimage(ensure_image) -> str:
     """localhost/ddp-testimage:0.1.0, built offline and imported (a no-op when unchanged)."""
-    ref = "localhost/ddp-testimage:0.1.0"
-    ensure_image(ref, TESTIMAGE_DIR / "Dockerfile", TESTIMAGE_DIR)
-    return ref
+    return ensure_image("localhost/ddp-testimage:0.1.0", TESTIMAGE_DIR / "Dockerfile", TESTIMAGE_DIR)
