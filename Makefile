@@ -36,11 +36,12 @@ images: ## build the operator and trainer images and import them into containerd
 generate: ## regenerate every copy of the CRD from its single source
 	$(PY) -m ddp_operator.crd --write
 
-test: deps binaries ## the whole suite, exactly as CI runs it
+test: deps binaries ## the whole suite, exactly as CI runs it (ends with the node-loss test on a kind cluster of its own)
 	$(PY) hack/cluster.py up
 	hack/build-images.sh
 	$(PY) -m pytest -ra --durations=25 tests/unit tests/bootstrap tests/trainer tests/cluster tests/integration tests/chart tests/e2e tests/benchmarks \
 		--ignore=tests/e2e/test_e2e_node_loss.py
+	KIND_CLUSTER_NAME=ddpjob-test $(MAKE) kind-node-loss
 
 test-unit: ## pure unit tests (no cluster)
 	$(PY) -m pytest -ra tests/unit

@@ -5,7 +5,8 @@
 #                               Kueue (hack/kueue.py) and the chart (kueue.enabled=true), run tests/e2e,
 #                               delete the cluster
 #   hack/kind-e2e.sh --node-loss     the same, running only the multi-node node-loss test
-#                               (tests/e2e/test_e2e_node_loss.py: make kind-node-loss)
+#                               (tests/e2e/test_e2e_node_loss.py: make kind-node-loss; `make test` ends with it,
+#                               KIND_CLUSTER_NAME=ddpjob-test)
 #   KIND_KEEP=1 hack/kind-e2e.sh     keep the cluster afterwards (KUBECONFIG path is printed); a cluster the
 #                               run found already there is always kept (only what a run creates is deleted)
 #   KIND_RECORD=1 hack/kind-e2e.sh --node-loss   also record docs/bench/node_loss.json (make bench-node-loss)

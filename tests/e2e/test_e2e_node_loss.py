@@ -14,7 +14,8 @@ the replacement of the same pod, docs/recovery.md). The job's world size never e
 
 The figure (node stopped -> first resumed step; target: nodeLostTimeoutSeconds + 15 s) is printed and appended
 to $DDPJOB_NODE_LOSS_RESULTS when set (hack/kind-e2e.sh reports it). Only kind has nodes this test can stop
-(`make kind-node-loss`, `make kind-e2e`): elsewhere it is skipped, or fails under CI=true (`make test` leaves it out).
+(`make kind-node-loss`, which `make test` ends with, and `make kind-e2e`): elsewhere it is skipped, or fails under
+CI=true (`make test`'s pytest run on the embedded cluster leaves it out).
 """
 
 from __future__ import annotations

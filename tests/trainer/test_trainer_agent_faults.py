@@ -1,6 +1,7 @@
 """Agents that fail in ways other than a clean kill, under ddp_trainer.launch in DDPJob pods (DDPJOB_POD_INDEX set):
-a frozen node that wakes after its pod was recreated elsewhere, and an agent that fails on its own. Either must cost
-the job one recovery, never the job (ddp_trainer.launch items 4 and 5, ddp_trainer.rendezvous rule 4)."""
+a frozen node that wakes after its pod was recreated elsewhere, an agent that fails on its own, and an agent held up
+just as its first round completes. None may cost the job more than one recovery (ddp_trainer.launch items 4 and 5,
+ddp_trainer.rendezvous rules 4 and 5); the last must cost it nothing."""
 
 from __future__ import annotations
 
@@ -82,4 +83,34 @@ def test_an_agent_that_fails_leaves_the_rendezvous_open_for_its_replacement(tmp_
         assert set(rcs.values()) == {0}, cluster.dump()
         assert rec["source"] == "peer" and rec["steps_lost"] <= (rec["snapshot_every"] or 1), rec
         assert "RendezvousClosedError" not in replacement.log_path.read_text(errors="replace"), cluster.dump()
+        assert final_event(cluster)["weights_sha256"] == reference["digest"], cluster.dump()
+
+
+def test_a_stall_as_the_first_round_completes_does_not_split_the_group(tmp_path, reference):
+    """One agent held up (SIGSTOP of it and its workers: a cold page cache on a loaded node, a paused container) after
+    both agents joined round 0, and woken once the other agent completed the round and the keep-alive expiry passed.
+    torch's expiry dropped it from the round it was part of: it joined round 1 alone while the other waited in round 0
+    for MASTER_ADDR until its store wait timed out (DistStoreError after 60 s, then a counted restart; on kind, 3 of 11
+    cold starts). Under rendezvous rule 5 it keeps its place: the group starts in round 0 and trains to the end with
+    the reference weights, nobody restarts."""
+    expiry = 10  # keep-alive 1 s x 10: the held agent must not expire before the round completes (last call 5 s)
+    with LocalCluster(tmp_path, nnodes="2:3", args=[*DIGITS_ARGS, *SLOW], rdzv_id="stall", store_process=True,
+                      launcher="ddp_trainer.launch",
+                      rdzv_conf={"last_call_timeout": "5", "keep_alive_max_attempt": str(expiry)}) as cluster:
+        cluster.start_store()
+        held = cluster.start_node(env=_pod(0))
+        cluster.start_node(env=_pod(1))
+        cluster.wait_for_rendezvous(lambda s: len(s.participants) == 2 and not s.complete, timeout=JOB_TIMEOUT,
+                                    what="both agents in round 0")
+        _signal_tree(held, signal.SIGSTOP)
+        held_at = time.time()
+        cluster.wait_for_rendezvous(lambda s: s.complete, timeout=60, what="round 0 completed by the other agent")
+        time.sleep(max(0.0, held_at + expiry + 4 - time.time()))  # past the held agent's heartbeat expiry
+        _signal_tree(held, signal.SIGCONT)
+        rcs = cluster.wait_exit(timeout=JOB_TIMEOUT)
+        assert set(rcs.values()) == {0}, cluster.dump()
+        logs = "".join(n.log_path.read_text(errors="replace") for n in cluster.nodes)
+        assert "DistStoreError" not in logs and "will restart worker group" not in logs, cluster.dump()
+        assert cluster.rendezvous_state().round == 0, "the group formed once, in round 0"
+        assert not cluster.events("resume"), cluster.dump()
         assert final_event(cluster)["weights_sha256"] == reference["digest"], cluster.dump()

@@ -435,3 +435,67 @@ def test_rendezvous_an_agent_restarted_in_place_has_a_name_of_its_own():
     names = {rendezvous.fresh_identity(Handler()) for _ in range(20)}
     assert len(names) == 20
     assert all(n.addr == "10.244.1.7" and n.pid == 1 and n.local_id >= 0 for n in names)
+
+
+def test_rendezvous_a_new_rounds_participants_outlive_a_stall_until_each_read_it(monkeypatch):
+    """Rule 5 of ddp_trainer.rendezvous on torch's own state holder over a real TCPStore. Two agents complete a round;
+    then one is held up past the keep-alive expiry before it sent a heartbeat in the round (its store client busy, its
+    process stopped). torch's sanitizer, run by the other agent's next heartbeat and by its own sync when it wakes,
+    drops it: it leaves the round just completed and the other waits for it in vain (on kind: 60 s, then a restart).
+    Under rule 5 both keep their places until each has sent a heartbeat in the round, and torch's expiry works again
+    afterwards: a participant silent from then on is dropped."""
+    from datetime import timedelta
+    from threading import Thread
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    from ddp_trainer import rendezvous
+    from ddp_trainer.testing import free_port
+
+    expiry = 0.4  # keep-alive interval 0.2 s x 2 attempts
+    monkeypatch.setattr(dr, "_delay", lambda seconds: time.sleep(0.05))  # the join loop polls faster than the expiry
+    settings = dr.RendezvousSettings("run", 2, 2, dr.RendezvousTimeout(), timedelta(seconds=0.2), 2)
+    store = TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+
+    def agents(executor_class, run_id):
+        backend = C10dRendezvousBackend(store, run_id)
+        made = []
+        for i in range(2):
+            holder = dr._BackendRendezvousStateHolder(backend, settings, cache_duration=0)
+            made.append(executor_class(dr._NodeDesc(f"10.0.0.{i}", 100 + i, 0), holder, settings))
+        first = Thread(target=made[0].run, args=(dr._RendezvousJoinOp(), time.monotonic() + 30))
+        first.start()
+        made[1].run(dr._RendezvousJoinOp(), time.monotonic() + 30)
+        first.join(30)
+        return made
+
+    def heartbeat(executor):
+        executor.run(dr._RendezvousKeepAliveOp(), time.monotonic() + 30)
+        return executor._state_holder.state
+
+    def while_stalled(live):  # the other agent is silent past the expiry; this one beats as a healthy agent does
+        end = time.monotonic() + expiry + 0.3
+        while time.monotonic() < end:
+            state = heartbeat(live)
+            time.sleep(0.05)
+        return state
+
+    # torch's executor: the stalled agent is dropped from the round it completed, and it finds itself out.
+    slow, peer = agents(dr._DistributedRendezvousOpExecutor, "plain")
+    assert slow._state_holder.state.complete
+    assert set(while_stalled(peer).participants) == {peer._node}, "torch's expiry drops the stalled agent"
+    assert slow._node not in heartbeat(slow).participants
+
+    slow, peer = agents(rendezvous._executor_class(False), "rule5")
+    state = while_stalled(peer)
+    assert state.complete and set(state.participants) == {slow._node, peer._node}, "kept: it has not heard yet"
+    assert set(heartbeat(slow).participants) == {slow._node, peer._node}, "its own stale heartbeat is not judged"
+    assert getattr(slow._state_holder.state, rendezvous._READ) == {slow._node, peer._node}
+    assert set(while_stalled(peer).participants) == {peer._node}, "torch's expiry again once both heard of the round"
+
+    # A participant that never heard of the round is kept ROUND_START_GRACE at most.
+    slow, peer = agents(rendezvous._executor_class(False), "grace")
+    monkeypatch.setattr(rendezvous, "ROUND_START_GRACE", expiry)
+    assert set(while_stalled(peer).participants) == {peer._node}

@@ -62,6 +62,22 @@ This backend is the c10d handler with these rules added:
    ``DDPJOB_TAKE_OVER=0`` turns the rule off. It applies to plain ``c10d`` too when ``ddp_trainer.launch`` runs the
    agent (jobs without spares): the executor below, with rules 1-3 off.
 
+5. A new round's participants are not judged dead by their heartbeats until each has heard of the round. An agent
+   sends its heartbeats through the same store client as everything else, and a TCPStore client serves one call at a
+   time: while an agent is blocked in a store call (it waits for the round's ``MASTER_ADDR`` or the other agents'
+   role information, or its whole process is held up: a cold page cache on a loaded node, a stopped container) its
+   heartbeats do not go out. torch's state holder drops every agent whose heartbeat is older than the keep-alive
+   expiry at every sync, its own agent included. So at a round's start, one slow agent (dropped by the others'
+   sync, or by its own when it wakes with its heartbeat stale) left the round just completed and joined the next
+   one alone, while the others waited in the completed round for it until their store wait timed out (60 s, then a
+   restart; seen on kind, 3 of 11 cold starts). The state write that completes a round records when (state
+   attribute ``ddpjob_completed``), each participant records that it heard of the round with its first heartbeat
+   in it (``ddpjob_read``), and until all have, or ``ROUND_START_GRACE`` passed, no participant's heartbeat is
+   judged; an agent never judges its own (it is running). After that, torch's expiry works as before: a node lost
+   during training is dropped after the keep-alive expiry. Rule 4 still takes a replaced agent out at once. Rule 5
+   applies wherever this module's executor runs: ``ddpjob-c10d``, and plain ``c10d`` in a DDPJob pod under
+   ``ddp_trainer.launch``.
+
 Everything else (heartbeats, admitting a redundant
 agent when a participant drops out, closing at the end) is torch's. A redundant agent still ends when a
 participant closes the rendezvous at the end of the training: torch raises RendezvousGracefulExitError there,
@@ -84,6 +100,7 @@ import logging
 import math
 import os
 import sys
+import time
 from typing import Any, Callable
 
 from . import env as envmod
@@ -101,6 +118,11 @@ _ORDER = "ddpjob_order"  # state attribute: node -> when (a counter) it first wa
 _POD = "ddpjob_pod"      # state attribute: node -> the pod (DDPJOB_POD_INDEX) its agent runs in (rule 4)
 _GONE = "ddpjob_gone"    # state attribute: the nodes a newer agent of their pod took out (rule 4), newest last
 GONE_KEPT = 64           # how many of those the state remembers
+_COMPLETED = "ddpjob_completed"  # state attribute: (round, time.time()) of the write that completed the round (rule 5)
+_READ = "ddpjob_read"            # state attribute: the participants that sent a heartbeat in that round (rule 5)
+# Rule 5 keeps a new round's participants from heartbeat expiry until all heard of the round, at most this long: an
+# agent's store waits at a round's start (MASTER_ADDR, the role information) time out after 60 s anyway.
+ROUND_START_GRACE = 60.0
 
 
 def _priority(state: Any, node: Any) -> tuple[bool, float]:
@@ -243,6 +265,60 @@ def take_over(state: Any, me: Any, pod: str, settings: Any) -> list[Any]:
     return gone
 
 
+def _round_completed(state: Any) -> None:
+    """Rule 5, in the state write that completes a round: when, and that no participant heard of it yet."""
+    setattr(state, _COMPLETED, (state.round, time.time()))
+    setattr(state, _READ, set())
+
+
+def _completed_at(state: Any) -> float | None:
+    """When the state's round completed (rule 5), or None while it is not complete or predates rule 5."""
+    completed = getattr(state, _COMPLETED, None)
+    if not state.complete or completed is None or completed[0] != state.round:
+        return None
+    return completed[1]
+
+
+def _heard(state: Any, me: Any) -> None:
+    """Rule 5, in a heartbeat's write: ``me``, a participant of the complete round, has heard of it."""
+    if _completed_at(state) is not None and me in state.participants:
+        read = getattr(state, _READ, set())
+        if me not in read:
+            setattr(state, _READ, read | {me})
+
+
+def kept_from_expiry(state: Any, me: Any, now: float) -> set[Any]:
+    """Rule 5: the agents whose heartbeats are not judged in this sync: ``me`` always, and every participant of a
+    round just completed until each sent a heartbeat in it or ROUND_START_GRACE passed."""
+    kept = {me}
+    completed = _completed_at(state)
+    if completed is not None and now - completed < ROUND_START_GRACE and \
+            not set(state.participants) <= getattr(state, _READ, set()):
+        kept.update(state.participants)
+    return kept
+
+
+def _guard_expiry(holder: Any, me: Any) -> bool:
+    """Rule 5 on torch's state holder: its sanitizer, which drops the agents whose heartbeats expired after every
+    sync, does not see the heartbeats of the agents ``kept_from_expiry``. False where the holder is not torch's."""
+    sanitize = getattr(holder, "_sanitize", None)
+    if sanitize is None or not hasattr(holder, "_state"):
+        log.warning("%s: this torch's rendezvous state holder has no _sanitize; a slow agent may leave a round as "
+                    "it starts", BACKEND)
+        return False
+
+    def guarded() -> None:
+        beats = holder._state.last_heartbeats
+        hidden = {n: beats.pop(n) for n in kept_from_expiry(holder._state, me, time.time()) if n in beats}
+        try:
+            sanitize()
+        finally:
+            holder._state.last_heartbeats.update(hidden)
+
+    holder._sanitize = guarded
+    return True
+
+
 class TakenOver(RuntimeError):
     """This agent was taken out of the rendezvous by a newer agent of its pod (rule 4)."""
 
@@ -265,8 +341,8 @@ def _not_taken_over(op: Callable[[Any, float], Any], joining: bool, pod: str) ->
 
 @functools.cache
 def _executor_class(spares: bool = True) -> type:
-    """torch's operation executor with this backend's rules: 1-3 (hot spares, ddpjob-c10d) when ``spares``, and rule 4
-    once ``pod`` is set (classes made on use: torch is imported lazily)."""
+    """torch's operation executor with this backend's rules: 1-3 (hot spares, ddpjob-c10d) when ``spares``, rule 4
+    once ``pod`` is set, and rule 5 always (classes made on use: torch is imported lazily)."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
     if spares:
@@ -276,6 +352,10 @@ def _executor_class(spares: bool = True) -> type:
             spares = False  # rules 1-3
             size: _Size | None = None  # rule 3, set by create_handler
             pod: str | None = None  # rule 4: DDPJOB_POD_INDEX, set by enable_take_over
+
+            def __init__(self, node: Any, state_holder: Any, settings: Any) -> None:
+                super().__init__(node, state_holder, settings)
+                _guard_expiry(state_holder, node)  # rule 5
 
             def run(self, state_handler: Any, deadline: float, update_deadline: Any = None) -> None:
                 joining = isinstance(state_handler, dr._RendezvousJoinOp)
@@ -288,8 +368,13 @@ def _executor_class(spares: bool = True) -> type:
             def _keep_alive(self) -> None:
                 # every write that enters a list or sends a heartbeat ends here (torch's add operations call it)
                 super()._keep_alive()
+                _heard(self._state, self._node)  # rule 5
                 if self.pod is not None:
                     take_over(self._state, self._node, self.pod, self._settings)
+
+            def _mark_rendezvous_complete(self) -> None:
+                super()._mark_rendezvous_complete()
+                _round_completed(self._state)  # rule 5
 
         return Executor
 

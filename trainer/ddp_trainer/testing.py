@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,7 @@ class LocalCluster:
     nodes: list[Node] = field(default_factory=list)
     store: Node | None = None
     _next_addr: int = 1
+    _rdzv_backend: Any = None  # rendezvous_state's reader, made on first use
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir)
@@ -331,6 +333,32 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- the rendezvous ---------------------------------------------------------------------------------------
+    def rendezvous_state(self) -> Any | None:
+        """torch's rendezvous state as the agents share it in the store (None before the first agent wrote it),
+        read the way an agent reads it (torch's c10d backend over a store client of its own)."""
+        import pickle
+
+        from torch.distributed import TCPStore
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+        if self._rdzv_backend is None:
+            store = TCPStore("127.0.0.1", self.rdzv_port, is_master=False, timeout=timedelta(seconds=30))
+            self._rdzv_backend = C10dRendezvousBackend(store, self.rdzv_id)
+        got = self._rdzv_backend.get_state()
+        return None if got is None else pickle.loads(got[0])
+
+    def wait_for_rendezvous(self, predicate: Callable[[Any], bool], *, timeout: float, what: str) -> Any:
+        """Poll the rendezvous state until ``predicate`` holds for it; returns that state."""
+        deadline = time.time() + timeout
+        while True:
+            state = self.rendezvous_state()
+            if state is not None and predicate(state):
+                return state
+            if time.time() > deadline:
+                raise ClusterTimeout(f"timed out after {timeout}s waiting for the rendezvous: {what}\n{self.dump()}")
+            time.sleep(0.05)
 
     # -- logs ------------------------------------------------------------------------------------------------
     def events(self, name: str | None = None) -> list[Event]:
