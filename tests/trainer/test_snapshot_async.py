@@ -61,16 +61,16 @@ def test_step_cost_ignores_a_step_slowed_by_something_else():
 def test_interval_settles_instead_of_following_every_estimate():
     # 2 ms snapshots on a 100 ms step: 2 % at K = 1, the budget: kept
     assert settle_interval(1, 0.002, 0.100, 2.0) == 1
-    # over the budget: the smallest K within the target, 75 % of the budget (1.5 %): 2.4 ms -> K 2 (1.2 %)
-    assert settle_interval(1, 0.0024, 0.100, 2.0) == 2
+    # over the budget: the smallest K within the target, half the budget (1 %): 2.4 ms -> K 3 (0.8 %)
+    assert settle_interval(1, 0.0024, 0.100, 2.0) == 3
     assert settle_interval(2, 0.0030, 0.100, 2.0) == 2  # the estimate wobbles: 1.5 % at K 2, kept
-    assert settle_interval(2, 0.0016, 0.100, 2.0) == 2  # 0.8 %: above half the target (0.75 %), kept
-    assert settle_interval(2, 0.0014, 0.100, 2.0) == 1  # 0.7 %: below it, and K 1 is within the target
+    assert settle_interval(2, 0.0011, 0.100, 2.0) == 2  # 0.55 %: above half the target (0.5 %), kept
+    assert settle_interval(2, 0.0009, 0.100, 2.0) == 1  # 0.45 %: below it, and K 1 is within the target
     assert settle_interval(5, 0.009, 0.100, 2.0) == 5  # 1.8 %: within the budget, kept
-    assert settle_interval(5, 0.011, 0.100, 2.0) == 8  # 2.2 %: over the budget -> ceil(11 / 1.5) = 8 (1.4 %)
-    assert settle_interval(8, 0.0062, 0.100, 2.0) == 8  # 0.78 %: kept
-    assert settle_interval(8, 0.005, 0.100, 2.0) == 4  # 0.63 %: below half the target, K follows the cost down
-    assert settle_interval(60, 0.005, 0.100, 2.0, max_every=50) == 4  # outside the bound: chosen anew
+    assert settle_interval(5, 0.011, 0.100, 2.0) == 11  # 2.2 %: over the budget -> ceil(11 / 1) = 11 (1 %)
+    assert settle_interval(8, 0.0042, 0.100, 2.0) == 8  # 0.53 %: kept
+    assert settle_interval(8, 0.003, 0.100, 2.0) == 3  # 0.38 %: below half the target, K follows the cost down
+    assert settle_interval(60, 0.005, 0.100, 2.0, max_every=50) == 5  # outside the bound: chosen anew
     for k in range(1, 51):
         for copy_s in (0.0005, 0.003, 0.02, 0.2):
             got = settle_interval(k, copy_s, 0.1, 2.0)
