@@ -22,6 +22,9 @@ HANG_TIMEOUT = 20
 ACT_WITHIN = HANG_TIMEOUT + 10 + 5
 STOP_AT_STEP = 15
 STEP_DELAY = 0.15
+# 20 steps an epoch: ~55 s of training, so the worker is still there to stop once status.progress shows it trains
+# (on kind the operator's first report came ~15 s into training and a 6-epoch job ended 3 s later)
+EPOCHS = 18
 SUCCEED_TIMEOUT = 400
 
 
@@ -34,7 +37,7 @@ def test_stopped_worker_is_detected_as_a_hang_and_replaced(kubectl, ns, cluster)
         pytest.skip("needs a cluster whose containers run on this host (embedded, or kind on a local Docker "
                     "engine): the test stops a container's process from the host")
     name = "hang"
-    h.apply(kubectl, ns, h.digits_job(name, nodes=2, step_delay=STEP_DELAY,
+    h.apply(kubectl, ns, h.digits_job(name, nodes=2, step_delay=STEP_DELAY, epochs=EPOCHS,
                                       spec={"failurePolicy": {"hangTimeoutSeconds": HANG_TIMEOUT}}))
     # The hang clock runs once the operator has had a report from rank 0 (hang.py), and the report comes from the
     # worker that is about to be stopped: stop it only after the operator recorded progress (CI stopped it 2.7 s

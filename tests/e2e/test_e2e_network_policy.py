@@ -17,7 +17,7 @@ from tests.e2e import harness as h
 
 JOB = "np"
 STEP_DELAY = 0.3  # s per step: training lasts through the probes, the switch and a kill
-EPOCHS = 8
+EPOCHS = 12  # 20 steps an epoch: ~70 s of training, enough for an enforcer that takes tens of seconds (kind)
 ENFORCE_TIMEOUT = 60  # the enforcer applies a new policy within a sync (seconds here)
 PROBE = """
 import json, socket, sys
