@@ -8,7 +8,7 @@
 # DDPJOB_IMAGE_BUILDER=docker: `docker build` into the local Docker engine instead (kind users, then
 # `kind load docker-image`); Docker's layer cache does the skipping.
 # DDPJOB_IMAGE_BUILDER=buildah: the offline build without the containerd import (kind offline, where
-# Docker cannot pull the python base: then `hack/image.py archive` + `kind load image-archive`).
+# Docker cannot pull the python base: then `hack/image.py kind-load` streams buildah's images into the nodes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -16,7 +16,8 @@
 # hack/build-binaries.sh's cache; and without KIND_NODE_IMAGE, where Docker Hub cannot be reached, the node
 # image is built here from the project's own binaries (hack/kind_node.py), else kind's default is used.
 # Knobs: KIND_CLUSTER_NAME (ddpjob), KIND_NODE_IMAGE (e.g. kindest/node:v1.34.0 or ddpjob/kind-node:v1.34.4),
-#        KIND, HELM, KUBECTL (binaries), PYTEST_ARGS (extra pytest arguments).
+#        KIND, HELM, KUBECTL (binaries), PYTEST_ARGS (extra pytest arguments), KIND_MIN_FREE_GIB (16: the
+#        free disk a new cluster needs; the run stops before creating one with less).
 # The suite itself is provider-agnostic: it only sees KUBECONFIG and images already on the nodes, the
 # same way it sees the embedded cluster after hack/build-images.sh.
 set -euo pipefail
@@ -91,7 +92,7 @@ fi
 
 # Online (Docker Hub answers): kind's default node image, images built by Docker. Offline: the node image
 # is built here, and the operator/trainer images (and those the suite builds, tests/conftest.py) by
-# buildah, then loaded as archives.
+# buildah, then streamed into the nodes (hack/image.py kind-load).
 if python3 - <<'PY' 2>/dev/null
 import urllib.error, urllib.request
 try:
@@ -142,6 +143,21 @@ trap cleanup EXIT
 
 mkdir -p "$(dirname "$KCFG")" /var/tmp/ddpjob-shared  # the workers' shared directory (hack/kind-config.yaml)
 if "$KIND" get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
+  REUSED=1
+fi
+# Disk: a new cluster holds the trainer image (5+ GB, unpacked) on each worker, besides the node image and the
+# nodes' own files. Say so now, with what to free, rather than minutes later from inside an image import.
+DOCKER_ROOT=$(docker info -f '{{.DockerRootDir}}')
+if [[ -z ${REUSED:-} && -d $DOCKER_ROOT ]]; then
+  free_gib=$(($(df --output=avail -k "$DOCKER_ROOT" | tail -1) / 1048576))
+  if ((free_gib < ${KIND_MIN_FREE_GIB:-16})); then
+    log "only $free_gib GiB free on the filesystem of $DOCKER_ROOT; a kind cluster for these tests needs" \
+      "${KIND_MIN_FREE_GIB:-16} GiB (KIND_MIN_FREE_GIB). Free some: other kind clusters ($KIND get clusters)," \
+      "buildah's unused images (buildah rmi --prune), Docker's (docker system prune)"
+    exit 1
+  fi
+fi
+if [[ -n ${REUSED:-} ]]; then
   stage "cluster (reused)"
   "$KIND" export kubeconfig --name "$CLUSTER" --kubeconfig "$KCFG"
 else
@@ -163,7 +179,7 @@ if [[ $IMAGE_BUILDER == docker ]]; then
   "$KIND" load docker-image "localhost/ddp-operator:$TAG" --name "$CLUSTER"
   "$KIND" load docker-image "localhost/ddp-trainer:$TAG" --name "$CLUSTER" --nodes "$workers"
 else
-  stage "images (buildah, kind load image-archive)"
+  stage "images (buildah, streamed into the nodes)"
   DDPJOB_IMAGE_BUILDER=buildah DDPJOB_IMAGE_TAG=$TAG hack/build-images.sh
   for name in operator trainer; do
     nodes=$(if [[ $name == trainer ]]; then echo "$workers"; else "$KIND" get nodes --name "$CLUSTER" | paste -sd, -; fi)

@@ -149,7 +149,7 @@ def ensure_build() -> None:
 
 def ensure_image(kind_cluster: str | None = None, kind: str = "kind") -> str:
     """localhost/kueue:$KUEUE_VERSION in the embedded cluster's containerd, or on every node of kind cluster
-    `kind_cluster` (built with buildah, loaded with `kind load image-archive`); returns its manifest digest."""
+    `kind_cluster` (built with buildah, streamed into the nodes: image.kind_load); returns its manifest digest."""
     ref = image_ref()
     if kind_cluster:
         digest = image.build(DOCKERFILE, ref, build_dir(), to_containerd_ns=False)

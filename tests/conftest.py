@@ -21,7 +21,7 @@
 - `wait_for` (and the module-level function): poll a condition with a timeout, never a fixed sleep.
 - `ensure_image`: make a locally built image available to the cluster (embedded: hack/image.py
   into containerd, a no-op when nothing changed; kind: docker build + kind load, or offline
-  (DDPJOB_IMAGE_BUILDER=buildah) buildah + kind load image-archive).
+  (DDPJOB_IMAGE_BUILDER=buildah) buildah + hack/image.py kind-load).
 - Tests marked `cluster_restart` (they stop the cluster) run after every other test.
 """
 from __future__ import annotations

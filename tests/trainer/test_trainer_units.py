@@ -420,6 +420,47 @@ def test_rendezvous_a_recreated_pods_agent_takes_its_predecessors_place():
         dr._RendezvousContext(dead, state, settings), time.monotonic() + 60) == dr._Action.FINISH
 
 
+def test_rendezvous_an_agent_taken_out_stops_at_its_next_look_while_training():
+    """Rule 4 while an agent trains, on torch's own handler over a real TCPStore. A frozen node's agent is woken after
+    its pod was recreated elsewhere and the replacement took it out; its workers may be blocked in a collective or a
+    store wait that ends only at the process group's timeout (a woken agent once outlived its replacement's whole
+    job). The agent's every-monitor-interval look at the rendezvous (``num_nodes_waiting``) says TakenOver, so it
+    stops with its workers then; until it is taken out the look is torch's count, unchanged."""
+    from datetime import timedelta
+
+    import pytest
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    from ddp_trainer import rendezvous
+    from ddp_trainer.testing import free_port
+
+    store = TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    backend = C10dRendezvousBackend(store, "taken")
+    timeout = dr.RendezvousTimeout(last_call=timedelta(seconds=0.1))
+    handler = dr.DynamicRendezvousHandler.from_backend("taken", store, backend, 1, 2, timeout=timeout,
+                                                      keep_alive_interval=1, keep_alive_max_attempt=30)
+    assert rendezvous.enable_take_over(handler, "1")
+    handler._state_holder._cache_duration = 0  # every look reads the store (torch caches it 1 s)
+    handler._op_executor.run(dr._RendezvousJoinOp(), time.monotonic() + 30)  # it trains alone in the round
+    assert handler._state_holder.state.complete and handler.num_nodes_waiting() == 0
+
+    replacement = rendezvous._executor_class(False)(
+        dr._NodeDesc("10.0.0.9", 1, 7), dr._BackendRendezvousStateHolder(backend, handler._settings, 0),
+        handler._settings)
+    replacement.pod = "1"
+    replacement.run(dr._RendezvousJoinOp(), time.monotonic() + 30)
+    assert set(replacement._state_holder.state.participants) == {replacement._node}
+    with pytest.raises(rendezvous.TakenOver, match="replaced by a newer agent of pod 1"):
+        handler.num_nodes_waiting()
+
+    # Another pod's agent is not affected by it.
+    other = dr.DynamicRendezvousHandler.from_backend("taken", store, backend, 1, 2, timeout=timeout)
+    assert rendezvous.enable_take_over(other, "0")
+    assert other.num_nodes_waiting() == 0
+
+
 def test_rendezvous_an_agent_restarted_in_place_has_a_name_of_its_own():
     """torch names an agent <address>_<pid>_<n>, n counting handlers per process; a container restarted in place
     runs its agent as PID 1 again at the same pod IP, so it had its predecessor's name (on kind: refused as the agent

@@ -53,8 +53,10 @@ This backend is the c10d handler with these rules added:
    takes any other agent recorded for that pod out of every list, as torch's heartbeat expiry would: the round no
    longer waits for a dead agent. The agent taken out is remembered; should it still run (a pod force-deleted on a
    node that lost its connection), its next join fails with a message saying a newer agent of its pod replaced it,
-   rather than taking the place back. That holds for an agent whose heartbeats expired too (a frozen node woken after
-   its pod was recreated elsewhere): records are kept per pod, not per heartbeat. torch names an agent
+   rather than taking the place back, and so does its next look at the rendezvous while it trains
+   (``num_nodes_waiting()``, each monitor interval): it stops its workers and exits then, whatever they are blocked
+   in. That holds for an agent whose heartbeats expired too (a frozen node woken after its pod was recreated
+   elsewhere): records are kept per pod, not per heartbeat. torch names an agent
    ``<address>_<pid>_<n>``; in a container the agent is PID 1, so a container restarted in place would repeat the
    name of the agent it replaces. With rule 4 on, ``<n>`` is an incarnation number drawn when the agent starts
    (``fresh_identity``), so every agent process has a name of its own.
@@ -322,6 +324,15 @@ def _guard_expiry(holder: Any, me: Any) -> bool:
 class TakenOver(RuntimeError):
     """This agent was taken out of the rendezvous by a newer agent of its pod (rule 4)."""
 
+    def __init__(self, node: Any, pod: str) -> None:
+        super().__init__(f"{BACKEND}: agent {node} was replaced by a newer agent of pod {pod} (its pod was recreated "
+                         f"or its container restarted); this one stops")
+
+
+def taken_over(state: Any, node: Any) -> bool:
+    """Rule 4: whether a newer agent of ``node``'s pod took it out of the rendezvous."""
+    return node in getattr(state, _GONE, ())
+
 
 def _not_taken_over(op: Callable[[Any, float], Any], joining: bool, pod: str) -> Callable[[Any, float], Any]:
     """Rule 4 for the agent taken out: its join fails (it must not take the place back); its other operations
@@ -329,11 +340,10 @@ def _not_taken_over(op: Callable[[Any, float], Any], joining: bool, pod: str) ->
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action
 
     def checked(ctx: Any, deadline: float) -> Any:
-        if ctx.node not in getattr(ctx.state, _GONE, ()):
+        if not taken_over(ctx.state, ctx.node):
             return op(ctx, deadline)
         if joining:
-            raise TakenOver(f"{BACKEND}: agent {ctx.node} was replaced by a newer agent of pod {pod} (its pod was "
-                            f"recreated or its container restarted); this one stops")
+            raise TakenOver(ctx.node, pod)
         return _Action.FINISH
 
     return checked
@@ -474,6 +484,19 @@ def enable_take_over(handler: Any, pod: str | None) -> bool:
         executor = _executor_class(False)(handler._this_node, handler._state_holder, handler._settings)
         handler._op_executor = executor
     executor.pod = pod
+    waiting = handler.num_nodes_waiting
+
+    def num_nodes_waiting() -> int:
+        """torch's count, read by a training agent every monitor interval; TakenOver once a newer agent of this pod
+        took this one out. An agent woken from a freeze (a paused VM) after its pod was recreated elsewhere then
+        stops, with its workers, at its next look, instead of when they fail (a worker stopped inside a collective
+        or a store wait could hold on until the process group's timeout)."""
+        count = waiting()
+        if taken_over(handler._state_holder.state, handler._this_node):
+            raise TakenOver(handler._this_node, pod)
+        return count
+
+    handler.num_nodes_waiting = num_nodes_waiting
     return True
 
 
