@@ -104,11 +104,15 @@ def check_ref(ref: str) -> None:
 # --------------------------------------------------------------------------------------------
 # containerd side
 
+def _listed(images_ls: str) -> dict[str, str]:
+    """ref -> manifest digest, from the output of `ctr images ls`."""
+    return {ln.split()[0]: ln.split()[2] for ln in images_ls.splitlines()[1:] if ln.strip()}
+
+
 def containerd_images() -> dict[str, str]:
     """ref -> manifest digest of everything in the k8s.io namespace (starts containerd if needed)."""
     cluster.ensure_containerd()
-    out = cluster.ctr("images", "ls").stdout.splitlines()[1:]
-    return {ln.split()[0]: ln.split()[2] for ln in out if ln.strip()}
+    return _listed(cluster.ctr("images", "ls").stdout)
 
 
 def has_image(ref: str) -> bool:
@@ -139,12 +143,11 @@ def _file_chunks(path: Path) -> Iterator[bytes]:
             yield chunk
 
 
-def _tar_entry(out: _Tee, name: str, chunks: Iterable[bytes], size: int | None = None) -> None:
-    """One regular file of a tar archive: its header, `chunks` (`size` bytes in all; the one chunk's length when
-    None) and the padding to the next 512-byte block. BuildError where the chunks are not `size` bytes."""
-    chunks = list(chunks) if size is None else chunks
+def _tar_entry(out: _Tee, name: str, size: int, chunks: Iterable[bytes]) -> None:
+    """One regular file of a tar archive: its header, `chunks` (`size` bytes in all) and the padding to the next
+    512-byte block. BuildError where the chunks are not `size` bytes."""
     entry = tarfile.TarInfo(name)
-    entry.size, entry.mtime = sum(map(len, chunks)) if size is None else size, int(time.time())
+    entry.size, entry.mtime = size, int(time.time())
     out.write(entry.tobuf(format=tarfile.PAX_FORMAT))
     written = 0
     for chunk in chunks:
@@ -155,13 +158,14 @@ def _tar_entry(out: _Tee, name: str, chunks: Iterable[bytes], size: int | None =
     out.write(bytes(-entry.size % tarfile.BLOCKSIZE))
 
 
-def _ctr_import(argvs: list[list[str]], ref: str, layers: list[dict], export_dir: Path | None) -> list[str]:
-    """Stream buildah's image `ref` into each of `argvs` (`ctr images import ... -` commands, run side by side) as
-    an OCI archive that carries `layers` (those the receiving containerd lacks); returns their outputs. The
-    archive is made once, whatever the number of receivers. With export_dir (a `buildah push dir:` of the image)
-    the layers are read from there; without it they are reproduced from buildah's store, and StoreError says the
-    store cannot give one back."""
-    manifest, config, digest = _image(ref)
+def _ctr_import(argvs: list[list[str]], ref: str, image: tuple[bytes, bytes, str], layers: list[dict],
+                export_dir: Path | None) -> list[str]:
+    """Stream buildah's image `ref` (`image`: what `_image` read of it) into each of `argvs` (`ctr images import
+    ... -` commands, run side by side) as an OCI archive that carries `layers` (those the receiving containerd
+    lacks); returns their outputs. The archive is made once, whatever the number of receivers. With export_dir (a
+    `buildah push dir:` of the image) the layers are read from there; without it they are reproduced from
+    buildah's store, and StoreError says the store cannot give one back."""
+    manifest, config, digest = image
     if any(layer["mediaType"] != OCI_LAYER for layer in layers):
         raise StoreError(f"{ref}: only uncompressed layers can be imported ({[m['mediaType'] for m in layers]})")
     store = None if export_dir else _Store.open()
@@ -180,14 +184,15 @@ def _ctr_import(argvs: list[list[str]], ref: str, layers: list[dict], export_dir
         # The archive is written here, entry by entry, rather than by tarfile's stream mode, which re-slices its
         # whole buffer for every 10 KB record it writes: 50 MB/s for a multi-GB layer on this machine's cores.
         tee = _Tee([p.stdin for p in procs])
-        _tar_entry(tee, "oci-layout", [b'{"imageLayoutVersion":"1.0.0"}'])
+        layout, body = b'{"imageLayoutVersion":"1.0.0"}', json.dumps(index).encode()
+        _tar_entry(tee, "oci-layout", len(layout), [layout])
         for layer in layers:
             hexd = layer["digest"].split(":", 1)[1]
             chunks = _file_chunks(export_dir / hexd) if export_dir else store.layer_tar(layer["digest"])
-            _tar_entry(tee, f"blobs/sha256/{hexd}", chunks, layer["size"])
-        _tar_entry(tee, f"blobs/sha256/{hashlib.sha256(config).hexdigest()}", [config])
-        _tar_entry(tee, f"blobs/sha256/{digest.split(':', 1)[1]}", [manifest])
-        _tar_entry(tee, "index.json", [json.dumps(index).encode()])
+            _tar_entry(tee, f"blobs/sha256/{hexd}", layer["size"], chunks)
+        _tar_entry(tee, f"blobs/sha256/{hashlib.sha256(config).hexdigest()}", len(config), [config])
+        _tar_entry(tee, f"blobs/sha256/{digest.split(':', 1)[1]}", len(manifest), [manifest])
+        _tar_entry(tee, "index.json", len(body), [body])
         tee.write(bytes(2 * tarfile.BLOCKSIZE))  # the end of the archive
         for proc in procs:
             proc.stdin.close()
@@ -220,7 +225,8 @@ def to_containerd(ref: str, export_dir: Path | None = None) -> str:
     """Put buildah's image `ref` into the embedded cluster's containerd under the same name; returns the
     manifest digest. Only the layers containerd lacks travel, and containerd keeps their blobs: the next
     import of a changed image sends its top layer only."""
-    manifest, _, digest = _image(ref)
+    image = _image(ref)
+    manifest, _, digest = image
     if containerd_images().get(ref) == digest:
         return digest
     layers = json.loads(manifest)["layers"]
@@ -230,7 +236,7 @@ def to_containerd(ref: str, export_dir: Path | None = None) -> str:
         f"({sum(m['size'] for m in missing) / 2**20:.1f} MiB) are new to containerd")
     cluster.ensure_containerd()
     out, = _ctr_import([["ctr", "--address", cluster.CONTAINERD_SOCK, "--namespace", cluster.K8S_NAMESPACE,
-                         "images", "import", "-"]], ref, missing, export_dir)
+                         "images", "import", "-"]], ref, image, missing, export_dir)
     if containerd_images().get(ref) != digest:
         raise BuildError(f"import finished but containerd does not list {ref} at {digest}:\n{out}")
     return digest
@@ -320,12 +326,13 @@ def kind_load(ref: str, cluster_name: str, nodes: list[str] | None = None, kind:
     costs a node 5 GB, not 10, and the host no 5 GB archive."""
     nodes = nodes or subprocess.run([kind, "get", "nodes", "--name", cluster_name], check=True,
                                     capture_output=True, text=True).stdout.split()
-    manifest, _, digest = _image(ref)
+    image = _image(ref)
+    manifest, _, digest = image
     layers = json.loads(manifest)["layers"]
     todo = []
     for node in nodes:
         listed = subprocess.run(_node_ctr(node) + ["images", "ls"], check=True, capture_output=True, text=True).stdout
-        if any(ln.split()[:1] == [ref] and ln.split()[2] == digest for ln in listed.splitlines()[1:]):
+        if _listed(listed).get(ref) == digest:
             log(f"{ref} is already on {node}")
         else:
             todo.append(node)
@@ -334,7 +341,7 @@ def kind_load(ref: str, cluster_name: str, nodes: list[str] | None = None, kind:
     log(f"streaming {ref} ({sum(m['size'] for m in layers) / 2**30:.2f} GiB) into {', '.join(todo)}")
     argvs = [_node_ctr(node) + ["images", "import", "--digests", f"--snapshotter={kind_snapshotter(node)}", "-"]
              for node in todo]
-    _exported(ref, lambda export_dir: _ctr_import(argvs, ref, layers, export_dir))
+    _exported(ref, lambda export_dir: _ctr_import(argvs, ref, image, layers, export_dir))
     for node in todo:
         subprocess.run(_node_ctr(node) + ["content", "rm", *(layer["digest"] for layer in layers)], check=True,
                        capture_output=True)
