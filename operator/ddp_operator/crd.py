@@ -574,6 +574,10 @@ def _status_schema() -> dict:
                                   "DDPJOB_SNAPSHOT_EVERY=auto adapts it to a cost budget), so a recovery from a "
                                   "snapshot loses at most K steps."),
             "lastSnapshotStep": _int("Step of rank 0's newest peer snapshot."),
+            "snapshotResident": _bool("Every rank's parameters and optimizer state live in its pod's /dev/shm and "
+                                      "are sealed at every step (CPU training; DDPJOB_SNAPSHOT_RESIDENT=0 turns it "
+                                      "off): a failure that leaves one rank outside its optimizer step loses at "
+                                      "most one step, whatever K."),
             "members": {"type": "array", "maxItems": names.MAX_NODES + names.MAX_SPARES,
                         "items": {"type": "integer", "minimum": 0, "description": "A pod index."},
                         "description": "Pod indices (DDPJOB_POD_INDEX) of the pods training in the current "

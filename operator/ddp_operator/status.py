@@ -193,7 +193,8 @@ def progress_summary(report: Mapping[str, Any]) -> str:
 
 
 _PROGRESS_KEYS = ("step", "epoch", "loss", "samplesPerSecond", "lastCheckpointStep", "worldSize", "metrics",
-                  "time", "final", "workerRestarts", "snapshotEvery", "lastSnapshotStep", "members")
+                  "time", "final", "workerRestarts", "snapshotEvery", "lastSnapshotStep", "snapshotResident",
+                  "members")
 
 
 def valid_members(value: Any) -> tuple[int, ...] | None:
@@ -216,7 +217,7 @@ def progress_status(report: Mapping[str, Any]) -> dict:
             out[key] = float(value)
         elif key == "metrics" and isinstance(value, dict):
             out[key] = finite(value)
-        elif key == "final" and isinstance(value, bool):
+        elif key in ("final", "snapshotResident") and isinstance(value, bool):
             out[key] = value
         elif key == "members" and valid_members(value) is not None:
             out[key] = list(valid_members(value))

@@ -168,8 +168,10 @@ def overhead(doc: Doc) -> str:
 def overhead_by_size(doc: Doc) -> str:
     r = doc["result"]
     by = r.get("overhead_pct_by_params") or {}
-    k = r.get("steps_lost_bound_by_params") or {}
-    return ", ".join(f"{_params(int(n))}: {_n(pct, ' %')} (K {k.get(n)})" for n, pct in by.items()) or "not measured"
+    lost = r.get("steps_lost_bound_by_params") or {}
+    k = r.get("snapshot_every_by_params") or lost
+    return ", ".join(f"{_params(int(n))}: {_n(pct, ' %')} (steps lost ≤ {lost.get(n)}, copies every {k.get(n)})"
+                     for n, pct in by.items()) or "not measured"
 
 
 def _params(n: int) -> str:
@@ -181,12 +183,16 @@ def overhead_table(bench_dir: Path) -> str:
     if doc is None or not doc["result"].get("sweep"):
         return "Not recorded yet: run `make bench-overhead`."
     r = doc["result"]
-    lines = ["| parameters | step without snapshots | snapshot copy | snapshot bytes | K (steps lost ≤ K) "
-             "| bytes per step | overhead (CPU time, rank 0) | overhead (wall) | half the snapshot to a buddy |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| parameters | step without snapshots | snapshot copy | snapshot bytes | copied every K | "
+             "copied per step | resident (never copied) | steps lost ≤ | overhead (CPU time, rank 0) | "
+             "overhead (wall) | half the snapshot to a buddy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for z in r["sweep"]:
+        resident = z.get("resident_bytes") or 0
         lines.append(f"| {z['params']:,} | {_n(z['step_ms'], ' ms')} | {_n(z['copy_ms'], ' ms')} | "
                      f"{z['snapshot_bytes'] / 2**20:.1f} MiB | {z['k']} | {z['bytes_per_step'] / 2**20:.2f} MiB | "
+                     f"{f'{resident / 2**20:.1f} MiB' if z.get('resident') else 'off'} | "
+                     f"{z.get('steps_lost_bound', z['k'])} | "
                      f"{_n(z['overhead_pct'], ' %')} | {_n(z.get('wall_overhead_pct'), ' %')} | "
                      f"{_n(z.get('buddy_transfer_ms'), ' ms')} |")
     lines.append("")
@@ -197,7 +203,14 @@ def overhead_table(bench_dir: Path) -> str:
                  f"included), and in wall time, which other processes' load on this shared machine swings "
                  f"by tens of percent per round; the "
                  f"snapshot read back equalled the live state at every size: "
-                 f"{'yes' if all((r.get('snapshot_exact_by_params') or {}).values()) else 'NO'}. Digits "
+                 f"{'yes' if all((r.get('snapshot_exact_by_params') or {}).values()) else 'NO'}"
+                 + (f", and so did the resident state: "
+                    f"{'yes' if all((r.get('resident_exact_by_params') or {}).values()) else 'NO'}; the optimizer "
+                    f"step on resident tensors vs process memory: "
+                    + ", ".join(f"{_params(z['params'])} {_n(z.get('resident_vs_anonymous_pct'), ' %')}"
+                                for z in r["sweep"])
+                    if r.get("resident_exact_by_params") else "")
+                 + f". Digits "
                  f"(full vs bare DDP loop): ratio {_n(r.get('ratio'))}, per-round p25–p75 "
                  f"{_n(r.get('ratio_p25'))}–{_n(r.get('ratio_p75'))}, K = {_n(r.get('digits_snapshot_every'))}.")
     return "\n".join(lines)
@@ -303,8 +316,8 @@ ROWS: list[tuple[str, str, Callable[[Doc], str], str, str]] = [
     ("DDPJobs at once, control plane only", "scale", scale, "200 in ≤ 30 s, ≤ 200 MiB", "make bench-scale"),
     ("digits training with snapshots (adaptive K) + checkpoints vs a bare DDP loop", "trainer_overhead", overhead,
      "≥ 0.97, ≤ 2 %", "make bench-overhead"),
-    ("snapshot overhead by model size (MLP, CPU), K in force = steps lost bound", "trainer_overhead",
-     overhead_by_size, "≤ 2 % at every size, K ≤ 10 at ~100M", "make bench-overhead"),
+    ("snapshot overhead by model size (MLP, CPU), steps a failure may lose", "trainer_overhead",
+     overhead_by_size, "≤ 2 % at every size, steps lost ≤ 10 at ~100M", "make bench-overhead"),
 ]
 
 

@@ -69,8 +69,14 @@ def test_overhead_benchmark_quick():
     assert len(sizes) == 2 and set(sizes) == set(result["steps_lost_bound_by_params"]), result
     for n, k in result["steps_lost_bound_by_params"].items():
         assert int(n) > 0 and str(int(n)) == n, result  # keys: parameter counts as integer strings
-        assert isinstance(k, int) and 1 <= k <= 50, result  # K within its bounds
+        assert isinstance(k, int) and 1 <= k <= 50, result  # a bound within K's bounds
     # the asynchronous writer, in a real DDP job: the snapshot read back is the live state of its step
     assert all(result["snapshot_exact_by_params"].values()), result
+    # resident state, in the same job: sealed with the live state of the last step, so a failure loses at most one
+    assert all(result["resident_exact_by_params"].values()), result
+    assert set(result["steps_lost_bound_by_params"].values()) == {1}, result
+    for size in result["sweep"]:
+        assert size["resident"] and size["resident_bytes"] >= 12 * size["params"], size  # weights + Adam's moments
+        assert 1 <= size["k"] <= 50, size  # the copies' K within its bounds
     for size in result["sweep"]:
         assert size["snapshot_bytes"] >= 12 * size["params"], size  # weights + Adam's two moments, fp32

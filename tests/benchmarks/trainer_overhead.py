@@ -8,9 +8,10 @@ order each round so machine load hits all of them alike:
 - ``bare``: a plain DDP loop (forward, backward, optimizer step);
 - ``run``: the same loop driven by ``ddp_trainer.Run`` with snapshots and checkpoints off (RNG reseeding,
   step accounting, progress, step log line);
-- ``full``: ``Run`` with everything on: peer snapshots at the adaptive interval K
+- ``full``: ``Run`` with everything on: resident state (``ddp_trainer.resident``: parameters and optimizer
+  state live in ``/dev/shm``, sealed at every step), peer snapshot copies at the adaptive interval K
   (``DDPJOB_SNAPSHOT_EVERY=auto``, budget ``DDPJOB_SNAPSHOT_BUDGET_PCT``, default 2 %), a disk checkpoint
-  every 50 steps and the progress server. (A job's default is K = 1: at most one step lost.)
+  every 50 steps and the progress server. (A job's default is K = 1.)
 
 ``ratio`` = full / bare samples/s, the median of per-round ratios of back-to-back segments (load swings
 on a shared machine cancel out), with their spread (``ratio_p25``/``ratio_p75``, min, max);
@@ -21,10 +22,16 @@ Part 2, the sweep: an MLP family (``MLP(width)``: 256 inputs, 4 hidden layers, 1
 snapshots, no disk checkpoints, so only the snapshot is measured) segments of whole K-cycles; reported per
 size (medians over the rounds): step time without snapshots, the snapshot's copy time (save-point part +
 background copy) and how long training stalled for it, overhead % (full vs run step time, per-round
-ratio), the snapshot's bytes and bytes per step (bytes / K), and K. Also per size: whether the snapshot
-read back equals the live state (``snapshot_exact``: the asynchronous writer in a real DDP job) and what
-sending half the snapshot to the other rank costs (``buddy_transfer_s``: what a sharded scheme would add
-per snapshot; see docs/recovery.md for the decision). Prints one JSON object as its last line.
+ratio), the snapshot's bytes and bytes per step copied (bytes / K), K, and the resident state's bytes
+(updated in place, never copied). The steps a failure may lose (``steps_lost_bound``) are 1 with resident
+state (the newest completed step is sealed on every rank that is not inside its optimizer step) and K
+without; K still bounds a failure that catches every rank inside its optimizer step. Also per size: whether
+the copy and the resident state read back equal the live state (``snapshot_exact``, ``resident_exact``: in a
+real DDP job) and what sending half the snapshot to the other rank costs (``buddy_transfer_s``: what a
+sharded scheme would add per snapshot; see docs/recovery.md for the decision). Both kinds of segment train
+the same model, so once ``full`` laid the resident state out, ``run`` trains on the same ``/dev/shm`` pages:
+where the tensors live is not part of the overhead measured (``resident_vs_anonymous_pct`` measures it alone:
+the optimizer step on resident tensors vs on ordinary process memory). Prints one JSON object as its last line.
 
     .venv/bin/python tests/benchmarks/trainer_overhead.py [--quick] [--record] [--rounds 20 --steps 60]
         [--sizes 1e6,1e7,1e8 --sweep-rounds 16 --segment-s 3 --size-budget-s 150]
@@ -279,6 +286,17 @@ def sweep_size(session, target: int, workdir: str, rounds: int, segment_s: float
         exact = got is not None and got.step == full.position.step and len(a) == len(b) and all(
             torch.equal(x, y) for x, y in zip(a, b)
         )
+    resident = runs["full"].resident
+    resident_exact = None
+    if resident is not None:
+        full = runs["full"]
+        got = resident.read()
+        a = flatten(full.components.state_dict(full.position))[1]
+        b = flatten(got.state)[1] if got is not None else []
+        resident_exact = got is not None and got.step == full.position.step and len(a) == len(b) and all(
+            torch.equal(x, y) for x, y in zip(a, b)
+        )
+        del got, a, b
     # what a sharded scheme would add per snapshot: sending half the snapshot to a buddy
     nbytes = torch.tensor([snaps.last_bytes if snaps is not None else 0], dtype=torch.int64)
     dist.broadcast(nbytes, src=0)
@@ -303,13 +321,54 @@ def sweep_size(session, target: int, workdir: str, rounds: int, segment_s: float
         "k_max": max(ks + [k]),
         "snapshot_bytes": snaps.last_bytes if snaps is not None else None,
         "snapshot_exact": exact,
+        "resident": resident is not None,
+        "resident_bytes": resident.resident_bytes if resident is not None else 0,
+        "resident_copied_bytes": resident.copied_bytes if resident is not None else None,
+        "resident_exact": resident_exact,
         "buddy_transfer_s": buddy_s,
     }
     for run in runs.values():
         run.finish()
+    # after finish (no hooks left): the parameters are still the resident file's pages
+    result["resident_vs_anonymous_pct"] = resident_vs_anonymous_pct(opt) if resident is not None else None
     del runs, model, opt, net, half, batches
     gc.collect()
     return result
+
+
+def resident_vs_anonymous_pct(opt, rounds: int = 7) -> float:
+    """How much slower the optimizer step is on resident tensors (views into a /dev/shm file) than on the same
+    tensors in ordinary process memory: median of paired rounds, in %. Leaves the optimizer as it was."""
+    import torch
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    saved = [(p, p.data) for p in params]
+    states = [(st, k, v) for st in opt.state.values() for k, v in st.items() if isinstance(v, torch.Tensor)]
+    anon = [p.data.clone() for p in params]
+    anon_states = [v.clone() for _, _, v in states]
+
+    def timed(use_anon: bool) -> float:
+        for (p, data), a in zip(saved, anon):
+            p.data = a if use_anon else data
+        for (st, k, v), a in zip(states, anon_states):
+            st[k] = a if use_anon else v
+        t0 = time.process_time()
+        opt.step()
+        return time.process_time() - t0
+
+    pcts = []
+    for r in range(rounds):
+        order = (True, False) if r % 2 else (False, True)
+        t = {kind: timed(kind) for kind in order}
+        pcts.append(100.0 * (t[False] / t[True] - 1.0))
+    for p, data in saved:
+        p.data = data
+    for st, k, v in states:
+        st[k] = v
+    return round(statistics.median(pcts), 2)
 
 
 def summarize(sz: dict) -> dict:
@@ -339,6 +398,12 @@ def summarize(sz: dict) -> dict:
         "snapshot_bytes": sz["snapshot_bytes"],
         "bytes_per_step": round(sz["snapshot_bytes"] / k) if sz["snapshot_bytes"] else None,
         "k": k,
+        "resident": sz["resident"],
+        "resident_bytes": sz["resident_bytes"],
+        "resident_copied_bytes": sz["resident_copied_bytes"],
+        "resident_exact": sz["resident_exact"],
+        "resident_vs_anonymous_pct": sz["resident_vs_anonymous_pct"],
+        "steps_lost_bound": 1 if sz["resident"] else k,
         "k_rounds": sz["k"],
         "steps_per_segment": sz["steps_per_segment"],
         "rounds": sz["rounds"],
@@ -428,7 +493,9 @@ def main() -> int:
     # its per-round ratios swing by tens of percent with other processes' load.
     result["overhead_pct_by_params"] = {str(sz["params"]): sz["overhead_pct"] for sz in sweep}
     result["wall_overhead_pct_by_params"] = {str(sz["params"]): sz["wall_overhead_pct"] for sz in sweep}
-    result["steps_lost_bound_by_params"] = {str(sz["params"]): sz["k"] for sz in sweep}
+    result["steps_lost_bound_by_params"] = {str(sz["params"]): sz["steps_lost_bound"] for sz in sweep}
+    result["snapshot_every_by_params"] = {str(sz["params"]): sz["k"] for sz in sweep}
+    result["resident_exact_by_params"] = {str(sz["params"]): sz["resident_exact"] for sz in sweep}
     result["snapshot_exact_by_params"] = {str(sz["params"]): sz["snapshot_exact"] for sz in sweep}
     result["snapshot_budget_pct"] = float(os.environ.get("DDPJOB_SNAPSHOT_BUDGET_PCT") or 2.0)
     result["wall_s"] = round(time.time() - t0, 1)

@@ -5,6 +5,7 @@ a reader never sees a torn step."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -156,12 +157,13 @@ def single_process_group():
     dist.destroy_process_group()
 
 
-def _train(session, shm, *, stop_at=None, budget=2.0, every="auto"):
+def _train(session, shm, *, stop_at=None, budget=2.0, every="auto", resident=True, torn=False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     run = Run(session, model=model, optimizer=opt, seed=3, checkpoint_dir=None, snapshot_dir=shm,
-              snapshot_every=every, snapshot_budget_pct=budget, progress_port=0, log_every=0)
+              snapshot_every=every, snapshot_budget_pct=budget, snapshot_resident=resident, progress_port=0,
+              log_every=0)
     run.restore()
     restored = run.step
     data = torch.randn(40, 8, 32)
@@ -175,6 +177,9 @@ def _train(session, shm, *, stop_at=None, budget=2.0, every="auto"):
             run.step_done(loss=loss)
             ks.append(run.progress.snapshot().get("snapshotEvery"))
             if stop_at is not None and run.step == stop_at:
+                if torn:  # killed inside the next optimizer step: its update is half done, its save point never comes
+                    model(xb).pow(2).mean().backward()
+                    opt.step()
                 # a kill: whatever the newest complete snapshot is, nothing is written any more
                 run.snapshots.wait()
                 run.snapshots.close()
@@ -184,17 +189,49 @@ def _train(session, shm, *, stop_at=None, budget=2.0, every="auto"):
     return run, model_digest(model), ks, restored
 
 
-def test_adaptive_interval_above_one_resumes_bitwise_from_an_older_step(tmp_path, single_process_group, monkeypatch):
-    """A tiny budget forces K > 1: the restore goes back to a step s <= the last one and replays exactly."""
+@pytest.mark.parametrize("case", ["copies only", "resident state torn"])
+def test_adaptive_interval_above_one_resumes_bitwise_from_an_older_step(tmp_path, single_process_group, monkeypatch,
+                                                                        case):
+    """A tiny budget forces K > 1: the restore goes back to a step s <= the last one and replays exactly. Without
+    resident state, or with this (only) rank's resident state torn by a kill inside its optimizer step."""
     _, reference, _, _ = _train(single_process_group, str(tmp_path / "ref"), every=0)
     monkeypatch.setenv("DDPJOB_SNAPSHOT_MAX_EVERY", "7")
     shm = str(tmp_path / "shm")
-    killed, _, ks, _ = _train(single_process_group, shm, stop_at=53, budget=0.0001)
+    resident, torn = case == "resident state torn", case == "resident state torn"
+    killed, _, ks, _ = _train(single_process_group, shm, stop_at=53, budget=0.0001, resident=resident, torn=torn)
     assert max(k for k in ks if k) == 7, ks  # the budget is unreachable: K at its bound
-    resumed, digest, _, restored = _train(single_process_group, shm, budget=0.0001)
+    if resident:
+        assert killed.resident is not None and killed.resident.read() is None  # torn: invalid, never half-valid
+    resumed, digest, _, restored = _train(single_process_group, shm, budget=0.0001, resident=resident)
     assert resumed.restored_from == "local" and restored == killed.snapshots.last_step
     assert 53 - 7 <= restored < 53  # steps lost: more than the step in flight, at most K
     assert digest == reference  # replayed from an older step, bit for bit
+
+
+def test_resident_state_resumes_the_last_completed_step_bitwise(tmp_path, single_process_group, monkeypatch):
+    """With K at 7, the resident state still holds the last completed step: a kill between steps loses none."""
+    _, reference, _, _ = _train(single_process_group, str(tmp_path / "ref"), every=0)
+    monkeypatch.setenv("DDPJOB_SNAPSHOT_MAX_EVERY", "7")
+    shm = str(tmp_path / "shm")
+    killed, _, _, _ = _train(single_process_group, shm, stop_at=53, budget=0.0001)
+    assert killed.resident is not None and killed.snapshots.last_step < 53  # the copies are behind
+    params = [p for g in killed.components.optimizer.param_groups for p in g["params"]]
+    views = {v.data_ptr() for v in killed.resident._views}
+    assert all(p.data_ptr() in views for p in params)  # the optimizer updated the file itself: no copy
+    resumed, digest, _, restored = _train(single_process_group, shm, budget=0.0001)
+    assert resumed.restored_from == "local" and restored == 53  # the last completed step: nothing lost
+    assert digest == reference
+
+
+def test_an_epochs_last_step_is_a_resident_save_point(tmp_path, single_process_group, monkeypatch):
+    """Killed after an epoch's last step (before validation and epoch_done): the resumed run ends the epoch and
+    trains on, bit for bit."""
+    _, reference, _, _ = _train(single_process_group, str(tmp_path / "ref"), every=0)
+    shm = str(tmp_path / "shm")
+    _train(single_process_group, shm, stop_at=40, every=5)
+    resumed, digest, _, restored = _train(single_process_group, shm, every=5)
+    assert resumed.restored_from == "local" and restored == 40
+    assert digest == reference
 
 
 def test_cpu_snapshots_never_initialise_cuda(tmp_path):
@@ -221,3 +258,27 @@ def test_cuda_snapshot_goes_through_a_side_stream_and_pinned_buffers(tmp_path):
     assert got.step == 3 and torch.equal(got.state["p"], (torch.arange(1 << 20, dtype=torch.float32) * 2))
     assert torch.equal(got.state["b"], torch.zeros(4))
     snaps.close(remove=True)
+
+
+@pytest.mark.parametrize("slow_step", [False, True])
+def test_resident_state_stays_on_only_where_its_commits_are_cheap_for_the_step(tmp_path, single_process_group,
+                                                                               slow_step):
+    """auto: the first commits are a trial; against a ~1 ms step they cost too much and the copies alone keep the
+    state, against a step of 0.3 s they cost nothing and resident state stays on."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    run = Run(single_process_group, model=model, optimizer=opt, checkpoint_dir=None, snapshot_dir=str(tmp_path),
+              snapshot_every="auto", snapshot_resident="auto", progress_port=0, log_every=0)
+    run.restore()
+    assert run.resident is not None
+    for xb in run.batches(torch.randn(12, 4, 8)):
+        model(xb).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if slow_step:
+            time.sleep(0.3)
+        run.step_done()
+    assert (run.resident is not None) == slow_step
+    assert run.progress.snapshot()["snapshotResident"] == slow_step
+    run.finish()

@@ -117,11 +117,14 @@ def test_worker_kill_is_reported_as_a_recovery(tmp_path, reference):
         assert final_event(cluster)["weights_sha256"] == reference["digest"], cluster.dump()
 
 
-def test_kill_with_snapshot_interval_above_one_replays_bitwise(tmp_path, reference):
-    """A budget no copy fits forces K to its bound (8): the restore goes back up to 8 steps and replays
-    them; the final weights are still the reference's and the steps lost stay within K."""
-    env = {"DDPJOB_SNAPSHOT_EVERY": "auto", "DDPJOB_SNAPSHOT_BUDGET_PCT": "0.0001", "DDPJOB_SNAPSHOT_MAX_EVERY": "8"}
-    with LocalCluster(tmp_path, args=[*DIGITS_ARGS, *SLOW], env=env, rdzv_id="kill-k8") as cluster:
+@pytest.mark.parametrize("resident", ["0", "1"])
+def test_kill_with_snapshot_interval_above_one_replays_bitwise(tmp_path, reference, resident):
+    """A budget no copy fits forces K to its bound (8). Copies alone: the restore goes back up to 8 steps and
+    replays them. With resident state: the survivor's holds the last completed step, so nothing is lost. Either way
+    the final weights are the reference's."""
+    env = {"DDPJOB_SNAPSHOT_EVERY": "auto", "DDPJOB_SNAPSHOT_BUDGET_PCT": "0.0001", "DDPJOB_SNAPSHOT_MAX_EVERY": "8",
+           "DDPJOB_SNAPSHOT_RESIDENT": resident}
+    with LocalCluster(tmp_path, args=[*DIGITS_ARGS, *SLOW], env=env, rdzv_id=f"kill-k8-{resident}") as cluster:
         host = cluster.start_node()
         victim = cluster.start_node()
         cluster.wait_for_step(44, timeout=JOB_TIMEOUT)
@@ -130,9 +133,13 @@ def test_kill_with_snapshot_interval_above_one_replays_bitwise(tmp_path, referen
         rec = recovery_after_kill(cluster, killed_at, timeout=JOB_TIMEOUT)
         rcs = cluster.wait_exit([host, cluster.node("node1-replacement")], timeout=JOB_TIMEOUT)
         assert set(rcs.values()) == {0}, cluster.dump()
-        print("recovery with K forced to 8:", rec)
-        assert rec["source"] == "peer" and rec["snapshot_every"] == 8, rec
-        assert 0 <= rec["steps_lost"] <= 8, rec
+        print(f"recovery with K forced to 8, resident state {resident}:", rec)
+        if resident == "1":
+            assert rec["source"] == "peer" and rec["snapshot_every"] == 1 and rec["steps_lost"] == 0, rec
+            assert cluster.events("resident_state"), cluster.dump()
+        else:
+            assert rec["source"] == "peer" and rec["snapshot_every"] == 8, rec
+            assert 0 <= rec["steps_lost"] <= 8, rec
         intervals = [e.int("every") for e in cluster.events("snapshot_interval")]
         assert intervals and max(intervals) == 8, cluster.dump()
         assert final_event(cluster)["weights_sha256"] == reference["digest"], cluster.dump()
@@ -291,3 +298,40 @@ def test_forkserver_launcher_recovers_bitwise_with_forked_workers(tmp_path, refe
         for e in sessions:
             node = cluster.node(e.node)
             assert abs(float(e["agent_started"]) - node.started) < 1.0, (e, node.started)
+
+
+def test_sigterm_inside_an_optimizer_step_leaves_the_resident_state_whole(tmp_path):
+    """The agent's SIGTERM arrives while the optimizer rewrites the resident state: the worker finishes the step and
+    seals it before it exits, so the file holds the step it was in (not a torn one, and not the one before)."""
+    import re
+
+    from ddp_trainer.resident import ResidentState
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DDPJOB_", "PET_"))}
+    shm = str(tmp_path / "shm")
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_TRAINER_DIR, "DDPJOB_SNAPSHOT_DIR": shm,
+                "DDPJOB_RUN_KEY": "sigterm-resident", "DDPJOB_SNAPSHOT_RESIDENT": "1"})
+    out = tmp_path / "out.log"
+    script = os.path.join(os.path.dirname(__file__), "slow_step_worker.py")
+    with open(out, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", script],
+            env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not (m := re.search(r"in-step after=2 pid=(\d+)", out.read_text())):
+            assert time.time() < deadline and proc.poll() is None, out.read_text()
+            time.sleep(0.05)
+        pid = int(m.group(1))
+        assert ResidentState(shm, "sigterm-resident", 0).read() is None  # inside the step: invalid
+        os.kill(pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) != 0
+        text = out.read_text()
+        assert "exitcode: 143" in text, text
+        snap = ResidentState(shm, "sigterm-resident", 0).read()
+        assert snap is not None and snap.step == 3, text  # the step it was in, sealed
+        assert "resident_state_unsealed" not in text, text
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -83,8 +83,9 @@ def test_progress_status_keeps_known_fields():
 
 
 def test_progress_status_shows_the_snapshot_interval_that_bounds_the_steps_lost():
-    out = progress_status({"step": 120, "snapshotEvery": 3, "lastSnapshotStep": 120.0})
-    assert out["snapshotEvery"] == 3 and out["lastSnapshotStep"] == 120
+    out = progress_status({"step": 120, "snapshotEvery": 3, "lastSnapshotStep": 120.0, "snapshotResident": True})
+    assert out["snapshotEvery"] == 3 and out["lastSnapshotStep"] == 120 and out["snapshotResident"] is True
+    assert "snapshotResident" not in progress_status({"step": 1, "snapshotResident": "yes"})  # only a boolean
 
 
 def test_progress_status_drops_non_finite_numbers():

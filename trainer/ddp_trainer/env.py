@@ -38,6 +38,7 @@ KEEP_CHECKPOINTS = "DDPJOB_KEEP_CHECKPOINTS"
 SNAPSHOT_EVERY = "DDPJOB_SNAPSHOT_EVERY"
 SNAPSHOT_BUDGET_PCT = "DDPJOB_SNAPSHOT_BUDGET_PCT"
 SNAPSHOT_MAX_EVERY = "DDPJOB_SNAPSHOT_MAX_EVERY"
+SNAPSHOT_RESIDENT = "DDPJOB_SNAPSHOT_RESIDENT"  # ddp_trainer.resident: auto (default) | 1 | 0
 RUN_KEY = "DDPJOB_RUN_KEY"
 TERMINATION_LOG = "DDPJOB_TERMINATION_LOG"
 PG_TIMEOUT = "DDPJOB_PG_TIMEOUT"
@@ -120,6 +121,20 @@ def parse_every(name: str, raw: str | int | None) -> int | None:
     if value < 0:
         raise ConfigError(f"{name}={value} must be >= 0 (0: off) or {AUTO}")
     return value
+
+
+def parse_auto_switch(name: str, raw: str | bool | None) -> bool | None:
+    """``auto`` (or unset) is None (the trainer decides), else on (1/true) or off (0/false)."""
+    if raw is None or isinstance(raw, bool):
+        return raw
+    value = raw.strip().lower()
+    if value in ("", AUTO):
+        return None
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ConfigError(f"{name}={raw!r}: expected {AUTO}, 1 or 0")
 
 
 def run_key(env: Mapping[str, str] | None = None) -> str:

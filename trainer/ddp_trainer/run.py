@@ -30,7 +30,9 @@ snapshot interval in force) and no storage reads; the resume line says which K b
 
 from __future__ import annotations
 
+import os
 import socket
+import statistics
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -46,10 +48,15 @@ from .progress import Progress, ProgressServer, termination_log_path, write_term
 from .recovery import HighWaterMark, complete, recovery_record
 from .sampler import ResumableDistributedSampler
 from .session import Session
-from .snapshot import PeerSnapshots, StepCost, default_dir, settle_interval
+from .resident import ResidentState, supported as resident_supported
+from .snapshot import PeerSnapshots, Snapshot, StepCost, default_dir, settle_interval
 from .state import Components, Position, detached_copy, unwrap
 
 _FROM_ENV: Any = object()
+# Resident state's trial (Run._commit_resident): its first commits are measured, and it stays on when they cost at
+# most this share of the snapshot budget (the copies are chosen for half of it: TARGET_SHARE_OF_BUDGET).
+RESIDENT_TRIAL_COMMITS = 5
+RESIDENT_SHARE_OF_BUDGET = 0.25
 
 
 class Run:
@@ -71,6 +78,7 @@ class Run:
         snapshot_dir: str | None = _FROM_ENV,
         snapshot_every: int | str | None = _FROM_ENV,
         snapshot_budget_pct: float | None = _FROM_ENV,
+        snapshot_resident: bool | str | None = _FROM_ENV,
         progress_port: int | None = _FROM_ENV,
         log_every: int | None = _FROM_ENV,
         checkpoint_on_terminate: bool = True,
@@ -84,6 +92,10 @@ class Run:
             0: no peer snapshots.
         snapshot_budget_pct: DDPJOB_SNAPSHOT_BUDGET_PCT (default 2): the share of training time snapshots
             may take when the interval is adaptive (at most DDPJOB_SNAPSHOT_MAX_EVERY steps, default 50).
+        snapshot_resident: DDPJOB_SNAPSHOT_RESIDENT, auto (default), 1 or 0: every rank's parameters and optimizer
+            state live in its pod's snapshot directory (resident.py), so a failure that leaves one rank whole
+            loses at most one step; only with CPU tensors and peer snapshots on. ``auto``: where K may exceed 1
+            and the trial of its first commits finds it cheap enough (:meth:`_commit_resident`).
         progress_port: DDPJOB_PROGRESS_PORT (default 29401; 0: no server).
         """
         self.session = session
@@ -106,6 +118,9 @@ class Run:
         every = envmod.parse_every("snapshot_every", snapshot_every)
         if snapshot_dir is _FROM_ENV:
             snapshot_dir = envmod.get_str(envmod.SNAPSHOT_DIR) or default_dir(session.run_key)
+        if snapshot_resident is _FROM_ENV:
+            snapshot_resident = envmod.get_str(envmod.SNAPSHOT_RESIDENT)
+        resident_mode = envmod.parse_auto_switch(envmod.SNAPSHOT_RESIDENT, snapshot_resident)
         if progress_port is _FROM_ENV:
             progress_port = envmod.get_int(envmod.PROGRESS_PORT, envmod.DEFAULT_PROGRESS_PORT, minimum=0)
         if log_every is _FROM_ENV:
@@ -135,10 +150,19 @@ class Run:
         if snapshot_dir and self.snapshot_every:
             self.snapshots = PeerSnapshots(snapshot_dir, session.run_key)
         self._writes_snapshots = self.snapshots is not None and session.local_rank == 0
+        # Every rank's resident state (resident.py): its own file, next to the pod's snapshots.
+        self.resident: ResidentState | None = None
+        # Only where copies may be more than one step apart (K adaptive or above 1): with K = 1 they lose no more.
+        if (self.snapshots is not None and resident_mode is not False and resident_supported(optimizer)
+                and (resident_mode or self.snapshot_adaptive or self.snapshot_every > 1)):
+            self.resident = ResidentState(snapshot_dir, session.run_key, session.local_rank)
+        self._resident_trial = resident_mode is None
+        self._resident_costs: list[float] = []  # the first commits' seconds (the trial, see _commit_resident)
         self._hook: Any = None
-        if self._writes_snapshots and optimizer is not None:
+        if (self._writes_snapshots or self.resident is not None) and optimizer is not None:
             # The snapshot thread copies parameters and optimizer state from the live tensors: the next
-            # optimizer step (the first thing that changes them) waits until it has read them.
+            # optimizer step (the first thing that changes them) waits until it has read them. And the
+            # resident state is invalid from here until the save point after the step.
             self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
 
         # The high-water mark of the last completed step (recovery.py): next to the pod's snapshots.
@@ -170,6 +194,10 @@ class Run:
         self.restored_from: str | None = None
         if checkpoint_on_terminate and self.checkpoints is not None and self._writes_snapshots:
             session.on_terminate(self._checkpoint_on_terminate)
+        if self.resident is not None:
+            # Registered last, so it runs first: an optimizer step in progress reaches its save point before the
+            # process exits (and before the checkpoint above reads the newest state).
+            session.on_terminate(self._hold_resident)
 
     # -- properties ----------------------------------------------------------------------------------------
     @property
@@ -200,7 +228,8 @@ class Run:
         """
         s = self.session
         t0 = time.perf_counter()
-        local = self.snapshots.read_latest() if self.snapshots is not None else None
+        copies = self.snapshots.read_latest() if self.snapshots is not None else None
+        local = self._newest_local(copies)
         local_step = local.step if local is not None else -1
         local_every = local.every if local is not None else None
         disk_steps = self.checkpoints.steps() if self.checkpoints is not None else []
@@ -239,8 +268,8 @@ class Run:
                 state = local.state if local is not None and local_step == best_snap else payload[0]
                 source = "peer"
             bound = gathered[src_rank][2]
-        if local is not None and self.snapshots is not None:
-            self.snapshots.set_next_slot_after(local)
+        if copies is not None and self.snapshots is not None:
+            self.snapshots.set_next_slot_after(copies)
 
         if state is not None:
             position = self.components.load_state_dict(state)
@@ -305,7 +334,11 @@ class Run:
         n = len(loader)  # type: ignore[arg-type]
         self._epoch_len = n
         start = self.position.batch
+        rank = self.session.rank
         if start >= n:
+            # Restored after the epoch's last step (a resident save point): the RNGs as an uninterrupted run leaves
+            # them for what follows the epoch's batches (validation), reseeded before its loader ran dry.
+            rng.seed_step(self.seed, self.position.step, rank)
             return
         skip = start
         sampler = getattr(loader, "sampler", None)
@@ -316,7 +349,6 @@ class Run:
         it = iter(loader)
         for _ in range(skip):
             next(it)
-        rank = self.session.rank
         while True:
             rng.seed_step(self.seed, self.position.step, rank)
             try:
@@ -377,8 +409,9 @@ class Run:
         if self._mark is not None:
             # After the step line: the mark is never ahead of the logged steps (one definition of steps lost).
             self._mark.write(pos.step)
-        if self._epoch_len is None or pos.batch < self._epoch_len:
-            self._save_point()
+        # The epoch's last step is a save point of the resident state only: the copies and checkpoints wait for
+        # epoch_done, after validation.
+        self._save_point(copies=self._epoch_len is None or pos.batch < self._epoch_len)
         self.progress.update(
             step=pos.step,
             epoch=pos.epoch,
@@ -403,8 +436,21 @@ class Run:
             self.log("epoch", epoch=finished, step=pos.step, stop=str(pos.stopped).lower(), **(metrics or {}))
 
     def _before_optimizer_step(self, *_: Any) -> None:
-        assert self.snapshots is not None
-        self.snapshots.wait_sources()
+        if self._writes_snapshots and self.snapshots is not None:
+            self.snapshots.wait_sources()
+        if self.resident is not None:
+            self.resident.begin_update()
+
+    def _newest_local(self, copies: Snapshot | None) -> Snapshot | None:
+        """The newer of this pod's copies and this rank's resident state."""
+        mine = self.resident.read() if self.resident is not None else None
+        if mine is None or (copies is not None and copies.step > mine.step):
+            return copies
+        return mine
+
+    def _hold_resident(self) -> None:
+        if self.resident is not None and not self.resident.hold():
+            self._warn("resident_state_unsealed", reason="the optimizer step did not reach its save point in time")
 
     def _snapshot_due(self, step: int) -> bool:
         if not self._writes_snapshots or not self.snapshot_every:
@@ -458,11 +504,16 @@ class Run:
     def _snapshot_progress(self) -> dict[str, Any]:
         if not self._writes_snapshots or self.snapshots is None:
             return {}
-        return {"snapshotEvery": self.snapshot_every, "lastSnapshotStep": self.snapshots.last_step}
+        return {"snapshotEvery": self.snapshot_every, "lastSnapshotStep": self.snapshots.last_step,
+                "snapshotResident": self.resident is not None}
 
-    def _save_point(self, checkpoint: bool = True) -> None:
+    def _save_point(self, checkpoint: bool = True, copies: bool = True) -> None:
         step = self.position.step
         state = None
+        if self.resident is not None:
+            self._commit_resident(step)
+        if not copies:
+            return
         if self._snapshot_due(step):
             self._snapshot(step)
             self._after_save = "snapshot"
@@ -477,13 +528,57 @@ class Run:
             self.checkpoints.save_async(step, detached_copy(state))
             self._after_save = "checkpoint"  # its cost is the checkpoint's, not a snapshot's
 
+    def _commit_resident(self, step: int) -> None:
+        """Seal the resident state at this save point. Its first RESIDENT_TRIAL_COMMITS commits are a trial: a
+        commit costs the state dict's walk and pickle every step whatever the model's size, which a small model's
+        short step cannot afford (the digits example: ~0.2 ms of a ~5 ms step) and a large one does not notice
+        (~100M parameters: ~1 ms of 1.3 s). Resident state stays on when the median commit is within
+        RESIDENT_SHARE_OF_BUDGET of the budget; else the copies alone hold the state (their K bounds the loss)."""
+        res, opt = self.resident, self.components.optimizer
+        assert res is not None and opt is not None
+        if not opt.state and step == 0:
+            return  # nothing to keep yet: the first optimizer step creates the state, lay out after it
+        layouts = res.layouts
+        t0 = time.perf_counter()
+        try:
+            res.commit(step, self.components.state_dict(self.position), opt)
+        except OSError as exc:  # /dev/shm too small for the state: the copies alone hold it from now on
+            self._resident_off("resident_state_unavailable", dir=os.path.dirname(res.path), error=str(exc))
+            return
+        if res.layouts != layouts:
+            self.log("resident_state", all_ranks=self.session.local_rank == 0, step=step,
+                     resident_bytes=res.resident_bytes, copied_bytes=res.copied_bytes)
+            return  # a layout copies the whole state once: not what a commit costs
+        if not self._resident_trial or len(self._resident_costs) >= RESIDENT_TRIAL_COMMITS:
+            return
+        self._resident_costs.append(time.perf_counter() - t0)
+        step_s = self._step_cost.clean_s or self._step_s
+        if len(self._resident_costs) < RESIDENT_TRIAL_COMMITS or step_s is None:
+            if len(self._resident_costs) == RESIDENT_TRIAL_COMMITS and step_s is None:
+                self._resident_costs.pop()  # no step measured yet: keep trying
+            return
+        cost_s = statistics.median(self._resident_costs)
+        share_pct = 100.0 * cost_s / step_s
+        if share_pct > self.snapshot_budget_pct * RESIDENT_SHARE_OF_BUDGET:
+            self._resident_off("resident_state_off", commit_ms=round(cost_s * 1e3, 3), step_ms=round(step_s * 1e3, 3),
+                               share_pct=round(share_pct, 3), budget_pct=self.snapshot_budget_pct)
+
+    def _resident_off(self, event: str, **fields: Any) -> None:
+        assert self.resident is not None
+        if "error" in fields:
+            self._warn(event, **fields)
+        else:
+            self.log(event, all_ranks=self.session.local_rank == 0, **fields)
+        self.resident.close(remove=True)
+        self.resident = None
+
     def _ckpt_step(self) -> int | None:
         return self.checkpoints.last_saved_step if self.checkpoints is not None else None
 
     def _checkpoint_on_terminate(self) -> None:
         # Runs on the SIGTERM thread while the main thread may be mid-step: use the last save point.
         assert self.snapshots is not None and self.checkpoints is not None
-        snap = self.snapshots.read_latest()
+        snap = self._newest_local(self.snapshots.read_latest())
         last = self.checkpoints.last_saved_step
         if snap is not None and (last is None or snap.step > last):
             self.checkpoints.save(snap.step, snap.state)
@@ -519,6 +614,8 @@ class Run:
         if self.snapshots is not None:
             # The run is over: nothing to recover any more, and /dev/shm is memory.
             self.snapshots.close(remove=self._writes_snapshots)
+        if self.resident is not None:
+            self.resident.close(remove=True)
         if self._mark is not None:
             self._mark.close(remove=True)
             self._mark = None

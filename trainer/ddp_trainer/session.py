@@ -146,7 +146,10 @@ def _install_sigterm(session: Session) -> None:
     # sigwait instead would leak the blocked mask into every child process, e.g. DataLoader workers.)
     reader, writer = socket.socketpair()
     writer.setblocking(False)
-    signal.signal(signal.SIGTERM, lambda signum, frame: session._terminate())
+    # The Python-level handler only makes the C-level one write to the wakeup fd; the watcher thread does the rest.
+    # Running _terminate on the main thread as well could run it inside an optimizer step that the termination
+    # waits for (resident state: Run._hold_resident), which would then wait for itself.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
 
     def watch() -> None:

@@ -184,6 +184,74 @@ def default_dir(run_key: str, root: str = "/dev/shm/ddpjob") -> str:
     return os.path.join(root, safe)
 
 
+def data_specs(tensors: list[torch.Tensor]) -> tuple[list[tuple], int]:
+    """Where each tensor goes in a slot's data region: ([(dtype name, shape, offset, nbytes)], data length)."""
+    specs = []
+    offset = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        specs.append((_dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
+        offset = _align(offset + nbytes, _ALIGN)
+    return specs, offset
+
+
+def pack_meta(run_key: str, skeleton: Any, specs: list[tuple], every: int | None) -> bytes:
+    buf = io.BytesIO()
+    _MetaPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(
+        {"run_key": run_key, "skeleton": skeleton, "specs": specs, "every": every}
+    )
+    return buf.getvalue()
+
+
+def invalidate(mm: Any) -> None:
+    """Mark a slot invalid (leading generation 0): whatever happens to it next, it fails validation."""
+    struct.pack_into("<Q", mm, 8, 0)
+
+
+def begin_header(mm: Any, step: int, meta: bytes, data_off: int, data_len: int) -> None:
+    """Invalidate the slot, then write its header and meta (the slot stays invalid until :func:`seal`)."""
+    invalidate(mm)
+    _HEADER.pack_into(mm, 0, MAGIC, 0, step, len(meta), data_off, data_len)
+    mm[_HEADER_SIZE : _HEADER_SIZE + len(meta)] = meta
+
+
+def seal(mm: Any, data_off: int, data_len: int, gen: int) -> None:
+    """Make the slot valid: the trailing generation, then the leading one (a reader needs both equal)."""
+    struct.pack_into("<Q", mm, data_off + data_len, gen)
+    struct.pack_into("<Q", mm, 8, gen)
+
+
+def read_slot(path: str, run_key: str) -> Snapshot | None:
+    """The snapshot in the slot file ``path`` if it is valid and of run ``run_key``, else None."""
+    try:
+        with open(path, "rb") as f:
+            data = bytearray(f.read())
+    except OSError:
+        return None
+    if len(data) < _HEADER_SIZE:
+        return None
+    magic, gen, step, meta_len, data_off, data_len = _HEADER.unpack_from(data, 0)
+    if magic != MAGIC or gen == 0 or data_off + data_len + 8 > len(data):
+        return None
+    (gen_end,) = struct.unpack_from("<Q", data, data_off + data_len)
+    if gen_end != gen:
+        return None
+    try:
+        meta = _MetaUnpickler(io.BytesIO(bytes(data[_HEADER_SIZE : _HEADER_SIZE + meta_len]))).load()
+    except Exception:
+        return None
+    if meta.get("run_key") != run_key:
+        return None
+    base = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    tensors = []
+    for dtype_name, shape, off, n in meta["specs"]:
+        dtype = getattr(torch, dtype_name)
+        tensors.append(base[data_off + off : data_off + off + n].view(dtype).view(shape).clone())
+    every = meta.get("every")
+    return Snapshot(step=step, state=unflatten(meta["skeleton"], tensors), path=path,
+                    every=int(every) if every is not None else None)
+
+
 class _Slot:
     def __init__(self, path: str) -> None:
         self.path = path
@@ -379,18 +447,9 @@ class PeerSnapshots:
         """The slot's meta, pickled now: the skeleton refers to live dicts (extra, param groups)."""
         layout = tuple((t.dtype, t.shape) for t in tensors)
         if layout != self._layout:
-            specs = []
-            offset = 0
-            for t in tensors:
-                nbytes = t.numel() * t.element_size()
-                specs.append((_dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
-                offset = _align(offset + nbytes, _ALIGN)
-            self._layout, self._specs, self._data_len = layout, specs, offset
-        buf = io.BytesIO()
-        _MetaPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(
-            {"run_key": self.run_key, "skeleton": skeleton, "specs": self._specs, "every": every}
-        )
-        return buf.getvalue()
+            self._specs, self._data_len = data_specs(tensors)
+            self._layout = layout
+        return pack_meta(self.run_key, skeleton, self._specs, every)
 
     def _write(self, step: int, meta: bytes, tensors: list[torch.Tensor],
                on_sources_read: Callable[[], None] | None = None) -> float:
@@ -415,18 +474,13 @@ class PeerSnapshots:
         self._generation += 1
         gen = self._generation
         mm = slot.mm
-        # Invalidate first: a writer killed anywhere below leaves a slot that fails validation.
-        struct.pack_into("<Q", mm, 8, 0)
-        _HEADER.pack_into(mm, 0, MAGIC, 0, step, len(meta), data_off, data_len)
-        mm[_HEADER_SIZE : _HEADER_SIZE + len(meta)] = meta
+        begin_header(mm, step, meta, data_off, data_len)
         if tensors:
             with torch.no_grad():
                 torch._foreach_copy_(slot.views, tensors)
         if on_sources_read is not None:
             on_sources_read()
-        # Valid only now that the whole copy is in the slot: trailing generation, then the leading one.
-        struct.pack_into("<Q", mm, data_off + data_len, gen)
-        struct.pack_into("<Q", mm, 8, gen)
+        seal(mm, data_off, data_len, gen)  # valid only now that the whole copy is in the slot
         self._next ^= 1
         self.last_step = step
         self.last_bytes = data_len
@@ -438,7 +492,7 @@ class PeerSnapshots:
         best: Snapshot | None = None
         for slot in self._slots:
             with self._lock:
-                snap = self._read(slot.path)
+                snap = read_slot(slot.path, self.run_key)
             if snap is not None and (best is None or snap.step > best.step):
                 best = snap
         return best
@@ -446,35 +500,6 @@ class PeerSnapshots:
     def peek_latest_step(self) -> int | None:
         snap = self.read_latest()
         return None if snap is None else snap.step
-
-    def _read(self, path: str) -> Snapshot | None:
-        try:
-            with open(path, "rb") as f:
-                data = bytearray(f.read())
-        except OSError:
-            return None
-        if len(data) < _HEADER_SIZE:
-            return None
-        magic, gen, step, meta_len, data_off, data_len = _HEADER.unpack_from(data, 0)
-        if magic != MAGIC or gen == 0 or data_off + data_len + 8 > len(data):
-            return None
-        (gen_end,) = struct.unpack_from("<Q", data, data_off + data_len)
-        if gen_end != gen:
-            return None
-        try:
-            meta = _MetaUnpickler(io.BytesIO(bytes(data[_HEADER_SIZE : _HEADER_SIZE + meta_len]))).load()
-        except Exception:
-            return None
-        if meta.get("run_key") != self.run_key:
-            return None
-        base = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        tensors = []
-        for dtype_name, shape, off, n in meta["specs"]:
-            dtype = getattr(torch, dtype_name)
-            tensors.append(base[data_off + off : data_off + off + n].view(dtype).view(shape).clone())
-        every = meta.get("every")
-        return Snapshot(step=step, state=unflatten(meta["skeleton"], tensors), path=path,
-                        every=int(every) if every is not None else None)
 
     def set_next_slot_after(self, snap: Snapshot | None) -> None:
         """Write next into the slot that does not hold ``snap`` (keep the newest intact)."""

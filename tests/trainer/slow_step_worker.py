@@ -1,0 +1,29 @@
+"""Worker for the resident-state SIGTERM test: every optimizer step takes seconds, so SIGTERM lands inside one."""
+
+import os
+import time
+
+import torch
+
+import ddp_trainer
+
+
+class SlowSGD(torch.optim.SGD):
+    def step(self, closure=None):
+        print(f"in-step after={run.step} pid={os.getpid()}", flush=True)
+        time.sleep(2.0)  # the pre-hook has run: the resident state is invalid until the save point
+        return super().step(closure)
+
+
+session = ddp_trainer.init_session()
+torch.manual_seed(0)
+model = torch.nn.Linear(16, 4)
+opt = SlowSGD(model.parameters(), lr=0.1, momentum=0.9)
+run = ddp_trainer.Run(session, model=model, optimizer=opt, checkpoint_dir=None, progress_port=0)
+run.restore()
+for _ in run.epochs(1):
+    for _ in run.batches(range(100)):
+        model(torch.randn(8, 16)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        run.step_done()

@@ -1,0 +1,231 @@
+"""Resident state: every rank's parameters and optimizer state live in a ``/dev/shm`` file, a snapshot without a copy.
+
+A peer snapshot (``snapshot.py``) copies the whole state: ~16 bytes per parameter with Adam, 1.2 GB at 100M
+parameters, which on a CPU costs as much memory bandwidth as a good part of a training step. So a large model can
+only afford a copy every K steps. The copy is only needed because the live state sits in process memory and dies
+with the process. Here the live state itself is placed in a memory-mapped file in the pod's ``/dev/shm`` (the
+operator mounts a memory-backed emptyDir there; it outlives worker restarts inside the pod, not the pod): after
+the first save point the optimizer's parameters and state tensors are views into that file, and the optimizer
+updates them there. Nothing is copied per step and the process uses no more memory than before (the same pages,
+only now named by a file).
+
+The file is a snapshot slot (same layout and validation as ``snapshot.py``: leading and trailing generation
+numbers) whose data region *is* the storage of the tensors that only the optimizer step changes (the *resident*
+ones); everything else in the state (buffers, tied or frozen tensors, scalars) is copied into its place at each
+save point, and the small non-tensor rest is the pickled meta. Its validity follows the training loop:
+
+- the optimizer step pre-hook (:meth:`ResidentState.begin_update`) zeroes the leading generation: while the
+  optimizer rewrites the tensors in place the slot is invalid;
+- the save point after the step (:meth:`ResidentState.commit`) writes the meta and the copied tensors, then seals
+  the slot with a new generation: valid, labelled with the completed step.
+
+A rank killed inside that window (SIGKILL, OOM, a crash inside ``optimizer.step()``) leaves its slot invalid, never
+half-updated and valid. Every rank keeps its own file (``resident-<local rank>.bin``), so after any failure that
+leaves one rank whole, some rank holds the newest completed step and ``Run.restore`` broadcasts it: no step is lost
+to the snapshot interval. The ranks that survive a failure are whole: they are stopped by SIGTERM, and the SIGTERM
+watcher first takes the update lock (:meth:`ResidentState.hold`), so a rank never exits inside its optimizer step
+while that step can finish. Only a failure that catches every rank inside the window (in practice a single-process
+job whose process dies in ``optimizer.step()``) needs the copies, which the pod's local rank 0 still writes every K
+steps (``snapshot.py``): they bound what such a failure loses.
+
+Only CPU tensors can live in ``/dev/shm``; with CUDA tensors resident state is off and the copies (side stream,
+pinned memory) are what a pod holds. Space is reserved with ``posix_fallocate`` when the file is laid out, so a
+``/dev/shm`` too small for the state is an error at that point (``OSError``, the run goes on with the copies alone)
+instead of a SIGBUS in the middle of an optimizer step.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from .snapshot import (
+    _HEADER_SIZE,
+    _PAGE,
+    Snapshot,
+    _align,
+    begin_header,
+    data_specs,
+    invalidate,
+    pack_meta,
+    read_slot,
+    seal,
+)
+from .state import flatten
+
+FILE_NAME = "resident-{local_rank}.bin"
+# The SIGTERM watcher waits this long for an optimizer step in progress to reach its save point (torch's agent sends
+# SIGKILL 30 s after SIGTERM).
+HOLD_TIMEOUT_S = 20.0
+
+
+def supported(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether the optimizer's tensors can be resident: all of them on the CPU."""
+    if optimizer is None:
+        return False
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return bool(params) and all(p.device.type == "cpu" for p in params)
+
+
+def _movable(optimizer: torch.optim.Optimizer) -> dict[int, tuple[Any, Any]]:
+    """The tensors only the optimizer step changes, by ``data_ptr()``: (container, key) to rebind each one
+    (``(param, None)`` for a parameter, ``(state dict, key)`` for optimizer state)."""
+    out: dict[int, tuple[Any, Any]] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            out.setdefault(p.data_ptr(), (p, None))
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                    out.setdefault(value.data_ptr(), (optimizer.state[p], key))
+    return out
+
+
+class ResidentState:
+    """One rank's resident state file for one run (see the module doc)."""
+
+    def __init__(self, directory: str, run_key: str, local_rank: int) -> None:
+        self.run_key = run_key
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, FILE_NAME.format(local_rank=local_rank))
+        self._mm: mmap.mmap | None = None
+        self._views: list[torch.Tensor] = []
+        self._resident: list[bool] = []  # per flattened tensor: its view is the live tensor (nothing to copy)
+        self._layout: tuple | None = None
+        self._specs: list[tuple] = []
+        self._data_off = 0
+        self._data_len = 0
+        self._generation = time.time_ns()
+        # Held from the optimizer step pre-hook to the save point's seal, and by the SIGTERM watcher once it
+        # decided to exit: a rank never exits half-way through an update it can finish.
+        self._lock = threading.Lock()
+        self._updating = False
+        self.last_step: int | None = None
+        self.resident_bytes = 0  # bytes the optimizer updates in the file (no copy)
+        self.copied_bytes = 0  # bytes copied into it at each save point
+        self.layouts = 0  # how many times the file was laid out (one copy of the whole state each)
+
+    # -- writing -----------------------------------------------------------------------------------------
+    def begin_update(self) -> None:
+        """The optimizer is about to rewrite the resident tensors: the file is invalid until :meth:`commit`."""
+        if self._updating:
+            return
+        self._lock.acquire()
+        self._updating = True
+        if self._mm is not None:
+            invalidate(self._mm)
+
+    def commit(self, step: int, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        """Seal the file with ``state`` (the run's state after ``step`` completed steps).
+
+        Lays the file out anew, copying the whole state once and making the optimizer's tensors views into it,
+        whenever the state's shape changed or a movable tensor is not resident (the first save point, after an
+        optimizer ``load_state_dict``)."""
+        if not self._updating:
+            self._lock.acquire()
+            self._updating = True
+        try:
+            skeleton, tensors = flatten(state)
+            if not self._fits(tensors):
+                self._lay_out(tensors, optimizer)
+            assert self._mm is not None
+            meta = pack_meta(self.run_key, skeleton, self._specs, 1)
+            if _HEADER_SIZE + len(meta) > self._data_off:  # the meta outgrew its room: lay out again
+                self._lay_out(tensors, optimizer, meta_len=len(meta))
+                meta = pack_meta(self.run_key, skeleton, self._specs, 1)
+            mm = self._mm
+            begin_header(mm, step, meta, self._data_off, self._data_len)
+            copy_to = [v for v, r in zip(self._views, self._resident, strict=True) if not r]
+            if copy_to:
+                with torch.no_grad():
+                    torch._foreach_copy_(copy_to, [t for t, r in zip(tensors, self._resident, strict=True) if not r])
+            self._generation += 1
+            seal(mm, self._data_off, self._data_len, self._generation)
+            self.last_step = step
+        finally:
+            self._updating = False
+            self._lock.release()
+
+    def _fits(self, tensors: list[torch.Tensor]) -> bool:
+        if self._mm is None or tuple((t.dtype, t.shape) for t in tensors) != self._layout:
+            return False
+        return all(not r or t.data_ptr() == v.data_ptr() for t, v, r in zip(tensors, self._views, self._resident,
+                                                                              strict=True))
+
+    def _lay_out(self, tensors: list[torch.Tensor], optimizer: torch.optim.Optimizer, meta_len: int = 0) -> None:
+        """A new file holding a copy of every tensor; the movable ones are then rebound to their copies."""
+        specs, data_len = data_specs(tensors)
+        # Room for the meta to grow (positions, extras and hyper-parameters change from step to step).
+        data_off = _align(_HEADER_SIZE + max(meta_len * 2, 64 * 1024), _PAGE)
+        size = _align(data_off + data_len + 8, _PAGE)
+        tmp = self.path + ".new"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)  # ENOSPC now rather than SIGBUS at a page fault later
+            except OSError:
+                os.unlink(tmp)
+                raise
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        base = torch.frombuffer(mm, dtype=torch.uint8)
+        views = [base[data_off + off : data_off + off + n].view(t.dtype).view(t.shape)
+                 for t, (_, _, off, n) in zip(tensors, specs, strict=True)]
+        movable = _movable(optimizer)
+        resident = []
+        with torch.no_grad():
+            for t, v in zip(tensors, views, strict=True):
+                v.copy_(t)
+                owner = movable.pop(t.data_ptr(), None) if t.is_contiguous() and t.device.type == "cpu" else None
+                if owner is not None:
+                    container, key = owner
+                    if key is None:
+                        if container.shape != t.shape or container.dtype != t.dtype:
+                            owner = None
+                        else:
+                            container.data = v
+                    elif container[key] is t or (container[key].data_ptr() == t.data_ptr()
+                                                 and container[key].shape == t.shape):
+                        container[key] = v
+                    else:
+                        owner = None
+                resident.append(owner is not None)
+        invalidate(mm)
+        os.replace(tmp, self.path)  # the old file (if any) lives on until nothing maps it
+        # The old mapping is not closed: tensors of the caller's (the state dict being committed) may still view it.
+        self._mm, self._views, self._resident = mm, views, resident
+        self._specs, self._data_off, self._data_len = specs, data_off, data_len
+        self._layout = tuple((t.dtype, t.shape) for t in tensors)
+        self.resident_bytes = sum(n for (_, _, _, n), r in zip(specs, resident, strict=True) if r)
+        self.copied_bytes = sum(n for (_, _, _, n), r in zip(specs, resident, strict=True) if not r)
+        self.layouts += 1
+
+    # -- termination -------------------------------------------------------------------------------------
+    def hold(self, timeout: float = HOLD_TIMEOUT_S) -> bool:
+        """For the SIGTERM watcher: wait until no update is in progress and keep the lock (the process exits
+        next), so the file is valid when the process goes. False if an update did not finish in time."""
+        return self._lock.acquire(timeout=timeout)
+
+    # -- reading -----------------------------------------------------------------------------------------
+    def read(self) -> Snapshot | None:
+        """The state sealed in this rank's file, or None (no file, another run, or invalid)."""
+        return read_slot(self.path, self.run_key)
+
+    def close(self, *, remove: bool = False) -> None:
+        """Forget the file; with ``remove`` delete it. The mapping is not closed: the model's tensors still use
+        it (its memory is freed with them)."""
+        self._mm = None
+        self._views = []
+        self._resident = []
+        self._layout = None
+        if remove:
+            for path in (self.path, self.path + ".new"):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
