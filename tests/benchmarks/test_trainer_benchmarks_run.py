@@ -72,7 +72,8 @@ def test_overhead_benchmark_quick():
         assert isinstance(k, int) and 1 <= k <= 50, result  # a bound within K's bounds
     # the asynchronous writer, in a real DDP job: the snapshot read back is the live state of its step
     assert all(result["snapshot_exact_by_params"].values()), result
-    # resident state, in the same job: sealed with the live state of the last step, so a failure loses at most one
+    # resident state (--quick keeps it on), in the same job: sealed with the live state of the last step, so a
+    # failure loses at most one
     assert all(result["resident_exact_by_params"].values()), result
     assert set(result["steps_lost_bound_by_params"].values()) == {1}, result
     for size in result["sweep"]:

@@ -271,7 +271,12 @@ def sweep_size(session, target: int, workdir: str, rounds: int, segment_s: float
         for kind in (("run", "full") if r % 2 == 0 else ("full", "run")):
             times[kind].append(segment(kind, n_steps))
         ks.append(runs["full"].snapshot_every)
-    # outcome: a snapshot written asynchronously in this job holds exactly the live state of its step
+    # outcome: a snapshot written asynchronously in this job holds exactly the live state of its step, and so does
+    # the resident state (after a `full` segment: a `run` segment's optimizer steps leave it unsealed)
+    if snaps is not None:
+        kept = len(cpu_times["full"]), len(copies), len(copies_wall), len(stalls)
+        segment("full", 2)  # not measured: its figures are dropped
+        del cpu_times["full"][kept[0]:], copies[kept[1]:], copies_wall[kept[2]:], stalls[kept[3]:]
     exact = None
     if snaps is not None:
         snaps.wait()
@@ -336,7 +341,7 @@ def sweep_size(session, target: int, workdir: str, rounds: int, segment_s: float
     return result
 
 
-def resident_vs_anonymous_pct(opt, rounds: int = 7) -> float:
+def resident_vs_anonymous_pct(opt, rounds: int = 15) -> float:
     """How much slower the optimizer step is on resident tensors (views into a /dev/shm file) than on the same
     tensors in ordinary process memory: median of paired rounds, in %. Leaves the optimizer as it was."""
     import torch
@@ -421,6 +426,9 @@ def main() -> int:
     p.add_argument("--sweep-rounds", type=int, default=16)
     p.add_argument("--segment-s", type=float, default=3.0, help="seconds per sweep segment (whole K-cycles)")
     p.add_argument("--size-budget-s", type=float, default=150.0, help="seconds of measured rounds per size")
+    p.add_argument("--resident", choices=("auto", "1", "0"), default=None,
+                   help="DDPJOB_SNAPSHOT_RESIDENT for `full` (default auto; --quick: 1, so that its small sizes, where "
+                        "the trial turns it off, still check the resident state)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workdir", default="", help=argparse.SUPPRESS)
     results.add_record_arg(p)
@@ -440,6 +448,7 @@ def main() -> int:
                 "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": str(ROOT / "trainer"),
                 "DDPJOB_LOG_EVERY": "1",
+                "DDPJOB_SNAPSHOT_RESIDENT": opts.resident or ("1" if opts.quick else "auto"),
             }
         )
         cmd = [
