@@ -206,9 +206,11 @@ def overhead_table(bench_dir: Path) -> str:
                  f"{'yes' if all((r.get('snapshot_exact_by_params') or {}).values()) else 'NO'}"
                  + (f", and so did the resident state: "
                     f"{'yes' if all((r.get('resident_exact_by_params') or {}).values()) else 'NO'}; the optimizer "
-                    f"step on resident tensors vs process memory: "
+                    f"step on resident tensors vs process memory (median, p25–p75 of paired rounds): "
                     + ", ".join(f"{_params(z['params'])} {_n(z.get('resident_vs_anonymous_pct'), ' %')}"
-                                for z in r["sweep"])
+                                + (f" ({z['resident_vs_anonymous_pct_iqr'][0]}–{z['resident_vs_anonymous_pct_iqr'][1]})"
+                                   if z.get("resident_vs_anonymous_pct_iqr") else "")
+                                for z in r["sweep"] if z.get("resident"))
                     if r.get("resident_exact_by_params") else "")
                  + f". Digits "
                  f"(full vs bare DDP loop): ratio {_n(r.get('ratio'))}, per-round p25–p75 "

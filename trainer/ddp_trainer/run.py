@@ -20,7 +20,10 @@ step; an optimizer step pre-hook waits until the copy has read the live tensors)
 (default 1: every save point) or, with ``auto``, chosen from the measured copy and step times so that snapshots cost at most
 ``DDPJOB_SNAPSHOT_BUDGET_PCT`` (default 2 %) of the training time (:func:`snapshot.choose_interval`);
 each pod decides its own K, logs it (``event=snapshot_interval``) and rank 0 reports it in progress
-(``snapshotEvery``). A failure loses at most K steps.
+(``snapshotEvery``). A failure loses at most K steps. Where K may exceed 1 and the state is on the CPU, every rank
+also keeps its parameters and optimizer state *resident* in its pod's snapshot directory (``resident.py``): the
+optimizer updates them there and every save point seals them (the epoch's last step included), without a copy, so
+a failure that leaves one rank outside its optimizer step loses at most one step (``snapshotResident``).
 
 On (re)start every rank reports the newest snapshot step its pod holds and rank 0 the newest disk
 checkpoint; the newest wins. A snapshot newer than the disk is broadcast from the lowest rank holding
