@@ -6,7 +6,7 @@ export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)
 .PHONY: help deps binaries cluster-up cluster-down cluster-status image images generate \
         test test-unit test-trainer test-cluster test-integration test-e2e test-chart \
         demo demo-down kind-e2e kind-node-loss kueue-up kueue-down \
-        bench-trainer-recovery bench-baselines bench-overhead bench-e2e-recovery bench-startup bench-api \
+        bench-trainer-recovery bench-baselines bench-overhead bench-resident-commit bench-e2e-recovery bench-startup bench-api \
         bench-scale bench-faults bench-kueue bench-node-loss bench-report
 
 help: ## list targets
@@ -95,6 +95,9 @@ bench-baselines: ## stock torchrun as a skilled user sets it up, node kills on l
 
 bench-overhead: ## snapshot/checkpoint overhead vs a bare DDP loop (JSON, docs/bench/trainer_overhead.json)
 	$(PY) tests/benchmarks/trainer_overhead.py --record
+
+bench-resident-commit: ## resident state's per-step commit cost by model size (docs/bench/resident_commit.json)
+	$(PY) tests/benchmarks/resident_commit.py --record
 
 bench-e2e-recovery: ## pod kills on the cluster (JSON, docs/bench/e2e_recovery.json)
 	$(PY) tests/benchmarks/e2e_recovery.py --record

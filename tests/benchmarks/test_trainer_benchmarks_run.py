@@ -81,3 +81,11 @@ def test_overhead_benchmark_quick():
         assert 1 <= size["k"] <= 50, size  # the copies' K within its bounds
     for size in result["sweep"]:
         assert size["snapshot_bytes"] >= 12 * size["params"], size  # weights + Adam's two moments, fp32
+
+
+def test_resident_commit_benchmark_quick():
+    result = _run("resident_commit.py")
+    assert set(result["models"]) == {"digits", "mlp-100000"}, result
+    assert result["exact"] is True, result  # every model's file read back equals the live state
+    for m in result["models"].values():
+        assert m["resident_bytes"] >= 12 * m["params"] and m["commit_ms"] > 0, m  # weights + Adam's moments

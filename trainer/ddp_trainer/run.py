@@ -534,8 +534,8 @@ class Run:
     def _commit_resident(self, step: int) -> None:
         """Seal the resident state at this save point. Its first RESIDENT_TRIAL_COMMITS commits are a trial: a
         commit costs the state dict's walk and pickle every step whatever the model's size, which a small model's
-        short step cannot afford (the digits example: ~0.2 ms of a ~5 ms step) and a large one does not notice
-        (~100M parameters: ~1 ms of 1.3 s). Resident state stays on when the median commit is within
+        short step cannot afford (the digits example: 0.17 ms of a ~15 ms step) and a large one does not notice
+        (~100M parameters: 0.12 ms of 1.5 s; make bench-resident-commit). Resident state stays on when the median commit is within
         RESIDENT_SHARE_OF_BUDGET of the budget; else the copies alone hold the state (their K bounds the loss)."""
         res, opt = self.resident, self.components.optimizer
         assert res is not None and opt is not None
