@@ -234,25 +234,35 @@ def test_corrupt_newest_checkpoint_falls_back(tmp_path):
     assert "event=final" in out
 
 
-def test_sigterm_while_blocked_in_collective(tmp_path):
-    """A worker stuck in a collective (its peer gone) still reacts to the agent's SIGTERM at once."""
-    import re
-    import time
-
+def _launch_worker(tmp_path, script: str, nproc: int, env_extra: dict[str, str]):
+    """A standalone torchrun of one of this directory's worker scripts, its output in ``tmp_path/out.log``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DDPJOB_", "PET_"))}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_TRAINER_DIR, "DDPJOB_PROGRESS_PORT": "0"})
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_TRAINER_DIR, **env_extra})
     out = tmp_path / "out.log"
-    script = os.path.join(os.path.dirname(__file__), "blocked_worker.py")
     with open(out, "wb") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script],
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+             os.path.join(os.path.dirname(__file__), script)],
             env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
+    return proc, out
+
+
+def _wait_for_line(proc, out, pattern: str, timeout: float = 120):
+    import re
+
+    deadline = time.time() + timeout
+    while not (m := re.search(pattern, out.read_text())):
+        assert time.time() < deadline and proc.poll() is None, out.read_text()
+        time.sleep(0.05)
+    return m
+
+
+def test_sigterm_while_blocked_in_collective(tmp_path):
+    """A worker stuck in a collective (its peer gone) still reacts to the agent's SIGTERM at once."""
+    proc, out = _launch_worker(tmp_path, "blocked_worker.py", 2, {"DDPJOB_PROGRESS_PORT": "0"})
     try:
-        deadline = time.time() + 120
-        while not (m := re.search(r"ready rank=0 pid=(\d+)", out.read_text())):
-            assert time.time() < deadline and proc.poll() is None, out.read_text()
-            time.sleep(0.1)
+        m = _wait_for_line(proc, out, r"ready rank=0 pid=(\d+)")
         time.sleep(0.5)  # let rank 0 enter the all_reduce (it cannot leave it)
         sent = time.time()
         os.kill(int(m.group(1)), signal.SIGTERM)
@@ -303,27 +313,13 @@ def test_forkserver_launcher_recovers_bitwise_with_forked_workers(tmp_path, refe
 def test_sigterm_inside_an_optimizer_step_leaves_the_resident_state_whole(tmp_path):
     """The agent's SIGTERM arrives while the optimizer rewrites the resident state: the worker finishes the step and
     seals it before it exits, so the file holds the step it was in (not a torn one, and not the one before)."""
-    import re
-
     from ddp_trainer.resident import ResidentState
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DDPJOB_", "PET_"))}
     shm = str(tmp_path / "shm")
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_TRAINER_DIR, "DDPJOB_SNAPSHOT_DIR": shm,
-                "DDPJOB_RUN_KEY": "sigterm-resident", "DDPJOB_SNAPSHOT_RESIDENT": "1"})
-    out = tmp_path / "out.log"
-    script = os.path.join(os.path.dirname(__file__), "slow_step_worker.py")
-    with open(out, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", script],
-            env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+    proc, out = _launch_worker(tmp_path, "slow_step_worker.py", 1, {
+        "DDPJOB_SNAPSHOT_DIR": shm, "DDPJOB_RUN_KEY": "sigterm-resident", "DDPJOB_SNAPSHOT_RESIDENT": "1"})
     try:
-        deadline = time.time() + 120
-        while not (m := re.search(r"in-step after=2 pid=(\d+)", out.read_text())):
-            assert time.time() < deadline and proc.poll() is None, out.read_text()
-            time.sleep(0.05)
-        pid = int(m.group(1))
+        pid = int(_wait_for_line(proc, out, r"in-step after=2 pid=(\d+)").group(1))
         assert ResidentState(shm, "sigterm-resident", 0).read() is None  # inside the step: invalid
         os.kill(pid, signal.SIGTERM)
         assert proc.wait(timeout=120) != 0
