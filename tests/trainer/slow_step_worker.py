@@ -1,4 +1,6 @@
-"""Worker for the resident-state SIGTERM test: every optimizer step takes seconds, so SIGTERM lands inside one."""
+"""Worker for the resident-state SIGTERM tests: every optimizer step takes seconds, so SIGTERM lands inside one; with
+BLOCK_AFTER_STEP=N the loop blocks after its N-th optimizer step, before that step's save point (as in a collective
+whose peer is gone)."""
 
 import os
 import time
@@ -25,5 +27,8 @@ for _ in run.epochs(1):
     for _ in run.batches(range(100)):
         model(torch.randn(8, 16)).pow(2).mean().backward()
         opt.step()
+        if run.step + 1 == int(os.environ.get("BLOCK_AFTER_STEP", "0")):
+            print(f"blocked after={run.step + 1} pid={os.getpid()}", flush=True)
+            time.sleep(600)
         opt.zero_grad()
         run.step_done()

@@ -331,3 +331,29 @@ def test_sigterm_inside_an_optimizer_step_leaves_the_resident_state_whole(tmp_pa
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_sigterm_while_blocked_after_an_optimizer_step_does_not_wait_for_the_save_point(tmp_path):
+    """Blocked between its optimizer step and the save point (a collective whose peer is gone), a worker cannot seal
+    its resident state: SIGTERM waits out the grace of a second, not the 20 s an optimizer step may take, says so,
+    and leaves the file invalid (never valid with the old step's label)."""
+    from ddp_trainer.resident import HOLD_TIMEOUT_S, ResidentState
+
+    shm = str(tmp_path / "shm")
+    proc, out = _launch_worker(tmp_path, "slow_step_worker.py", 1, {
+        "DDPJOB_SNAPSHOT_DIR": shm, "DDPJOB_RUN_KEY": "sigterm-blocked", "DDPJOB_SNAPSHOT_RESIDENT": "1",
+        "BLOCK_AFTER_STEP": "3"})
+    try:
+        pid = int(_wait_for_line(proc, out, r"blocked after=3 pid=(\d+)").group(1))
+        sent = time.time()
+        os.kill(pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) != 0
+        waited = time.time() - sent
+        text = out.read_text()
+        assert "exitcode: 143" in text and "event=resident_state_unsealed" in text, text
+        assert waited < HOLD_TIMEOUT_S / 2, (waited, text)  # the grace (and the agent's own exit), not the 20 s
+        assert "event=step step=2 " in text, text  # sealed at step 2 before the third optimizer step
+        assert ResidentState(shm, "sigterm-blocked", 0).read() is None, text
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

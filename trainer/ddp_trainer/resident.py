@@ -24,7 +24,8 @@ half-updated and valid. Every rank keeps its own file (``resident-<local rank>.b
 leaves one rank whole, some rank holds the newest completed step and ``Run.restore`` broadcasts it: no step is lost
 to the snapshot interval. The ranks that survive a failure are whole: they are stopped by SIGTERM, and the SIGTERM
 watcher first takes the update lock (:meth:`ResidentState.hold`), so a rank never exits inside its optimizer step
-while that step can finish. Only a failure that catches every rank inside the window (in practice a single-process
+while that step can finish (but waits at most ``HOLD_GRACE_S`` once the step returned: a loop blocked before its
+save point, e.g. in a collective of its own, exits without sealing). Only a failure that catches every rank inside the window (in practice a single-process
 job whose process dies in ``optimizer.step()``) needs the copies, which the pod's local rank 0 still writes every K
 steps (``snapshot.py``): they bound what such a failure loses.
 
@@ -60,8 +61,11 @@ from .state import flatten
 
 FILE_NAME = "resident-{local_rank}.bin"
 # The SIGTERM watcher waits this long for an optimizer step in progress to reach its save point (torch's agent sends
-# SIGKILL 30 s after SIGTERM).
+# SIGKILL 30 s after SIGTERM)...
 HOLD_TIMEOUT_S = 20.0
+# ...but only this long once the optimizer step has returned: the save point is then microseconds away, unless the
+# training loop blocks in between (a collective of its own whose peer is gone), which must not delay the exit.
+HOLD_GRACE_S = 1.0
 
 
 def supported(optimizer: torch.optim.Optimizer | None) -> bool:
@@ -104,6 +108,7 @@ class ResidentState:
         # decided to exit: a rank never exits half-way through an update it can finish.
         self._lock = threading.Lock()
         self._updating = False
+        self._stepped_at: float | None = None  # when the optimizer step of the update in progress returned
         self.last_step: int | None = None
         self.resident_bytes = 0  # bytes the optimizer updates in the file (no copy)
         self.copied_bytes = 0  # bytes copied into it at each save point
@@ -116,8 +121,14 @@ class ResidentState:
             return
         self._lock.acquire()
         self._updating = True
+        self._stepped_at = None
         if self._mm is not None:
             invalidate(self._mm)
+
+    def end_update(self) -> None:
+        """The optimizer step returned (its post-hook): the tensors are whole again, sealed at the save point."""
+        if self._updating:
+            self._stepped_at = time.monotonic()
 
     def commit(self, step: int, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         """Seal the file with ``state`` (the run's state after ``step`` completed steps).
@@ -148,6 +159,7 @@ class ResidentState:
             self.last_step = step
         finally:
             self._updating = False
+            self._stepped_at = None
             self._lock.release()
 
     def _fits(self, tensors: list[torch.Tensor]) -> bool:
@@ -206,10 +218,16 @@ class ResidentState:
         self.layouts += 1
 
     # -- termination -------------------------------------------------------------------------------------
-    def hold(self, timeout: float = HOLD_TIMEOUT_S) -> bool:
+    def hold(self, timeout: float = HOLD_TIMEOUT_S, grace: float = HOLD_GRACE_S) -> bool:
         """For the SIGTERM watcher: wait until no update is in progress and keep the lock (the process exits
-        next), so the file is valid when the process goes. False if an update did not finish in time."""
-        return self._lock.acquire(timeout=timeout)
+        next), so the file is valid when the process goes. False if the update was not sealed within ``timeout``,
+        or within ``grace`` of its optimizer step's return."""
+        deadline = time.monotonic() + timeout
+        while not self._lock.acquire(timeout=0.05):
+            now, stepped = time.monotonic(), self._stepped_at
+            if now >= deadline or (stepped is not None and now - stepped > grace):
+                return False
+        return True
 
     # -- reading -----------------------------------------------------------------------------------------
     def read(self) -> Snapshot | None:

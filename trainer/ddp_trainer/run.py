@@ -167,6 +167,9 @@ class Run:
             # optimizer step (the first thing that changes them) waits until it has read them. And the
             # resident state is invalid from here until the save point after the step.
             self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
+        self._post_hook: Any = None
+        if self.resident is not None and optimizer is not None:
+            self._post_hook = optimizer.register_step_post_hook(self._after_optimizer_step)
 
         # The high-water mark of the last completed step (recovery.py): next to the pod's snapshots.
         self._mark: HighWaterMark | None = None
@@ -444,6 +447,10 @@ class Run:
         if self.resident is not None:
             self.resident.begin_update()
 
+    def _after_optimizer_step(self, *_: Any) -> None:
+        if self.resident is not None:
+            self.resident.end_update()
+
     def _newest_local(self, copies: Snapshot | None) -> Snapshot | None:
         """The newer of this pod's copies and this rank's resident state."""
         mine = self.resident.read() if self.resident is not None else None
@@ -453,7 +460,9 @@ class Run:
 
     def _hold_resident(self) -> None:
         if self.resident is not None and not self.resident.hold():
-            self._warn("resident_state_unsealed", reason="the optimizer step did not reach its save point in time")
+            self._warn("resident_state_unsealed",
+                       reason="the training loop did not reach the save point after its optimizer step in time "
+                              "(blocked after it, e.g. in a collective): the copies or a peer hold the state")
 
     def _snapshot_due(self, step: int) -> bool:
         if not self._writes_snapshots or not self.snapshot_every:
@@ -611,9 +620,10 @@ class Run:
         if self._server is not None:
             self._server.close()
             self._server = None
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for hook in (self._hook, self._post_hook):
+            if hook is not None:
+                hook.remove()
+        self._hook = self._post_hook = None
         if self.snapshots is not None:
             # The run is over: nothing to recover any more, and /dev/shm is memory.
             self.snapshots.close(remove=self._writes_snapshots)
