@@ -4,7 +4,7 @@ PY    := .venv/bin/python
 export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)
 
 .PHONY: help deps binaries cluster-up cluster-down cluster-status image images generate \
-        test test-unit test-trainer test-cluster test-integration test-e2e test-chart \
+        test test-unit test-trainer test-gpu test-cluster test-integration test-e2e test-chart \
         demo demo-down kind-e2e kind-node-loss kueue-up kueue-down \
         bench-trainer-recovery bench-baselines bench-overhead bench-resident-commit bench-e2e-recovery bench-startup bench-api \
         bench-scale bench-faults bench-kueue bench-node-loss bench-report
@@ -39,7 +39,7 @@ generate: ## regenerate every copy of the CRD from its single source
 test: deps binaries ## the whole suite, exactly as CI runs it (ends with the node-loss test on a kind cluster of its own)
 	$(PY) hack/cluster.py up
 	hack/build-images.sh
-	$(PY) -m pytest -ra --durations=25 tests/unit tests/bootstrap tests/trainer tests/cluster tests/integration tests/chart tests/e2e tests/benchmarks \
+	$(PY) -m pytest -ra --durations=25 tests/unit tests/bootstrap tests/trainer tests/gpu tests/cluster tests/integration tests/chart tests/e2e tests/benchmarks \
 		--ignore=tests/e2e/test_e2e_node_loss.py
 	KIND_CLUSTER_NAME=ddpjob-test $(MAKE) kind-node-loss
 
@@ -52,6 +52,9 @@ test-bootstrap: ## no Go on PATH, empty cache: the pinned Go toolchain is fetche
 
 test-trainer: ## trainer tests: real torchrun agents on loopback
 	$(PY) -m pytest -ra tests/trainer
+
+test-gpu: ## on a machine with CUDA: the GPU sample's trainer path (NCCL, a worker per GPU, AMP, a killed worker) and the CUDA snapshot tests
+	$(PY) -m pytest -q tests/gpu tests/trainer/test_snapshot_async.py
 
 test-cluster: ## embedded-cluster tests
 	$(PY) -m pytest -ra tests/cluster

@@ -235,12 +235,28 @@ def test_an_epochs_last_step_is_a_resident_save_point(tmp_path, single_process_g
 
 
 def test_cpu_snapshots_never_initialise_cuda(tmp_path):
-    snaps = PeerSnapshots(str(tmp_path / "shm"), "k")
-    p = torch.ones(10)
-    snaps.write_async(1, {"p": p}, stable={p.data_ptr()})
-    snaps.wait()
-    assert not torch.cuda.is_initialized()
-    snaps.close(remove=True)
+    """In a process of its own: on a GPU machine another test of this process may have initialised CUDA."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from ddp_trainer.snapshot import PeerSnapshots\n"
+        "snaps = PeerSnapshots(sys.argv[1], 'k')\n"
+        "p = torch.ones(10)\n"
+        "snaps.write_async(1, {'p': p}, stable={p.data_ptr()})\n"
+        "snaps.wait()\n"
+        "snaps.close(remove=True)\n"
+        "print('cuda initialised:', torch.cuda.is_initialized())\n"
+    )
+    import os
+
+    from ddp_trainer.testing import REPO_TRAINER_DIR
+
+    env = {**os.environ, "PYTHONPATH": REPO_TRAINER_DIR}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "shm")], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0 and "cuda initialised: False" in out.stdout, out.stdout + out.stderr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU path is tested above)")

@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 from ddp_trainer.testing import (
-    REPO_TRAINER_DIR, LocalCluster, descendants, forked_workers, free_port, recovery_after_kill,
+    REPO_TRAINER_DIR, LocalCluster, descendants, forked_workers, free_port, recovery_after_kill, torchrun_workers,
 )
 from tests.trainer.digits_job import DIGITS_ARGS, JOB_TIMEOUT, SLOW, final_event
 
@@ -63,20 +63,6 @@ def test_kill_non_host_node_resumes_bitwise(tmp_path, reference, with_disk_check
             assert not any(e["event"] == "checkpoint" for e in cluster.events())
 
 
-def _worker_pids(node) -> list[int]:
-    """The node's torchrun workers (their environment has LOCAL_RANK; the agent's does not)."""
-    out = []
-    for pid in descendants(node.proc.pid):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        if any(v.startswith(b"LOCAL_RANK=") for v in environ):
-            out.append(pid)
-    return out
-
-
 def _progress(port: int) -> dict:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/progress", timeout=5) as resp:
         return json.loads(resp.read())
@@ -93,7 +79,7 @@ def test_worker_kill_is_reported_as_a_recovery(tmp_path, reference):
         cluster.start_node(env={"DDPJOB_PROGRESS_PORT": str(free_port())})
         victim = cluster.start_node(env={"DDPJOB_PROGRESS_PORT": str(victim_port)})
         cluster.wait_for_step(25, timeout=JOB_TIMEOUT)
-        pids = _worker_pids(victim)
+        pids = torchrun_workers(victim)
         assert pids, cluster.dump()
         killed_at = time.time()
         for pid in pids:
@@ -292,7 +278,7 @@ def test_forkserver_launcher_recovers_bitwise_with_forked_workers(tmp_path, refe
         victim = cluster.start_node()
         cluster.wait_for_step(25, timeout=JOB_TIMEOUT)
         workers = _forked_workers(survivor)
-        assert workers and not _worker_pids(survivor), cluster.dump()  # no worker started as a fresh interpreter
+        assert workers and not torchrun_workers(survivor), cluster.dump()  # no worker started as a fresh interpreter
         killed_at = cluster.kill(victim)
         cluster.start_node("node1-replacement")
         rec = recovery_after_kill(cluster, killed_at, timeout=JOB_TIMEOUT)

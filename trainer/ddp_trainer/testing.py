@@ -83,6 +83,20 @@ def forked_workers(pids: Iterable[int | str]) -> list[int]:
                   if process_name(p) == WORKER_NAME and process_name(parent_pid(p) or 0) != WORKER_NAME)
 
 
+def torchrun_workers(node: Node) -> list[int]:
+    """The node's torchrun workers (their environment has LOCAL_RANK; the agent's does not)."""
+    out = []
+    for pid in descendants(node.proc.pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(v.startswith(b"LOCAL_RANK=") for v in environ):
+            out.append(pid)
+    return out
+
+
 def descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -168,6 +182,9 @@ class LocalCluster:
     python: str = sys.executable
     #: the agent: torchrun itself, or "ddp_trainer.launch" (torchrun with workers forked from a warm forkserver)
     launcher: str = "torch.distributed.run"
+    #: each agent in a PID namespace of its own where the host allows (its processes die with it); False for CUDA
+    #: jobs: CUDA's initialisation fails inside one (error 304, seen on a Firecracker GPU VM)
+    pid_namespace: bool = True
     nodes: list[Node] = field(default_factory=list)
     store: Node | None = None
     _next_addr: int = 1
@@ -183,7 +200,7 @@ class LocalCluster:
 
     # -- processes -------------------------------------------------------------------------------------------
     def _spawn(self, argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
-        if pidns_available():
+        if self.pid_namespace and pidns_available():
             argv = ["unshare", "--pid", "--fork", "--kill-child", "--", *argv]
         log = open(log_path, "ab")
         try:
