@@ -8,13 +8,9 @@ Skipped without CUDA (CI and the development VM have no GPU); on a GPU machine: 
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-
 import pytest
 import torch
-from ddp_trainer.testing import LocalCluster, recovery_after_kill, torchrun_workers
+from ddp_trainer.testing import LocalCluster, recovery_after_kill
 from tests.trainer.digits_job import DIGITS_ARGS, JOB_TIMEOUT, SLOW, final_event
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -45,11 +41,7 @@ def test_gpu_sample_trains_on_nccl_with_amp_and_recovers_a_killed_worker_bitwise
     with _cluster(tmp_path, "kill") as job:
         node = job.start_node()
         job.wait_for_step(25, timeout=JOB_TIMEOUT)
-        pids = torchrun_workers(node)
-        assert pids, job.dump()
-        killed_at = time.time()
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
+        killed_at = job.kill_workers(node)
         rec = recovery_after_kill(job, killed_at, timeout=JOB_TIMEOUT)
         assert set(job.wait_exit(timeout=JOB_TIMEOUT).values()) == {0}, job.dump()
         print("GPU worker kill:", rec)

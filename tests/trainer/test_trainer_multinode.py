@@ -79,11 +79,7 @@ def test_worker_kill_is_reported_as_a_recovery(tmp_path, reference):
         cluster.start_node(env={"DDPJOB_PROGRESS_PORT": str(free_port())})
         victim = cluster.start_node(env={"DDPJOB_PROGRESS_PORT": str(victim_port)})
         cluster.wait_for_step(25, timeout=JOB_TIMEOUT)
-        pids = torchrun_workers(victim)
-        assert pids, cluster.dump()
-        killed_at = time.time()
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
+        killed_at = cluster.kill_workers(victim)
         rec = recovery_after_kill(cluster, killed_at, timeout=JOB_TIMEOUT)
         # The victim's agent counted a restart; the survivor's did not (a membership change is no failure),
         # and either may hold global rank 0 (whose record the termination log keeps) after the re-form.

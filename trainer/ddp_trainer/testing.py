@@ -304,6 +304,15 @@ class LocalCluster:
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
 
+    def kill_workers(self, node: Node) -> float:
+        """SIGKILL the node's torchrun workers, not its agent (which restarts them in place). Returns the kill time."""
+        pids = torchrun_workers(node)
+        assert pids, self.dump()
+        killed_at = time.time()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        return killed_at
+
     def kill(self, node: Node, sig: int = signal.SIGKILL) -> float:
         """Kill a node; SIGKILL takes the agent and all its workers at once. Returns the kill time."""
         if sig == signal.SIGKILL:
