@@ -43,6 +43,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -334,6 +335,8 @@ def sweep_size(session, target: int, workdir: str, rounds: int, segment_s: float
     }
     for run in runs.values():
         run.finish()
+    # The exactness check above wrote a copy on every rank; finish removes only the writer's (local rank 0's).
+    shutil.rmtree(shm, ignore_errors=True)
     # after finish (no hooks left): the parameters are still the resident file's pages. Rank 0 alone, the other
     # ranks waiting: two ranks timing the same memory-bound step on two cores measured each other (±15 %).
     dist.barrier()
