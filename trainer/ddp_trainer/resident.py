@@ -52,6 +52,7 @@ from .snapshot import (
     _align,
     begin_header,
     data_specs,
+    data_views,
     invalidate,
     pack_meta,
     read_slot,
@@ -186,8 +187,7 @@ class ResidentState:
         finally:
             os.close(fd)
         base = torch.frombuffer(mm, dtype=torch.uint8)
-        views = [base[data_off + off : data_off + off + n].view(t.dtype).view(t.shape)
-                 for t, (_, _, off, n) in zip(tensors, specs, strict=True)]
+        views = data_views(base, data_off, specs)
         movable = _movable(optimizer)
         resident = []
         with torch.no_grad():

@@ -195,6 +195,12 @@ def data_specs(tensors: list[torch.Tensor]) -> tuple[list[tuple], int]:
     return specs, offset
 
 
+def data_views(base: torch.Tensor, data_off: int, specs: list[tuple]) -> list[torch.Tensor]:
+    """The tensors of a slot's data region laid out by ``specs`` (:func:`data_specs`), as views of ``base``."""
+    return [base[data_off + off : data_off + off + n].view(getattr(torch, dtype)).view(shape)
+            for dtype, shape, off, n in specs]
+
+
 def pack_meta(run_key: str, skeleton: Any, specs: list[tuple], every: int | None) -> bytes:
     buf = io.BytesIO()
     _MetaPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(
@@ -243,10 +249,7 @@ def read_slot(path: str, run_key: str) -> Snapshot | None:
     if meta.get("run_key") != run_key:
         return None
     base = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    tensors = []
-    for dtype_name, shape, off, n in meta["specs"]:
-        dtype = getattr(torch, dtype_name)
-        tensors.append(base[data_off + off : data_off + off + n].view(dtype).view(shape).clone())
+    tensors = [t.clone() for t in data_views(base, data_off, meta["specs"])]
     every = meta.get("every")
     return Snapshot(step=step, state=unflatten(meta["skeleton"], tensors), path=path,
                     every=int(every) if every is not None else None)
@@ -466,10 +469,7 @@ class PeerSnapshots:
         assert slot.mm is not None and slot.base is not None
         key = (data_off, self._layout)
         if slot.views_key != key:
-            slot.views = [
-                slot.base[data_off + off : data_off + off + n].view(t.dtype).view(t.shape)
-                for t, (_, _, off, n) in zip(tensors, specs, strict=True)
-            ]
+            slot.views = data_views(slot.base, data_off, specs)
             slot.views_key = key
         self._generation += 1
         gen = self._generation
