@@ -541,11 +541,12 @@ class Run:
             self._after_save = "checkpoint"  # its cost is the checkpoint's, not a snapshot's
 
     def _commit_resident(self, step: int) -> None:
-        """Seal the resident state at this save point. Its first RESIDENT_TRIAL_COMMITS commits are a trial: a
-        commit costs the state dict's walk and pickle every step whatever the model's size, which a small model's
-        short step cannot afford (the digits example: 0.17 ms of a ~15 ms step) and a large one does not notice
-        (~100M parameters: 0.12 ms of 1.5 s; make bench-resident-commit). Resident state stays on when the median commit is within
-        RESIDENT_SHARE_OF_BUDGET of the budget; else the copies alone hold the state (their K bounds the loss)."""
+        """Seal the resident state at this save point. Its first RESIDENT_TRIAL_COMMITS commits once a step has been
+        timed are a trial: a commit costs the state dict's walk and pickle every step whatever the model's size, which
+        a small model's short step cannot afford (the digits example: 0.17 ms of a ~15 ms step) and a large one does
+        not notice (~100M parameters: 0.12 ms of 1.5 s; make bench-resident-commit). Resident state stays on when the
+        median commit is within RESIDENT_SHARE_OF_BUDGET of the budget; else the copies alone hold the state (their K
+        bounds the loss)."""
         res, opt = self.resident, self.components.optimizer
         assert res is not None and opt is not None
         if not opt.state and step == 0:
@@ -555,32 +556,28 @@ class Run:
         try:
             res.commit(step, self.components.state_dict(self.position), opt)
         except OSError as exc:  # /dev/shm too small for the state: the copies alone hold it from now on
-            self._resident_off("resident_state_unavailable", dir=os.path.dirname(res.path), error=str(exc))
+            self._warn("resident_state_unavailable", dir=os.path.dirname(res.path), error=str(exc))
+            self._resident_off()
             return
         if res.layouts != layouts:
             self.log("resident_state", all_ranks=self.session.local_rank == 0, step=step,
                      resident_bytes=res.resident_bytes, copied_bytes=res.copied_bytes)
             return  # a layout copies the whole state once: not what a commit costs
-        if not self._resident_trial or len(self._resident_costs) >= RESIDENT_TRIAL_COMMITS:
-            return
-        self._resident_costs.append(time.perf_counter() - t0)
         step_s = self._step_cost.clean_s or self._step_s
-        if len(self._resident_costs) < RESIDENT_TRIAL_COMMITS or step_s is None:
-            if len(self._resident_costs) == RESIDENT_TRIAL_COMMITS and step_s is None:
-                self._resident_costs.pop()  # no step measured yet: keep trying
+        if not self._resident_trial or len(self._resident_costs) >= RESIDENT_TRIAL_COMMITS or step_s is None:
+            return  # no trial, its decision taken, or no step measured yet to weigh a commit against
+        self._resident_costs.append(time.perf_counter() - t0)
+        if len(self._resident_costs) < RESIDENT_TRIAL_COMMITS:
             return
         cost_s = statistics.median(self._resident_costs)
         share_pct = 100.0 * cost_s / step_s
         if share_pct > self.snapshot_budget_pct * RESIDENT_SHARE_OF_BUDGET:
-            self._resident_off("resident_state_off", commit_ms=round(cost_s * 1e3, 3), step_ms=round(step_s * 1e3, 3),
-                               share_pct=round(share_pct, 3), budget_pct=self.snapshot_budget_pct)
+            self.log("resident_state_off", all_ranks=self.session.local_rank == 0, commit_ms=round(cost_s * 1e3, 3),
+                     step_ms=round(step_s * 1e3, 3), share_pct=round(share_pct, 3), budget_pct=self.snapshot_budget_pct)
+            self._resident_off()
 
-    def _resident_off(self, event: str, **fields: Any) -> None:
+    def _resident_off(self) -> None:
         assert self.resident is not None
-        if "error" in fields:
-            self._warn(event, **fields)
-        else:
-            self.log(event, all_ranks=self.session.local_rank == 0, **fields)
         self.resident.close(remove=True)
         self.resident = None
 
