@@ -77,16 +77,16 @@ def supported(optimizer: torch.optim.Optimizer | None) -> bool:
     return bool(params) and all(p.device.type == "cpu" for p in params)
 
 
-def _movable(optimizer: torch.optim.Optimizer) -> dict[int, tuple[Any, Any]]:
-    """The tensors only the optimizer step changes, by ``data_ptr()``: (container, key) to rebind each one
-    (``(param, None)`` for a parameter, ``(state dict, key)`` for optimizer state)."""
-    out: dict[int, tuple[Any, Any]] = {}
+def _movable(optimizer: torch.optim.Optimizer) -> dict[int, tuple[torch.Tensor, Any, Any]]:
+    """The tensors only the optimizer step changes, by ``data_ptr()``: (the tensor, container, key) to rebind each
+    one (``(param, param, None)`` for a parameter, ``(value, state dict, key)`` for optimizer state)."""
+    out: dict[int, tuple[torch.Tensor, Any, Any]] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            out.setdefault(p.data_ptr(), (p, None))
+            out.setdefault(p.data_ptr(), (p, p, None))
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-                    out.setdefault(value.data_ptr(), (optimizer.state[p], key))
+                    out.setdefault(value.data_ptr(), (value, optimizer.state[p], key))
     return out
 
 
@@ -194,19 +194,15 @@ class ResidentState:
             for t, v in zip(tensors, views, strict=True):
                 v.copy_(t)
                 owner = movable.pop(t.data_ptr(), None) if t.is_contiguous() and t.device.type == "cpu" else None
-                if owner is not None:
-                    container, key = owner
+                # the optimizer's own tensor behind this entry of the state dict (same memory, shape and dtype)
+                fits = owner is not None and owner[0].shape == t.shape and owner[0].dtype == t.dtype
+                if fits:
+                    _, container, key = owner
                     if key is None:
-                        if container.shape != t.shape or container.dtype != t.dtype:
-                            owner = None
-                        else:
-                            container.data = v
-                    elif container[key] is t or (container[key].data_ptr() == t.data_ptr()
-                                                 and container[key].shape == t.shape):
-                        container[key] = v
+                        container.data = v
                     else:
-                        owner = None
-                resident.append(owner is not None)
+                        container[key] = v
+                resident.append(fits)
         invalidate(mm)
         os.replace(tmp, self.path)  # the old file (if any) lives on until nothing maps it
         # The old mapping is not closed: tensors of the caller's (the state dict being committed) may still view it.
