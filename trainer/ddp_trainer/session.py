@@ -82,8 +82,6 @@ class Session:
     backend: str
     log: Logger
     _term_callbacks: list[Callable[[], None]] = field(default_factory=list)
-    _term_lock: threading.Lock = field(default_factory=threading.Lock)
-    _terminating: bool = False
     _wakeup_sockets: tuple = ()
 
     @property
@@ -113,10 +111,7 @@ class Session:
         self._term_callbacks.append(callback)
 
     def _terminate(self) -> None:
-        with self._term_lock:
-            if self._terminating:
-                return
-            self._terminating = True
+        # Only the watcher thread calls this, once (_install_sigterm): it ends in os._exit.
         self.log("sigterm", all_ranks=True, local_rank=self.local_rank)
         for cb in reversed(self._term_callbacks):
             try:
