@@ -350,9 +350,33 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("cluster_restart") is not None)
 
 
+# The only reasons a test may skip under CI=true: the CI machine has no GPU. Any other skip there would hide a
+# regression behind a green run, so it fails the test instead.
+CI_ALLOWED_SKIPS = ("needs a CUDA device",)
+
+
+def skip_reason(rep) -> str:
+    """The reason text of a skipped report (pytest keeps it as (file, line, "Skipped: reason"))."""
+    longrepr = rep.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return text.removeprefix("Skipped: ")
+
+
+def forbid_skip_in_ci(rep, in_ci: bool = IN_CI) -> None:
+    """Under CI, turn a skip whose reason is not allowed into a failure that says why."""
+    if not (in_ci and rep.skipped) or hasattr(rep, "wasxfail"):
+        return
+    reason = skip_reason(rep)
+    if not reason.startswith(CI_ALLOWED_SKIPS):
+        rep.outcome = "failed"
+        rep.longrepr = (f"skipped under CI=true: {reason!r}; only skips starting with {CI_ALLOWED_SKIPS} are "
+                        "allowed in CI (tests/conftest.py CI_ALLOWED_SKIPS)")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     # Keep each phase's report on the item so fixtures can tell, in teardown, that the test failed.
     outcome = yield
     rep = outcome.get_result()
+    forbid_skip_in_ci(rep)
     setattr(item, f"rep_{rep.when}", rep)

@@ -1,0 +1,25 @@
+"""Under CI=true a skip fails the run unless its reason is on the allow-list (tests/conftest.py)."""
+
+from types import SimpleNamespace
+
+from tests.conftest import forbid_skip_in_ci
+
+
+def _skipped(reason: str) -> SimpleNamespace:
+    return SimpleNamespace(skipped=True, outcome="skipped", longrepr=("tests/x.py", 3, f"Skipped: {reason}"))
+
+
+def test_a_skip_in_ci_fails_unless_it_is_for_a_gpu():
+    rep = _skipped("the cluster under test is not available: connection refused")
+    forbid_skip_in_ci(rep, in_ci=True)
+    assert rep.outcome == "failed" and "connection refused" in rep.longrepr
+
+    gpu = _skipped("needs a CUDA device")
+    forbid_skip_in_ci(gpu, in_ci=True)
+    assert gpu.outcome == "skipped"
+
+
+def test_outside_ci_a_skip_stays_a_skip():
+    rep = _skipped("shellcheck is not installed")
+    forbid_skip_in_ci(rep, in_ci=False)
+    assert rep.outcome == "skipped"
