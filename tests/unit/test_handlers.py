@@ -210,13 +210,14 @@ def test_only_pods_owned_by_the_job_are_probed(monkeypatch):
     impostor["metadata"].update(name="impostor", uid="impostor-uid", ownerReferences=[])
     impostor["status"]["podIP"] = "127.0.0.1"
     r.indexes["pods_by_job"][key].append(impostor)
-    server = _Serve("127.0.0.1", port, {"step": 999})
+    servers = [_Serve("127.0.0.1", port, {"step": 999}), _Serve("127.0.0.2", port, {"step": 7})]
     try:
         r.poll_progress(key)
     finally:
-        server.close()
-    # ...and is never asked (the job's own pods, on 127.0.0.2, do not answer).
-    assert not [s for _, s in r.api.patches if "progress" in s]
+        for server in servers:
+            server.close()
+    # ...and is never asked; the job's own pods (on 127.0.0.2) are, and their step is written.
+    assert [s["progress"]["step"] for _, s in r.api.patches if "progress" in s] == [7]
 
 
 def test_progress_polling_never_writes_an_older_step(monkeypatch):
