@@ -46,16 +46,16 @@ from torch import nn
 
 from . import env as envmod
 from . import rng
+from .config import FROM_ENV, RunConfig
 from .checkpoint import CheckpointStore
-from .progress import Progress, ProgressServer, termination_log_path, write_termination_log
+from .progress import Progress, ProgressServer, write_termination_log
 from .recovery import HighWaterMark, complete, recovery_record
 from .sampler import ResumableDistributedSampler
 from .session import Session
 from .resident import ResidentState, supported as resident_supported
-from .snapshot import PeerSnapshots, Snapshot, StepCost, default_dir, settle_interval
+from .snapshot import PeerSnapshots, Snapshot, StepCost, settle_interval
 from .state import Components, Position, detached_copy, unwrap
 
-_FROM_ENV: Any = object()
 # Resident state's trial (Run._commit_resident): its first commits are measured, and it stays on when they cost at
 # most this share of the snapshot budget (the copies are chosen for half of it: TARGET_SHARE_OF_BUDGET).
 RESIDENT_TRIAL_COMMITS = 5
@@ -75,79 +75,49 @@ class Run:
         scheduler: Any | None = None,
         extra: dict[str, Any] | None = None,
         seed: int = 0,
-        checkpoint_dir: str | None = _FROM_ENV,
-        checkpoint_every: int | None = _FROM_ENV,
-        keep_checkpoints: int | None = _FROM_ENV,
-        snapshot_dir: str | None = _FROM_ENV,
-        snapshot_every: int | str | None = _FROM_ENV,
-        snapshot_budget_pct: float | None = _FROM_ENV,
-        snapshot_resident: bool | str | None = _FROM_ENV,
-        progress_port: int | None = _FROM_ENV,
-        log_every: int | None = _FROM_ENV,
+        checkpoint_dir: str | None = FROM_ENV,
+        checkpoint_every: int | None = FROM_ENV,
+        keep_checkpoints: int | None = FROM_ENV,
+        snapshot_dir: str | None = FROM_ENV,
+        snapshot_every: int | str | None = FROM_ENV,
+        snapshot_budget_pct: float | None = FROM_ENV,
+        snapshot_resident: bool | str | None = FROM_ENV,
+        progress_port: int | None = FROM_ENV,
+        log_every: int | None = FROM_ENV,
         checkpoint_on_terminate: bool = True,
     ) -> None:
-        """Arguments left out are read from the DDPJOB_* environment; ``None``/0 disables a feature.
-
-        checkpoint_dir: DDPJOB_CHECKPOINT_DIR (unset: no disk checkpoints).
-        checkpoint_every: DDPJOB_CHECKPOINT_EVERY steps (default 100; 0: only the final one).
-        snapshot_dir: DDPJOB_SNAPSHOT_DIR (default /dev/shm/ddpjob/<run key>).
-        snapshot_every: DDPJOB_SNAPSHOT_EVERY steps, (default 1), or "auto" (adaptive, see module doc);
-            0: no peer snapshots.
-        snapshot_budget_pct: DDPJOB_SNAPSHOT_BUDGET_PCT (default 2): the share of training time snapshots
-            may take when the interval is adaptive (at most DDPJOB_SNAPSHOT_MAX_EVERY steps, default 50).
-        snapshot_resident: DDPJOB_SNAPSHOT_RESIDENT, auto (default), 1 or 0: every rank's parameters and optimizer
-            state live in its pod's snapshot directory (resident.py), so a failure that leaves one rank whole
-            loses at most one step; only with CPU tensors and peer snapshots on. ``auto``: where K may exceed 1
-            and the trial of its first commits finds it cheap enough (:meth:`_commit_resident`).
-        progress_port: DDPJOB_PROGRESS_PORT (default 29401; 0: no server).
-        """
+        """Arguments left out are read from the DDPJOB_* environment (:class:`~ddp_trainer.config.RunConfig` says
+        what each one sets); ``None``/0 disables a feature."""
         self.session = session
         self.seed = seed
         self.components = Components(model, optimizer, scaler, scheduler, extra)
         self.position = Position(world_size=session.world_size)
         self.log = session.log
-        if checkpoint_dir is _FROM_ENV:
-            checkpoint_dir = envmod.get_str(envmod.CHECKPOINT_DIR)
-        if checkpoint_every is _FROM_ENV:
-            checkpoint_every = envmod.get_int(envmod.CHECKPOINT_EVERY, 100, minimum=0)
-        if keep_checkpoints is _FROM_ENV:
-            keep_checkpoints = envmod.get_int(envmod.KEEP_CHECKPOINTS, 3, minimum=1)
-        if snapshot_every is _FROM_ENV:
-            snapshot_every = envmod.get_str(envmod.SNAPSHOT_EVERY, envmod.DEFAULT_SNAPSHOT_EVERY)
-        if snapshot_budget_pct is _FROM_ENV:
-            snapshot_budget_pct = envmod.get_float(
-                envmod.SNAPSHOT_BUDGET_PCT, envmod.DEFAULT_SNAPSHOT_BUDGET_PCT, minimum=0.0
-            )
-        every = envmod.parse_every("snapshot_every", snapshot_every)
-        if snapshot_dir is _FROM_ENV:
-            snapshot_dir = envmod.get_str(envmod.SNAPSHOT_DIR) or default_dir(session.run_key)
-        if snapshot_resident is _FROM_ENV:
-            snapshot_resident = envmod.get_str(envmod.SNAPSHOT_RESIDENT)
-        resident_mode = envmod.parse_auto_switch(envmod.SNAPSHOT_RESIDENT, snapshot_resident)
-        if progress_port is _FROM_ENV:
-            progress_port = envmod.get_int(envmod.PROGRESS_PORT, envmod.DEFAULT_PROGRESS_PORT, minimum=0)
-        if log_every is _FROM_ENV:
-            log_every = envmod.get_int(envmod.LOG_EVERY, 1, minimum=0)
-        self.checkpoint_every = checkpoint_every or 0
+        config = self.config = RunConfig.from_env(
+            os.environ, session.run_key, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+            keep_checkpoints=keep_checkpoints, snapshot_dir=snapshot_dir, snapshot_every=snapshot_every,
+            snapshot_budget_pct=snapshot_budget_pct, snapshot_resident=snapshot_resident,
+            progress_port=progress_port, log_every=log_every,
+        )
+        snapshot_dir, resident_mode = config.snapshot_dir, config.snapshot_resident
+        self.checkpoint_every = config.checkpoint_every
         # K: the snapshot interval in force (adaptive: starts at 1 until a copy has been measured)
-        self.snapshot_adaptive = every is None
-        self.snapshot_every = 1 if every is None else every
-        self.snapshot_budget_pct = float(snapshot_budget_pct or 0.0)
-        self.snapshot_max_every = envmod.get_int(
-            envmod.SNAPSHOT_MAX_EVERY, envmod.DEFAULT_SNAPSHOT_MAX_EVERY, minimum=1
-        ) or envmod.DEFAULT_SNAPSHOT_MAX_EVERY
+        self.snapshot_adaptive = config.snapshot_every is None
+        self.snapshot_every = 1 if config.snapshot_every is None else config.snapshot_every
+        self.snapshot_budget_pct = config.snapshot_budget_pct
+        self.snapshot_max_every = config.snapshot_max_every
         self._next_snapshot_step = 0
         self._step_s: float | None = None  # moving average of the time between step_done calls
         self._copy_seen: int | None = None
         # What one snapshot costs training: its copy's own time or what it adds to the step it overlaps (medians).
         self._step_cost = StepCost()
         self._after_save: str | None = None  # "snapshot" or "checkpoint": the save point the running step follows
-        self.log_every = log_every or 0
+        self.log_every = config.log_every
 
         # Only global rank 0 touches the checkpoint directory; it alone validates it.
         self.checkpoints: CheckpointStore | None = None
-        if checkpoint_dir and session.is_main:
-            self.checkpoints = CheckpointStore(checkpoint_dir, keep=keep_checkpoints or 3, warn=self._warn)
+        if config.checkpoint_dir and session.is_main:
+            self.checkpoints = CheckpointStore(config.checkpoint_dir, keep=config.keep_checkpoints, warn=self._warn)
         # Every rank reads its pod's snapshot at restore; only local rank 0 writes it.
         self.snapshots: PeerSnapshots | None = None
         if snapshot_dir and self.snapshot_every:
@@ -184,12 +154,11 @@ class Run:
         # global rank 0's.
         self.progress = Progress(session.world_size, rank=session.rank, worker_restarts=session.restart_count)
         self._server: ProgressServer | None = None
-        if session.local_rank == 0 and progress_port:
+        if session.local_rank == 0 and config.progress_port:
             try:
-                self._server = ProgressServer(self.progress, progress_port)
+                self._server = ProgressServer(self.progress, config.progress_port)
             except OSError as exc:  # progress is best effort; training must not die for it
-                self._warn("progress_unavailable", port=progress_port, error=exc.strerror)
-        self._termination_log = termination_log_path(envmod.get_str(envmod.TERMINATION_LOG))
+                self._warn("progress_unavailable", port=config.progress_port, error=exc.strerror)
 
         self._epoch_len: int | None = None
         self._last_step_time: float | None = None
@@ -612,7 +581,7 @@ class Run:
         )
         record = {**self.progress.snapshot(), "final": True}
         if self.session.is_main:
-            write_termination_log(self._termination_log, record)
+            write_termination_log(self.config.termination_log, record)
             self.log("done", step=self.position.step, epoch=self.position.epoch, **(metrics or {}))
         if self._server is not None:
             self._server.close()
