@@ -45,10 +45,11 @@ class FailurePolicy:
     count_disruptions: bool
     incident_window_seconds: int
     stuck_terminating_timeout_seconds: int
-    hang_timeout_seconds: int = 0
-    # 0: never. Defaults as in crd.DEFAULTS (keyword defaults only so that older callers still construct it).
-    startup_timeout_seconds: int = 600
-    node_lost_timeout_seconds: int = 60
+    # 0: never. The CRD's defaults, those the API server applies (keyword defaults only so that older callers
+    # still construct it).
+    hang_timeout_seconds: int = crd.DEFAULTS["failurePolicy"]["hangTimeoutSeconds"]
+    startup_timeout_seconds: int = crd.DEFAULTS["failurePolicy"]["startupTimeoutSeconds"]
+    node_lost_timeout_seconds: int = crd.DEFAULTS["failurePolicy"]["nodeLostTimeoutSeconds"]
 
     def is_permanent(self, exit_codes: tuple[int, ...]) -> bool:
         """Whether any of the exit codes (trainer container and workers) rules out a retry."""
