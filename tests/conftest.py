@@ -326,6 +326,38 @@ def foreign_operators_paused(kubectl):
         yield paused
 
 
+@pytest.fixture(scope="session")
+def shared_operator(cluster, kubectl, request):
+    """The one operator of the e2e tests and the cluster benchmarks (tests/e2e/harness.py, DDPJOB_OPERATOR), started
+    at its first use and stopped when the session ends: a chart installed here is uninstalled then. One install per
+    session, not one per module. The integration and chart tiers, which run operators of their own, are collected
+    before the tiers that use it; the cluster-restart tests, after them, leave it running."""
+    from tests.e2e import harness
+    if harness.operator_mode() == "subprocess":  # helm mode reuses an installed release instead
+        request.getfixturevalue("foreign_operators_paused")
+    harness.ensure_images(cluster)
+    op = harness.Operator(cluster, kubectl).start()
+    yield op
+    op.stop()
+
+
+@pytest.fixture(scope="session")
+def kueue_operator(shared_operator, cluster):
+    """Kueue in the cluster (hack/kueue.py; installed at the first use, removed when the session ends if it was not
+    there before) and the shared operator with its Kueue integration on from then on: jobs without a queue label are
+    not gated, so the tests and benchmarks after the first Kueue test run against the same operator."""
+    from tests.e2e import harness
+    mod = harness.kueue_module()
+    was_there = mod.release(cluster.kubeconfig) is not None
+    harness.log(f"kueue up: {mod.up(cluster.kubeconfig, kind_cluster=cluster.kind_name)}")
+    kueue_before = shared_operator.kueue
+    yield shared_operator.set_kueue(True)
+    if not was_there:
+        if not shared_operator.installed_here:  # someone else's release: as it was found
+            shared_operator.set_kueue(kueue_before)
+        mod.down(cluster.kubeconfig)
+
+
 @pytest.fixture(name="wait_for")
 def wait_for_fixture():
     return wait_for

@@ -20,17 +20,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 @pytest.fixture(scope="module")
-def bench_env(cluster, kubectl):
-    """One operator for all the benchmarks (each would otherwise install and remove the chart itself)."""
+def bench_env(cluster):
+    """The environment of every benchmark program: the cluster under test and, in helm mode, the session's operator
+    (tests/conftest.py `shared_operator`, which each would otherwise install and remove itself)."""
     env = {**os.environ, "KUBECONFIG": cluster.kubeconfig}
-    op = None
     if harness.operator_mode() == "helm":
-        harness.ensure_images(cluster)
-        op = harness.Operator(cluster, kubectl).start()
         env["DDPJOB_OPERATOR"] = "installed"
-    yield env
-    if op is not None:
-        op.stop()
+    return env
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _operator_running(request):
+    if harness.operator_mode() == "helm":
+        request.getfixturevalue("shared_operator")
 
 
 def _run(env: dict, script: str, *args: str, timeout: float = 900) -> dict:
@@ -60,13 +62,11 @@ def test_startup_quick(bench_env):
     assert r["apply_to_first_step_s"] > 0 and r["baseline_first_step_s"] > 0
 
 
-def test_kueue_queue_quick(bench_env, cluster, kubectl):
-    """Its own operator release with the Kueue integration on (bench_env's has it off), put back afterwards."""
-    try:
-        r = _run({**bench_env, "DDPJOB_OPERATOR": "helm"}, "kueue_queue.py")
-    finally:
-        if bench_env.get("DDPJOB_OPERATOR") == "installed":
-            harness.Operator(cluster, kubectl).start()  # the chart's defaults again, Kueue integration off
+def test_kueue_queue_quick(bench_env, request):
+    """Against the session's Kueue and operator with its Kueue integration on (tests/conftest.py `kueue_operator`)."""
+    if harness.operator_mode() == "helm":
+        request.getfixturevalue("kueue_operator")
+    r = _run(bench_env, "kueue_queue.py")
     assert {"queued_first_step_s", "baseline_first_step_s", "admission_delay_s", "handoff_s"} <= set(r), r
     assert r["queued_first_step_s"] > 0 and r["baseline_first_step_s"] > 0 and r["handoff_s"] > 0, r
 

@@ -21,16 +21,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-@pytest.fixture(scope="module")
-def operator(cluster, kubectl, request):
-    """The operator for this module's tests; a chart installed here is uninstalled after them (module
-    scope, so that tiers collected after this one never meet a cluster-wide operator they did not ask for)."""
-    if harness.operator_mode() == "subprocess":  # helm mode reuses an installed release instead
-        request.getfixturevalue("foreign_operators_paused")
-    harness.ensure_images(cluster)
-    op = harness.Operator(cluster, kubectl).start()
-    yield op
-    op.stop()
+@pytest.fixture
+def operator(shared_operator):
+    """The session's operator (tests/conftest.py `shared_operator`): installed once, not once per module."""
+    return shared_operator
 
 
 @pytest.fixture

@@ -156,6 +156,20 @@ class Operator:
             self._start_subprocess()
         return self
 
+    def set_kueue(self, enabled: bool) -> "Operator":
+        """Turn the operator's Kueue integration on or off in place (helm: an upgrade of the same release, which
+        rolls its pod; subprocess: a restart; installed: only checked, the cluster's owner set it)."""
+        if self.mode == "installed":
+            self.kueue = enabled
+            return self.start()
+        if enabled != self.kueue:
+            self.kueue = enabled
+            if self.proc is not None:
+                stop_process(self.proc)
+                self.proc = None
+            self.start()
+        return self
+
     def stop(self) -> None:
         if self.proc is not None:
             stop_process(self.proc)
@@ -204,7 +218,7 @@ class Operator:
                 raise result.error
         finally:
             os.unlink(f.name)
-        self.installed_here = not existed
+        self.installed_here = self.installed_here or not existed  # an upgrade of our own release keeps it ours
         self._wait_deployment()
 
     def _wait_deployment(self) -> None:

@@ -2,7 +2,7 @@
 admission of a whole job, queueing behind a quota that fits one 2-node job, recovery of a killed pod without
 Kueue evicting the job, and preemption by a higher-priority job with a resume from the disk checkpoint.
 
-The operator runs with its Kueue integration on (chart value kueue.enabled) for this module only. Each test gets
+The operator runs with its Kueue integration on (chart value kueue.enabled) from this module on. Each test gets
 its own ClusterQueue (cluster-scoped, named after the test namespace), a LocalQueue in its namespace and a
 ResourceFlavor with a node label and a toleration, so the tests can see the flavor applied to the pods.
 """
@@ -27,35 +27,24 @@ RUN_TIMEOUT = 420
 
 
 @pytest.fixture(scope="module")
-def kueue(cluster, kubectl):
-    """Kueue in the cluster (installed when missing, and then removed after this module), the flavor and the
-    priority classes every test here uses."""
-    mod = h.kueue_module()
-    was_there = mod.release(cluster.kubeconfig) is not None
-    timings = mod.up(cluster.kubeconfig, kind_cluster=cluster.kind_name)
-    h.log(f"kueue up: {timings}")
+def kueue(kueue_operator, kubectl):
+    """Kueue and the operator's Kueue integration (tests/conftest.py `kueue_operator`, once per session), the flavor
+    and the priority classes every test here uses."""
     shared = [{"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": FLAVOR},
                "spec": {"nodeLabels": FLAVOR_NODE_LABELS, "tolerations": [FLAVOR_TOLERATION]}}]
     shared += [{"apiVersion": KUEUE_API, "kind": "WorkloadPriorityClass", "metadata": {"name": name},
                 "value": value, "description": "DDPJob e2e tests"} for name, value in PRIORITIES.items()]
     h.apply(kubectl, "default", shared)
-    yield mod
+    yield
     for obj in shared:
         kubectl("delete", obj["kind"].lower(), obj["metadata"]["name"], "--ignore-not-found", "--wait=false",
                 check=False)
-    if not was_there:
-        mod.down(cluster.kubeconfig)
 
 
-@pytest.fixture(scope="module")
-def operator(cluster, kubectl, kueue, request):
-    """This module's operator: the Kueue integration on (Kueue's CRDs exist before it starts watching them)."""
-    if h.operator_mode() == "subprocess":
-        request.getfixturevalue("foreign_operators_paused")
-    h.ensure_images(cluster)
-    op = h.Operator(cluster, kubectl, kueue=True).start()
-    yield op
-    op.stop()
+@pytest.fixture
+def operator(kueue, kueue_operator):
+    """This module's operator: the session's, with its Kueue integration on (Kueue's CRDs exist before it watches them)."""
+    return kueue_operator
 
 
 @pytest.fixture
