@@ -1,9 +1,9 @@
 """The settings of one run (:class:`~ddp_trainer.run.Run`): read once, from its arguments or the DDPJOB_* environment.
 
 :meth:`RunConfig.from_env` takes each setting from the argument given to ``Run`` or, where it was left out
-(:data:`FROM_ENV`), from its environment variable (``env.py``): same defaults, same :class:`~ddp_trainer.env.ConfigError`
-messages. A variable is read only for a setting left out, so a bad value in the environment does not matter where the
-caller gave the setting. ``None``/0 turns a feature off.
+(:data:`FROM_ENV`), from its environment variable (``env.py``); a value it cannot use raises
+:class:`~ddp_trainer.env.ConfigError` naming the variable. A variable is read only for a setting left out, so a bad
+value in the environment does not matter where the caller gave the setting. ``None``/0 turns a feature off.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the first save point the optimizer's parameters and state tensors are views into
 updates them there. Nothing is copied per step and the process uses no more memory than before (the same pages,
 only now named by a file).
 
-The file is a snapshot slot (same layout and validation as ``snapshot.py``: leading and trailing generation
+The file is a slot (``slot.py``, the layout and validation of the snapshot copies: leading and trailing generation
 numbers) whose data region *is* the storage of the tensors that only the optimizer step changes (the *resident*
 ones); everything else in the state (buffers, tied or frozen tensors, scalars) is copied into its place at each
 save point, and the small non-tensor rest is the pickled meta. Its validity follows the training loop:
@@ -45,11 +45,11 @@ from typing import Any
 
 import torch
 
-from .snapshot import (
-    _HEADER_SIZE,
-    _PAGE,
+from .slot import (
+    HEADER_SIZE,
+    PAGE,
     Snapshot,
-    _align,
+    align,
     begin_header,
     data_specs,
     data_views,
@@ -146,7 +146,7 @@ class ResidentState:
                 self._lay_out(tensors, optimizer)
             assert self._mm is not None
             meta = pack_meta(self.run_key, skeleton, self._specs, 1)
-            if _HEADER_SIZE + len(meta) > self._data_off:  # the meta outgrew its room: lay out again
+            if HEADER_SIZE + len(meta) > self._data_off:  # the meta outgrew its room: lay out again
                 self._lay_out(tensors, optimizer, meta_len=len(meta))
                 meta = pack_meta(self.run_key, skeleton, self._specs, 1)
             mm = self._mm
@@ -173,8 +173,8 @@ class ResidentState:
         """A new file holding a copy of every tensor; the movable ones are then rebound to their copies."""
         specs, data_len = data_specs(tensors)
         # Room for the meta to grow (positions, extras and hyper-parameters change from step to step).
-        data_off = _align(_HEADER_SIZE + max(meta_len * 2, 64 * 1024), _PAGE)
-        size = _align(data_off + data_len + 8, _PAGE)
+        data_off = align(HEADER_SIZE + max(meta_len * 2, 64 * 1024), PAGE)
+        size = align(data_off + data_len + 8, PAGE)
         tmp = self.path + ".new"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

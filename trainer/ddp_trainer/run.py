@@ -18,7 +18,7 @@ local rank 0 starts copying the state into its peer snapshot (asynchronously, ov
 step; an optimizer step pre-hook waits until the copy has read the live tensors) and, every
 ``checkpoint_every`` steps, global rank 0 queues a disk checkpoint. K (``snapshot_every``) is fixed
 (default 1: every save point) or, with ``auto``, chosen from the measured copy and step times so that snapshots cost at most
-``DDPJOB_SNAPSHOT_BUDGET_PCT`` (default 2 %) of the training time (:func:`snapshot.choose_interval`);
+``DDPJOB_SNAPSHOT_BUDGET_PCT`` (default 2 %) of the training time (:func:`cadence.choose_interval`);
 each pod decides its own K, logs it (``event=snapshot_interval``) and rank 0 reports it in progress
 (``snapshotEvery``). A failure loses at most K steps. Where K may exceed 1 and the state is on the CPU, every rank
 also keeps its parameters and optimizer state *resident* in its pod's snapshot directory (``resident.py``): the
@@ -53,7 +53,9 @@ from .recovery import HighWaterMark, complete, recovery_record
 from .sampler import ResumableDistributedSampler
 from .session import Session
 from .resident import ResidentState, supported as resident_supported
-from .snapshot import PeerSnapshots, Snapshot, StepCost, settle_interval
+from .cadence import StepCost, settle_interval
+from .slot import Snapshot
+from .snapshot import PeerSnapshots
 from .state import Components, Position, detached_copy, unwrap
 
 # Resident state's trial (Run._commit_resident): its first commits are measured, and it stays on when they cost at
