@@ -36,12 +36,8 @@ images: ## build the operator and trainer images and import them into containerd
 generate: ## regenerate every copy of the CRD from its single source
 	$(PY) -m ddp_operator.crd --write
 
-test: deps binaries ## the whole suite, exactly as CI runs it (ends with the node-loss test on a kind cluster of its own)
-	$(PY) hack/cluster.py up
-	hack/build-images.sh
-	$(PY) -m pytest -ra --durations=25 tests/unit tests/bootstrap tests/trainer tests/gpu tests/cluster tests/integration tests/chart tests/e2e tests/benchmarks \
-		--ignore=tests/e2e/test_e2e_node_loss.py
-	KIND_CLUSTER_NAME=ddpjob-test $(MAKE) kind-node-loss
+test: deps ## the whole suite, exactly as CI runs it (hack/test.sh: stages side by side where they can be; ends with the node-loss test on a kind cluster of its own)
+	hack/test.sh
 
 test-unit: ## pure unit tests (no cluster)
 	$(PY) -m pytest -ra tests/unit
