@@ -42,7 +42,8 @@ pods that are replaced later and of restarted containers are kept.
 - `recovery_s`: injection -> the first `event=step` line after the last restore with a step past the
   restored one (log timestamps; the injection's time is taken on the host just before the kill/delete/stop);
   null when training was never restarted or never resumed.
-- `survived`: the job reached Succeeded, every check of the fault held and steps_lost <= 1 (for
+- `survived`: the job reached Succeeded, every check of the fault held (status.lastRecovery.fault names the fault:
+  EXPECTED_FAULT) and steps_lost <= 1 (for
   node_notready on a one-node cluster: Succeeded alone).
 
 Exits 1 (after printing the JSON) when a fault was not survived. The last line of output is one JSON
@@ -73,6 +74,24 @@ NODE_LOST_TIMEOUT_S = 20  # node_notready's failurePolicy.nodeLostTimeoutSeconds
 SOURCES = {"peer": "peer", "local": "local", "checkpoint": "disk", "fresh": "start"}
 LABEL_INDEX = "ddp.dev/node-index"
 POD_LOGS = Path("/var/log/pods")
+
+
+# What status.lastRecovery.fault must name after each fault that interrupts training (the user's answer to "why did
+# it restart"): the incident the operator recorded, or WorkerRestart when torchrun restarted its workers in place.
+EXPECTED_FAULT = {
+    "store_loss": "RendezvousStoreLost",
+    "agent_kill": "TrainerRestarted",
+    "worker_kill": "WorkerRestart",
+    "hang": "Hang",
+    "operator_kill": "NodeFailed",
+}
+
+
+def wrong_fault(fault: str, status: dict) -> str | None:
+    """What is wrong with the job's status.lastRecovery.fault after `fault`, or None."""
+    want = EXPECTED_FAULT.get(fault)
+    got = (status.get("lastRecovery") or {}).get("fault")
+    return f"status.lastRecovery.fault is {got!r}, not {want!r}" if want and got != want else None
 
 
 def parse_args() -> argparse.Namespace:
@@ -363,6 +382,8 @@ class Bench:
             d["operator_acted"] = bool(st.get("attempts"))
             if st.get("lastRecovery") is not None:
                 d["lastRecovery"] = st["lastRecovery"]
+            if wrong_fault(fault, st):
+                d.setdefault("violations", []).append(wrong_fault(fault, st))
             if phase != "Succeeded":
                 d["error"] = f"job {phase or 'still running'} {self.a.timeout:.0f} s after the injection" + \
                     (f": {st.get('reason')}: {st.get('message')}" if st.get("reason") else "")

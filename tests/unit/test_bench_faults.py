@@ -78,3 +78,14 @@ def test_cri_log_lines_are_unwrapped():
     assert faults.cri_text(text) == ("2026-12-01T05:20:32.601Z ddp_trainer rank=0 event=step step=3\n"
                                      "part one and two\n")
     assert [e.int("step") for e in h.events(faults.cri_text(text))] == [3]
+
+
+@pytest.mark.parametrize("fault,want", sorted(faults.EXPECTED_FAULT.items()))
+def test_last_recovery_must_name_the_fault(fault, want):
+    assert faults.wrong_fault(fault, {"lastRecovery": {"fault": want}}) is None
+    assert "'Unknown'" in faults.wrong_fault(fault, {"lastRecovery": {"fault": "Unknown"}})
+    assert "None" in faults.wrong_fault(fault, {})  # no lastRecovery at all: the user is told nothing
+
+
+def test_a_fault_without_a_recovery_expects_no_last_recovery():
+    assert faults.wrong_fault("apiserver_restart", {}) is None
