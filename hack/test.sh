@@ -5,6 +5,7 @@
 #   2. the embedded cluster up (seconds once its binaries exist)
 #   3. pytest: every other tier (bootstrap, trainer, cluster, integration, chart, e2e, benchmark smoke)
 #   4. a node lost on a kind cluster of its own (make kind-node-loss, KIND_CLUSTER_NAME=ddpjob-test)
+# Each pytest run writes JUnit XML under .test-results/; hack/test_times.py turns it into the per-directory table.
 # Knobs: PYTEST_ARGS (extra pytest arguments for stages 1 and 3), DDPJOB_SKIP_KIND=1 (stop after stage 3; never
 # under CI=true). docs/testing.md has the measured time of each stage and of each test directory.
 set -euo pipefail
@@ -38,10 +39,11 @@ run_bg() {
 }
 log "stage 1: Go binaries | images | unit tests, side by side"
 t0=$SECONDS
+rm -rf .test-results
 run_bg binaries hack/build-binaries.sh; pid_bin=$BG_PID
 run_bg images hack/build-images.sh; pid_img=$BG_PID
 unit_rc=0
-"$PY" -m pytest -ra --durations=10 tests/unit "${extra[@]}" || unit_rc=$?
+"$PY" -m pytest -ra --durations=10 --junitxml=.test-results/unit.xml tests/unit "${extra[@]}" || unit_rc=$?
 record "unit tests (beside binaries and images)" $((SECONDS - t0))
 bin_rc=0; img_rc=0
 wait "$pid_bin" || bin_rc=$?
@@ -63,9 +65,10 @@ record "stage 2: cluster up" $((SECONDS - t0))
 t0=$SECONDS
 log "stage 3: pytest"
 rc=0
-"$PY" -m pytest -ra --durations=25 tests/bootstrap tests/trainer tests/gpu tests/cluster tests/integration \
+"$PY" -m pytest -ra --durations=25 --junitxml=.test-results/cluster.xml tests/bootstrap tests/trainer tests/gpu tests/cluster tests/integration \
   tests/chart tests/e2e tests/benchmarks --ignore=tests/e2e/test_e2e_node_loss.py "${extra[@]}" || rc=$?
 record "stage 3: pytest (cluster tiers, trainer)" $((SECONDS - t0))
+"$PY" hack/test_times.py --top 10 .test-results/unit.xml .test-results/cluster.xml >&2 || true
 ((rc == 0)) || exit "$rc"
 
 if [[ -n ${DDPJOB_SKIP_KIND:-} && ${CI:-} != true ]]; then
