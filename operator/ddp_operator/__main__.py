@@ -128,11 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         # kopf logs every handler run at INFO; our reconciler logs what it does instead.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     from ddp_operator import handlers  # registers the kopf handlers
+    from ddp_operator.reconciler import Config
 
     kopf_mends.apply()
 
-    handlers.NETWORK_POLICY = network_policy_config(args)
-    if args.kueue == "true":
+    config = Config(network_policy=network_policy_config(args), kueue=args.kueue == "true")
+    if config.kueue:
         handlers.enable_kueue()
 
     metrics.serve(args.metrics_port)
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=liveness,
+        memo=handlers.memo(config),
     )
     return 0
 

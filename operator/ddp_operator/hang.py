@@ -2,7 +2,7 @@
 
 A DDP job hangs when one worker stops making progress inside (or before) a collective: every other rank
 waits in its all-reduce, nothing fails, and torch's default collective timeout is 30 minutes. The operator
-sees it in the progress channel: global rank 0's step stops changing. The shell (handlers.py) probes rank 0
+sees it in the progress channel: global rank 0's step stops changing. The shell (poller.py) probes rank 0
 every `poll_interval`, keeps a `Watch` of the last (step, workerRestarts) it saw and since when, and once
 `due` asks every trainer pod (each pod's local rank 0 answers for itself, docs/contract.md) and hands the
 answers to the planner, which deletes the pods `stuck_pods` names. Deleting one pod breaks the blocked

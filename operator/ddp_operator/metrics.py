@@ -18,8 +18,8 @@ RECONCILE_SECONDS = Histogram("ddpjob_reconcile_seconds", "Duration of a reconci
 API_WRITES = Counter("ddpjob_api_writes_total", "Kubernetes API writes by the operator.", ["verb", "kind"])
 PROGRESS_WRITES = Counter("ddpjob_progress_writes_total", "Status writes that only carry trainer progress.")
 MEMORY_ENTRIES = Gauge("ddpjob_operator_state_entries",
-                       "Per-job entries the operator holds in memory (locks, wake-ups, tombstones, ...), by "
-                       "structure; back to its level once deleted jobs are swept.", ["structure"])
+                       "Per-job state the operator holds in memory (job records, job objects, polls in flight), "
+                       "by structure; back to its level once deleted jobs are swept.", ["structure"])
 
 
 def set_phases(phases: dict[str, str]) -> None:

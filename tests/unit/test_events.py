@@ -7,7 +7,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from ddp_operator import names
-from ddp_operator.handlers import Reconciler
+from ddp_operator.reconciler import Reconciler
 from ddp_operator.plan import DELETE_JOB, plan
 from ddp_operator.status import Event
 

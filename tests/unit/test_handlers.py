@@ -1,4 +1,4 @@
-"""handlers.Reconciler with a fake API and in-memory indexes: one job's pods cannot stall the others, per-job
+"""reconciler.Reconciler with a fake API and in-memory indexes: one job's pods cannot stall the others, per-job
 memory goes with the job, progress never goes back, a foreign child is reported."""
 
 import copy
@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from ddp_operator import handlers, names
-from ddp_operator.handlers import Reconciler
+from ddp_operator import backoff, names
 from ddp_operator.k8s import ChildConflict
+from ddp_operator.reconciler import Reconciler
 
 from ddp_builders import ProgressServer as _Serve
 from ddp_builders import free_port as _free_port
@@ -77,10 +77,13 @@ def _run_pods(r, key, ip="127.0.0.9"):
 
 
 def _sizes(r):
-    """Every per-job structure of the Reconciler (private on purpose: this is what must not leak)."""
-    return {name: len(getattr(r, name)) for name in
-            ("_locks", "_written", "_written_at", "_tombstones", "_created", "_wakeups", "_last_pass",
-             "_progress_at", "_progress_ip", "_phases")}
+    """Every per-job record and job object of the Reconciler (private on purpose: this is what must not leak)."""
+    return {"records": len(r.jobs._records), "objects": sum(len(x.objects) for x in r.jobs._records.values())}
+
+
+def _obj(r, key, body):
+    """What the Reconciler keeps of the job object `body`."""
+    return r.jobs.get(key).objects[body["metadata"]["uid"]]
 
 
 # --- one job cannot stall the others ------------------------------------------------------------------------------
@@ -99,15 +102,15 @@ def test_one_jobs_failing_probe_never_drops_another_jobs_wake_up(monkeypatch, ca
         if key == a:
             probed.set()
             raise RecursionError("maximum recursion depth exceeded while decoding a JSON array")
-    monkeypatch.setattr(r, "poll_progress", boom)
-    r.wake(b, 0)
+    monkeypatch.setattr(r.poller, "poll", boom)
+    r.jobs.wake(b, 0)
     r.tick()  # must not raise
     assert b in passes
     assert probed.wait(5)
     deadline = time.monotonic() + 5
-    while r._probing and time.monotonic() < deadline:
+    while r.jobs.tracked()["probing"] and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not r._probing  # the failed poll is done with; the next period polls again
+    assert not r.jobs.tracked()["probing"]  # the failed poll is done with; the next period polls again
     assert "progress poll failed" in caplog.text
     r.stop()
 
@@ -125,11 +128,11 @@ def test_one_jobs_failing_pass_re_arms_it_and_still_runs_the_others(monkeypatch)
             raise OverflowError("date value out of range")
         return real(key, body)
     monkeypatch.setattr(r, "_reconcile", flaky)
-    r.wake(a, 0)
-    r.wake(b, 0)
+    r.jobs.wake(a, 0)
+    r.jobs.wake(b, 0)
     r.tick()
     assert a in passes and b in passes
-    assert a in r._wakeups and b not in r._wakeups  # a is retried, b is done
+    assert r.jobs.get(a).wakeup is not None and r.jobs.get(b).wakeup is None  # a is retried, b is done
 
 
 def _trickler():
@@ -165,26 +168,26 @@ def test_a_trickling_pod_never_holds_the_ticker(monkeypatch):
     port, close = _trickler()
     monkeypatch.setattr(names, "PROGRESS_PORT", port)
     r = _reconciler()
-    slow, _ = _add_job(r, "slow", progressPeriodSeconds=1)
+    slow, slow_body = _add_job(r, "slow", progressPeriodSeconds=1)
     other, _ = _add_job(r, "other")
     r.reconcile(*slow)
     _run_pods(r, slow, ip="127.0.0.1")
     r.reconcile(*slow)
-    assert r._written["uid-ml-slow"]["phase"] == names.PHASE_RUNNING
+    assert _obj(r, slow, slow_body).written["phase"] == names.PHASE_RUNNING
     try:
-        r.wake(other, 0)
+        r.jobs.wake(other, 0)
         done = threading.Event()
         t = threading.Thread(target=lambda: (r.tick(), done.set()), daemon=True)
         started = time.monotonic()
         t.start()
         assert done.wait(3), "the ticker is stuck on a pod that trickles bytes"
         assert time.monotonic() - started < 1.0
-        assert ("ml", "other") in r._last_pass  # its wake-up ran
+        assert r.jobs.get(("ml", "other")).last_pass  # its wake-up ran
         # The probe itself gives up at its deadline.
         deadline = time.monotonic() + 3 + 2
-        while r._probing and time.monotonic() < deadline:
+        while r.jobs.tracked()["probing"] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not r._probing
+        assert not r.jobs.tracked()["probing"]
     finally:
         close()
         r.stop()
@@ -196,7 +199,7 @@ def _running_job(r, name="job"):
     r.reconcile(*key)
     _run_pods(r, key, ip="127.0.0.2")
     r.reconcile(*key)
-    assert r._written[body["metadata"]["uid"]]["phase"] == names.PHASE_RUNNING
+    assert _obj(r, key, body).written["phase"] == names.PHASE_RUNNING
     return key, body
 
 
@@ -212,7 +215,7 @@ def test_only_pods_owned_by_the_job_are_probed(monkeypatch):
     r.indexes["pods_by_job"][key].append(impostor)
     servers = [_Serve("127.0.0.1", port, {"step": 999}), _Serve("127.0.0.2", port, {"step": 7})]
     try:
-        r.poll_progress(key)
+        r.poller.poll(key)
     finally:
         for server in servers:
             server.close()
@@ -225,15 +228,14 @@ def test_progress_polling_never_writes_an_older_step(monkeypatch):
     monkeypatch.setattr(names, "PROGRESS_PORT", port)
     r = _reconciler()
     key, body = _running_job(r)
-    uid = body["metadata"]["uid"]
     for step, written in ((61, 61), (54, 61), (62, 62)):
         server = _Serve("127.0.0.2", port, {"step": step})
         try:
-            r._progress_at.clear()
-            r.poll_progress(key)
+            _obj(r, key, body).progress_at = 0.0
+            r.poller.poll(key)
         finally:
             server.close()
-        assert r._written[uid]["progress"]["step"] == written
+        assert _obj(r, key, body).written["progress"]["step"] == written
         assert body["status"]["progress"]["step"] == written
     assert [s["progress"]["step"] for _, s in r.api.patches if "progress" in s] == [61, 62]
 
@@ -248,22 +250,37 @@ def test_a_hundred_jobs_created_and_deleted_leave_nothing_behind(how):
         r.reconcile(*key)
         _run_pods(r, key)
         r.reconcile(*key)
-        r.wake(key, 60)
+        r.jobs.wake(key, 60)
         pods = r.indexes["pods_by_job"].get(key, [])
         # A pod deleted while the job lives: a tombstone.
-        r.pod_deleted(key, pods[0])
+        r.jobs.tombstone(key, pods[0])
         # The job goes away: its DELETED event (or, with its namespace, nothing at all)...
         del r.indexes["ddpjobs_by_key"][key]
         if how == "deleted-event":
-            r.job_deleted(key, body["metadata"]["uid"])
+            r.jobs.forget(key, body["metadata"]["uid"])
         # ...and then the garbage collector deletes its pods, each DELETED event triggering a pass.
         for p in r.indexes["pods_by_job"].pop(key, []):
-            r.pod_deleted(key, p)
+            r.jobs.tombstone(key, p)
             r.reconcile(*key)
     r._swept_at = 0.0
     r.tick()
     assert _sizes(r) == before == {k: 0 for k in before}
-    assert all(v == 0 for v in r.tracked().values())
+    assert all(v == 0 for v in r.jobs.tracked().values())
+
+
+def test_a_job_forgotten_during_its_pass_keeps_its_lock_until_the_sweep():
+    r = _reconciler()
+    key, body = _add_job(r, "a")
+    r.reconcile(*key)
+    lock = r.jobs.record(key).lock
+    with lock:  # a pass is running
+        del r.indexes["ddpjobs_by_key"][key]
+        r.jobs.forget(key, body["metadata"]["uid"])
+        assert r.jobs.record(key).lock is lock  # a pass starting now waits for it
+        assert not r.jobs.record(key).objects
+    r._swept_at = 0.0
+    r.tick()
+    assert _sizes(r) == {"records": 0, "objects": 0}
 
 
 # --- foreign children ---------------------------------------------------------------------------------------------
@@ -272,10 +289,10 @@ def test_a_foreign_pod_holding_a_childs_name_is_a_condition_and_an_event(monkeyp
     key, body = _add_job(r, "mnist")
     r.api.conflicts.add("mnist-0")
     r.reconcile(*key)
-    assert r._wakeups.get(key) is not None  # the conflict is reported without waiting for a resync
-    r._wakeups[key] = 0
+    assert r.jobs.get(key).wakeup is not None  # the conflict is reported without waiting for a resync
+    r.jobs.get(key).wakeup = 0
     r.tick()
-    status = r._written[body["metadata"]["uid"]]
+    status = _obj(r, key, body).written
     cond = [c for c in status["conditions"] if c["type"] == names.COND_REPLICA_FAILURE][0]
     assert cond["status"] == "True" and cond["reason"] == names.REASON_CHILD_CONFLICT
     assert "pod ml/mnist-0 already exists and is not owned by this DDPJob" in cond["message"]
@@ -283,13 +300,13 @@ def test_a_foreign_pod_holding_a_childs_name_is_a_condition_and_an_event(monkeyp
     assert [e for e in r.api.events if e[2] == names.REASON_CHILD_CONFLICT and e[1] == "Warning"]
     # The object is removed: the next retry (its wake-up is armed) creates the job's own pod and clears the
     # condition.
-    assert r._wakeups.get(key) is not None
+    assert r.jobs.get(key).wakeup is not None
     r.api.conflicts.clear()
-    monkeypatch.setattr(handlers, "CONFLICT_RETRY_SECONDS", 0.0)
-    r._wakeups[key] = 0
+    monkeypatch.setattr(backoff, "CONFLICT_RETRY_SECONDS", 0.0)
+    r.jobs.get(key).wakeup = 0
     r.tick()
     r.tick()
-    status = r._written[body["metadata"]["uid"]]
+    status = _obj(r, key, body).written
     cond = [c for c in status["conditions"] if c["type"] == names.COND_REPLICA_FAILURE][0]
     assert cond["status"] == "False"
     assert any(p["metadata"]["name"] == "mnist-0" for p in r.indexes["pods_by_job"][key])
@@ -308,7 +325,7 @@ def _hung_job(r, monkeypatch, **spec):
     for i, p in enumerate(trainers):  # hung-0 on 127.0.0.2 (global rank 0), hung-1 on 127.0.0.3
         p["status"]["podIP"] = f"127.0.0.{i + 2}"
     r.reconcile(*key)
-    assert r._written[body["metadata"]["uid"]]["phase"] == names.PHASE_RUNNING
+    assert _obj(r, key, body).written["phase"] == names.PHASE_RUNNING
     return key, body, port
 
 
@@ -317,22 +334,21 @@ def test_a_hung_job_loses_its_silent_pod_within_the_timeout(monkeypatch):
 
     r = _reconciler()
     key, body, port = _hung_job(r, monkeypatch)
-    uid = body["metadata"]["uid"]
     rank0 = _Serve("127.0.0.2", port, {"rank": 0, "step": 40, "workerRestarts": 0})  # hung-1 answers nothing
     try:
-        r.poll_progress(key)
-        w = r._hang_watch[uid]
-        assert w.key == (40, 0) and not r._hang_check_due(key, body, time.monotonic())
+        r.poller.poll(key)
+        w = _obj(r, key, body).hang_watch
+        assert w.key == (40, 0) and not r.poller.hang_check_due(key, body, time.monotonic())
         assert r.api.deleted == []
         # the step has not changed for the timeout: the next tick's poll asks every pod, the silent one goes
-        r._hang_watch[uid] = hang.Watch(w.incarnation, w.key, time.monotonic() - 21)
-        assert r._hang_check_due(key, body, time.monotonic())  # its own wake-up, whatever the poll interval
-        assert r._probe_due(key) is not None
-        r.poll_progress(key)
+        _obj(r, key, body).hang_watch = hang.Watch(w.incarnation, w.key, time.monotonic() - 21)
+        assert r.poller.hang_check_due(key, body, time.monotonic())  # its own wake-up, whatever the poll interval
+        assert r.poller.due(key) is not None
+        r.poller.poll(key)
     finally:
         rank0.close()
     assert r.api.deleted == ["hung-1"]
-    status = r._written[uid]
+    status = _obj(r, key, body).written
     assert status["phase"] == names.PHASE_RESTARTING and status["reason"] == names.REASON_HANG
     assert status["attempts"][-1]["reason"] == names.REASON_HANG and status["attempts"][-1]["pod"] == "hung-1"
     assert status["lastIncident"]["reason"] == names.REASON_HANG
@@ -344,31 +360,29 @@ def test_a_step_that_moves_is_no_hang_and_detection_needs_a_report(monkeypatch):
 
     r = _reconciler()
     key, body, port = _hung_job(r, monkeypatch)
-    uid = body["metadata"]["uid"]
     # nothing ever answered (a plain script): never hung
-    r.poll_progress(key)
-    assert uid not in r._hang_watch and not r._hang_check_due(key, body, time.monotonic() + 10_000)
+    r.poller.poll(key)
+    assert _obj(r, key, body).hang_watch is None and not r.poller.hang_check_due(key, body, time.monotonic() + 10_000)
     rank0 = _Serve("127.0.0.2", port, {"rank": 0, "step": 40})
     try:
-        r._progress_at.clear()
-        r.poll_progress(key)
+        _obj(r, key, body).progress_at = 0.0
+        r.poller.poll(key)
     finally:
         rank0.close()
-    w = r._hang_watch[uid]
-    r._hang_watch[uid] = hang.Watch(w.incarnation, w.key, time.monotonic() - 21)
+    w = _obj(r, key, body).hang_watch
+    _obj(r, key, body).hang_watch = hang.Watch(w.incarnation, w.key, time.monotonic() - 21)
     rank0 = _Serve("127.0.0.2", port, {"rank": 0, "step": 41})  # it moved after all
     try:
-        r._progress_at.clear()
-        r.poll_progress(key)
+        _obj(r, key, body).progress_at = 0.0
+        r.poller.poll(key)
     finally:
         rank0.close()
-    assert r.api.deleted == [] and not r._hang_check_due(key, body, time.monotonic())
+    assert r.api.deleted == [] and not r.poller.hang_check_due(key, body, time.monotonic())
 
 
 def test_last_recovery_is_written_from_rank0s_report(monkeypatch):
     r = _reconciler()
     key, body, port = _hung_job(r, monkeypatch)
-    uid = body["metadata"]["uid"]
     report = {"rank": 0, "step": 60, "workerRestarts": 1,
               "recovery": {"resumedFrom": "peer", "step": 50, "highestStep": 51, "stepsLost": 1,
                            "restoredFromPod": "hung-0", "seconds": 8.5, "at": 1735732900.0}}
@@ -376,15 +390,58 @@ def test_last_recovery_is_written_from_rank0s_report(monkeypatch):
     servers = [_Serve("127.0.0.3", port, {"rank": 1, "step": 60, "recovery": {**report["recovery"], "stepsLost": 7}}),
                _Serve("127.0.0.2", port, report)]
     try:
-        r.poll_progress(key)
+        r.poller.poll(key)
     finally:
         for s in servers:
             s.close()
-    status = r._written[uid]
+    status = _obj(r, key, body).written
     assert status["progress"]["step"] == 60 and status["progress"]["workerRestarts"] == 1
     assert status["lastRecovery"] == {"fault": names.FAULT_WORKER_RESTART, "startedAt": "2025-01-01T12:01:31Z",
                                       "seconds": 8.5, "stepsLost": 1, "resumedFrom": "peer",
                                       "restoredFromPod": "hung-0"}
     # the next ordinary pass keeps it (level-based)
     r.reconcile(*key)
-    assert r._written[uid]["lastRecovery"]["stepsLost"] == 1
+    assert _obj(r, key, body).written["lastRecovery"]["stepsLost"] == 1
+
+
+# --- kopf's memo and the parsed spec ------------------------------------------------------------------------------
+def test_the_memo_carries_the_configuration_to_the_reconciler_and_every_handler(monkeypatch):
+    import kopf
+
+    from ddp_operator import handlers, k8s
+    from ddp_operator.netpol import NetworkPolicyConfig
+    from ddp_operator.reconciler import Config
+
+    index = {"ddpjobs_by_key": {}, "pods_by_job": {}, "services_by_job": {}}
+    monkeypatch.setattr(k8s, "Api", lambda: FakeApi(index))
+    config = Config(network_policy=NetworkPolicyConfig(enabled_by_default=False), kueue=True)
+    memo, settings = handlers.memo(config), kopf.OperatorSettings()
+    handlers.configure(settings=settings, memo=memo)
+    try:
+        r = memo.reconciler
+        assert r.config is config
+        assert settings.watching.label_selectors[names.KUEUE_API_VERSION, names.WORKLOAD_PLURAL] == names.LABEL_JOB_NAME
+        key, body = ("ml", "mnist"), job_body()
+        index["ddpjobs_by_key"][key] = [body]
+        # Each resource handler gets a shallow copy of the operator's memo: the same Reconciler.
+        handlers.on_job(namespace="ml", name="mnist", body=body, memo=copy.copy(memo), **index)
+        assert r.indexes["pods_by_job"] is index["pods_by_job"]  # bound for the ticker
+        assert sorted(p["metadata"]["name"] for p in index["pods_by_job"][key]) == ["mnist-0", "mnist-1", "mnist-rdzv"]
+        assert len(index["services_by_job"][key]) == 1  # the Service, no NetworkPolicy: the memo's network_policy
+    finally:
+        handlers.cleanup(memo=memo)
+    assert r._stop.is_set()
+
+
+def test_the_poller_reads_the_parsed_spec_of_the_pass_without_parsing_again(monkeypatch):
+    from ddp_operator import jobs
+
+    r = _reconciler()
+    key, body = _running_job(r)
+    parses = []
+    real = jobs.parse_job
+    monkeypatch.setattr(jobs, "parse_job", lambda b: (parses.append(b), real(b))[1])
+    assert r.poller.due(key) is not None  # progressPeriodSeconds 1, never polled yet
+    assert parses == []
+    body["spec"]["progressPeriodSeconds"] = 0  # a changed spec is parsed again: polling is off
+    assert r.poller.due(key) is None and len(parses) == 1

@@ -1,15 +1,17 @@
-"""handlers.Reconciler when the API server refuses children (quota, PodSecurity) and when nodes die: per-child
+"""reconciler.Reconciler when the API server refuses children (quota, PodSecurity) and when nodes die: per-child
 exponential backoff, what the user sees, one Event per distinct refusal, nothing recreated, node reads cached."""
 
 import copy
 import json
+import time
 from datetime import datetime, timezone
 
 from kubernetes.client.exceptions import ApiException
 
-from ddp_operator import handlers, names
-from ddp_operator.handlers import Reconciler, create_backoff
+from ddp_operator import backoff, names
+from ddp_operator.backoff import create_backoff
 from ddp_operator.observed import NodeState
+from ddp_operator.reconciler import Reconciler
 
 from ddp_builders import job_body
 
@@ -72,12 +74,13 @@ def _setup(**api_kw):
 
 def _retry_due(r):
     """Jump past every child's backoff (instead of sleeping)."""
-    for name, refusal in list(r._create_failed[("ml", "mnist")].items()):
-        r._create_failed[("ml", "mnist")][name] = handlers._Refusal(refusal.message, refusal.attempts, 0.0)
+    refusals = r.jobs.get(("ml", "mnist")).refusals
+    for name, refusal in list(refusals.items()):
+        refusals[name] = backoff.Refusal(refusal.message, refusal.attempts, 0.0)
 
 
 def _status(r, body):
-    return r._written[body["metadata"]["uid"]]
+    return r.jobs.get(("ml", "mnist")).objects[body["metadata"]["uid"]].written
 
 
 def _cond(status, type_):
@@ -86,16 +89,16 @@ def _cond(status, type_):
 
 def test_backoff_doubles_from_one_second_and_is_capped():
     assert [create_backoff(n) for n in range(1, 9)] == [1, 2, 4, 8, 16, 32, 60, 60]
-    assert create_backoff(10**6) == handlers.CREATE_BACKOFF_MAX_SECONDS
+    assert create_backoff(10**6) == backoff.CREATE_BACKOFF_MAX_SECONDS
 
 
 def test_quota_refusal_backs_off_per_child_reports_once_and_starts_when_the_quota_goes():
     r, body = _setup(limit=1)
     key = ("ml", "mnist")
     r.reconcile(*key)  # the store pod fits; both trainers are refused
-    refused = r._create_failed[key]
+    refused = r.jobs.get(key).refusals
     assert sorted(refused) == ["mnist-0", "mnist-1"] and {x.attempts for x in refused.values()} == {1}
-    assert r._wakeups[key] <= handlers.time.monotonic() + 0.1  # reported at once, not after the backoff
+    assert r.jobs.get(key).wakeup <= time.monotonic() + 0.1  # reported at once, not after the backoff
     r.reconcile(*key)  # the pass that reports it; the retries are not due: nothing is tried
     status = _status(r, body)
     cond = _cond(status, names.COND_REPLICA_FAILURE)
@@ -107,8 +110,8 @@ def test_quota_refusal_backs_off_per_child_reports_once_and_starts_when_the_quot
     for attempt in range(2, 6):
         _retry_due(r)
         r.reconcile(*key)
-        assert r._create_failed[key]["mnist-0"].attempts == attempt
-        left = r._create_failed[key]["mnist-0"].retry_at - handlers.time.monotonic()
+        assert r.jobs.get(key).refusals["mnist-0"].attempts == attempt
+        left = r.jobs.get(key).refusals["mnist-0"].retry_at - time.monotonic()
         assert create_backoff(attempt) - 1 < left <= create_backoff(attempt)
     assert r.api.creates.count("mnist-0") == 5
     assert len([e for e in r.api.events if e[1] == names.REASON_CREATE_FAILED]) == 1, r.api.events
@@ -117,7 +120,7 @@ def test_quota_refusal_backs_off_per_child_reports_once_and_starts_when_the_quot
     r.api.limit = None
     _retry_due(r)
     r.reconcile(*key)
-    assert not r._create_failed.get(key)
+    assert not r.jobs.get(key).refusals
     r.reconcile(*key)
     cond = _cond(_status(r, body), names.COND_REPLICA_FAILURE)
     assert cond["status"] == "False" and cond["reason"] == names.REASON_CHILDREN_CREATED
@@ -130,7 +133,7 @@ def test_a_refused_network_policy_holds_back_the_pods():
     r, body = _setup(refuse_kinds={"NetworkPolicy"})
     r.indexes["network_policies_by_job"] = {}
     r.reconcile("ml", "mnist")
-    assert "mnist" in r._create_failed[("ml", "mnist")]
+    assert "mnist" in r.jobs.get(("ml", "mnist")).refusals
     assert not r.indexes["pods_by_job"]  # no pod without the policy that protects it
     r.reconcile("ml", "mnist")
     assert "NetworkPolicy mnist" in _cond(_status(r, body), names.COND_REPLICA_FAILURE)["message"]
@@ -146,6 +149,6 @@ def test_node_states_are_read_once_per_node_and_cache_period():
     r.reconcile(*key)
     r.reconcile(*key)
     assert r.api.node_reads == ["node-2"]
-    r._nodes["node-2"] = (r._nodes["node-2"][0], 0.0)  # the cache period is over
+    r.nodes.entries["node-2"] = (r.nodes.entries["node-2"][0], 0.0)  # the cache period is over
     r.reconcile(*key)
     assert r.api.node_reads == ["node-2", "node-2"]

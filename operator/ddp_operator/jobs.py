@@ -1,0 +1,217 @@
+"""What the shell knows of each job: kopf's in-memory indexes (what the cluster holds) and one `JobRecord` per job
+(what the shell remembers), keyed by (namespace, name) in one `JobRegistry`.
+
+A record is made by a job's first pass or wake-up and dropped when the job no longer exists: its DELETED event
+(`forget`), or the periodic `sweep` that also catches jobs gone with their namespace while the watch was down. What
+belongs to one job *object* rather than to its name (the status last written, the parsed spec, progress and hang
+state, the phase) is kept per UID in `JobRecord.objects`, so a job deleted and created again under the same name
+never inherits the old one's. Records are changed under `JobRegistry.guard`; a record's `lock` serializes the
+job's passes.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+from ddp_operator import metrics
+from ddp_operator.spec import Job, SpecError, parse_job
+
+if TYPE_CHECKING:
+    from ddp_operator.backoff import Refusal
+    from ddp_operator.hang import Watch
+
+Key = tuple[str, str]  # (namespace, name)
+
+# kopf's indexes (handlers.py) the shell reads.
+INDEXES = ("ddpjobs_by_key", "pods_by_job", "services_by_job", "network_policies_by_job", "workloads_by_job")
+
+
+def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    """Whether the job with this UID owns obj (labels alone can be put on any pod by anyone)."""
+    return any(o.get("uid") == uid for o in obj["metadata"].get("ownerReferences") or [])
+
+
+@dataclass
+class Created:
+    """A pod this operator created, until the watch shows it (or CREATED_MEMORY_SECONDS pass)."""
+    body: dict
+    at: float  # time.monotonic()
+
+
+@dataclass
+class JobObject:
+    """What is kept of one job object (one UID)."""
+    written: dict | None = None          # the status last written: newer than the watch's copy
+    written_at: float = 0.0
+    phase: str | None = None             # for the per-phase job gauge
+    progress_at: float = 0.0             # rank 0 last probed
+    progress_ip: str | None = None       # where rank 0 answered last
+    progress_written_at: float = 0.0
+    hang_watch: Watch | None = None
+    # What parse_job read (a private copy) and what it made of it: the parsed Job, or the SpecError's field and message.
+    parsed: tuple[tuple, Job | tuple[str, str]] | None = None
+
+
+@dataclass
+class JobRecord:
+    """Everything the shell keeps of one job (namespace, name)."""
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one pass of the job at a time
+    wakeup: float | None = None          # time.monotonic() of the next pass asked for
+    last_pass: float = 0.0
+    probing: bool = False                # a progress poll is in the pool
+    tombstones: dict[str, dict] = field(default_factory=dict)  # pod UID -> the pod as last seen, until a pass saw it
+    created: dict[str, Created] = field(default_factory=dict)  # pod name -> created, not yet in the index
+    policy_created: tuple[str, float] | None = None  # the NetworkPolicy created, not yet in the index: (UID, when)
+    conflicts: dict[str, tuple[str, float]] = field(default_factory=dict)  # child name -> (why, when last checked)
+    refusals: dict[str, Refusal] = field(default_factory=dict)  # child name -> its create's last refusal
+    objects: dict[str, JobObject] = field(default_factory=dict)  # job UID -> what is kept of that object
+
+    def of(self, uid: str) -> JobObject:
+        return self.objects.setdefault(uid, JobObject())
+
+
+def _parse_source(body: Mapping[str, Any]) -> tuple:
+    """Everything parse_job reads of a body."""
+    meta = body.get("metadata") or {}
+    return (meta.get("name"), meta.get("namespace"), meta.get("uid"), meta.get("generation"), meta.get("labels"),
+            body.get("spec"))
+
+
+class JobRegistry:
+    """kopf's indexes, bound on the first handler call, and the records of every job the shell knows."""
+
+    def __init__(self) -> None:
+        self.guard = threading.Lock()
+        self.indexes: dict[str, Any] | None = None
+        self._records: dict[Key, JobRecord] = {}
+
+    # --- kopf's indexes ---------------------------------------------------------------------------
+    def bind(self, kwargs: Mapping[str, Any]) -> None:
+        """Remember kopf's index objects (the same for every handler call) for the ticker."""
+        if self.indexes is None and "ddpjobs_by_key" in kwargs:
+            self.indexes = {k: kwargs[k] for k in INDEXES if k in kwargs}
+
+    def values(self, index: str, key: Key) -> list:
+        if self.indexes is None:
+            return []
+        try:
+            return list(self.indexes[index][key])
+        except KeyError:
+            return []
+
+    def keys(self) -> list[Key]:
+        if self.indexes is None:
+            return []
+        return list(self.indexes["ddpjobs_by_key"].keys())
+
+    def body(self, key: Key) -> Mapping[str, Any] | None:
+        """The job as the index holds it."""
+        values = self.values("ddpjobs_by_key", key)
+        return values[0] if values else None
+
+    def exists(self, key: Key) -> bool:
+        """True unless the index is bound and holds no such job (unbound: the caller knows best)."""
+        return self.indexes is None or bool(self.values("ddpjobs_by_key", key))
+
+    def _uids(self) -> set[str]:
+        return {b["metadata"]["uid"] for k in self.keys() for b in self.values("ddpjobs_by_key", k)}
+
+    # --- records ----------------------------------------------------------------------------------
+    def get(self, key: Key) -> JobRecord | None:
+        with self.guard:
+            return self._records.get(key)
+
+    def record(self, key: Key) -> JobRecord:
+        """The job's record, made if there is none yet."""
+        with self.guard:
+            return self._records.setdefault(key, JobRecord())
+
+    def job(self, key: Key, body: Mapping[str, Any]) -> Job:
+        """parse_job(body), parsed once per change of what it reads; raises SpecError."""
+        source = _parse_source(body)
+        with self.guard:
+            obj = self._records.setdefault(key, JobRecord()).of(body["metadata"]["uid"])
+            parsed = obj.parsed
+        if parsed is None or parsed[0] != source:
+            try:
+                result: Job | tuple[str, str] = parse_job(body)
+            except SpecError as e:
+                result = (e.field, e.message)
+            parsed = (copy.deepcopy(source), result)
+            with self.guard:
+                obj.parsed = parsed
+        if isinstance(parsed[1], Job):
+            return parsed[1]
+        raise SpecError(*parsed[1])
+
+    def tombstone(self, key: Key, pod: Mapping[str, Any]) -> None:
+        """A pod of the job was deleted: the next pass sees it once more, as gone."""
+        if not self.exists(key):
+            return  # the garbage collector removing a deleted job's pods: nothing will read the tombstone
+        with self.guard:
+            self._records.setdefault(key, JobRecord()).tombstones[pod["metadata"]["uid"]] = copy.deepcopy(dict(pod))
+
+    def wake(self, key: Key, after: float) -> None:
+        """Ask for a pass of the job `after` seconds from now (the earliest of those asked for wins)."""
+        due = time.monotonic() + max(0.0, after)
+        with self.guard:
+            record = self._records.setdefault(key, JobRecord())
+            if record.wakeup is None or due < record.wakeup:
+                record.wakeup = due
+
+    def take_due(self, now: float) -> list[Key]:
+        """The jobs whose wake-up is due, each wake-up taken."""
+        with self.guard:
+            due = [k for k, r in self._records.items() if r.wakeup is not None and r.wakeup <= now]
+            for k in due:
+                self._records[k].wakeup = None
+        return due
+
+    def phases(self) -> dict[str, str]:
+        """Job UID -> phase, for every job object a pass has seen."""
+        with self.guard:
+            return {u: o.phase for r in self._records.values() for u, o in r.objects.items() if o.phase}
+
+    def forget(self, key: Key, uid: str | None = None) -> None:
+        """Drop what is kept of a job that no longer exists (`uid`: of that object only; other objects under the
+        same name stay). A pass still running keeps the job's lock until the next sweep."""
+        with self.guard:
+            record = self._records.pop(key, None)
+            if record is not None:
+                left = {u: o for u, o in record.objects.items() if uid is not None and u != uid}
+                if left or record.lock.locked():
+                    self._records[key] = JobRecord(lock=record.lock, objects=left)
+        metrics.set_phases(self.phases())
+
+    def sweep(self) -> None:
+        """Forget every job the index no longer holds (missed DELETED events, a deleted namespace)."""
+        if self.indexes is None:
+            return
+        keys = set(self.keys())
+        with self.guard:
+            stale_keys = [k for k in self._records if k not in keys]
+        for k in stale_keys:
+            if not self.exists(k):  # looked up again: a job created since the listing keeps its state
+                self.forget(k)
+        uids = self._uids()
+        with self.guard:
+            stale = [(k, u) for k, r in self._records.items() for u in r.objects if u not in uids]
+        if stale:
+            uids = self._uids()  # listed again, likewise
+            with self.guard:
+                for k, u in stale:
+                    if u not in uids and k in self._records:
+                        self._records[k].objects.pop(u, None)
+            metrics.set_phases(self.phases())
+        metrics.set_state_entries(self.tracked())
+
+    def tracked(self) -> dict[str, int]:
+        """How much is kept (what a deleted job must not leave behind): records, job objects, polls in flight."""
+        with self.guard:
+            records = list(self._records.values())
+        return {"jobs": len(records), "objects": sum(len(r.objects) for r in records),
+                "probing": sum(r.probing for r in records)}

@@ -1,0 +1,384 @@
+"""The pass: one reconcile function, the ticker that runs wake-ups, and the I/O that carries out a plan.
+
+Every trigger (job created/resumed/updated, an owned pod changed, a time-based wake-up) ends in
+`Reconciler.reconcile(namespace, name)`: read the job and its pods from kopf's in-memory indexes, call the
+pure `plan.plan`, write the status once (only if it changed), post its Events, then create/delete children.
+kopf starts handlers only after the indexes are filled, so a restarted operator sees every existing pod before
+it decides anything.
+
+API writes are kept minimal (the bench-api goal): no finalizers (no kopf timers/daemons; wake-ups come from
+an in-process ticker), kopf's handler state lives in two annotations under ddp.dev (handlers.py), pod-count-only
+status changes are coalesced for STATUS_COALESCE_SECONDS, and progress polling (poller.py) writes at most once per
+spec.progressPeriodSeconds, only when the step moved forward. A child that cannot be created is retried on its own
+schedule (backoff.py) while the rest of the pass goes on; a refused NetworkPolicy holds back the pods it protects.
+Node states for the node-loss rule are read for the pods plan.node_lost_candidates names, each node at most once
+per NODE_CACHE_SECONDS.
+
+One job cannot stall the others: the ticker that serves every job's wake-ups (deadlines, TTL, force-deletes) never
+waits on a pod, and an error in one job's pass is logged and re-armed for that job alone. What is kept per job lives
+in its record (jobs.py), dropped when the job no longer exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Callable, Mapping
+
+from kubernetes.client.exceptions import ApiException
+
+from ddp_operator import metrics, names
+from ddp_operator.backoff import CreateBackoff
+from ddp_operator.jobs import Created, JobRegistry, Key, owned_by
+from ddp_operator.k8s import ChildConflict, describe_error
+from ddp_operator.kueue import WorkloadState, observe_workload
+from ddp_operator.netpol import NetworkPolicyConfig
+from ddp_operator.observed import PodState, observe_pod
+from ddp_operator.plan import (
+    CREATE, DELETE, DELETE_JOB, FORCE_DELETE, PATCH, PATCH_STATUS, Observed, Plan, invalid, node_lost_candidates, plan,
+    stuck_pods,
+)
+from ddp_operator.poller import ProgressPoller
+from ddp_operator.spec import SpecError
+from ddp_operator.status import newer_progress
+
+log = logging.getLogger("ddp_operator")
+
+COMPONENT = "ddp-operator"
+STATUS_COALESCE_SECONDS = 2.0
+CREATED_MEMORY_SECONDS = 30.0
+TICK_SECONDS = 1.0
+RESYNC_SECONDS = 300.0
+RETRY_SECONDS = 5.0
+SWEEP_SECONDS = 10.0
+# How long a node's state read for the node-loss rule is reused (one read per node, not per pod or pass).
+NODE_CACHE_SECONDS = 5.0
+# How long a ResourceFlavor or WorkloadPriorityClass read for Kueue is reused (they rarely change).
+FLAVOR_CACHE_SECONDS = 30.0
+# Status fields that only count pods: a change in them alone may wait a moment to be batched.
+_COUNT_FIELDS = frozenset({"nodes", "nodesReady", "message"})
+
+
+@dataclass(frozen=True)
+class Config:
+    """The operator's configuration: __main__ reads it from flags and environment, kopf's memo carries it."""
+    network_policy: NetworkPolicyConfig = NetworkPolicyConfig()
+    kueue: bool = False  # the Kueue integration (kueue.py) is on: Workloads are watched and written
+
+
+class ReadCache:
+    """What a read returned per name, reused for `seconds` (cluster-wide objects, not per job)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.entries: dict[str, tuple[Any, float]] = {}  # name -> (what was read, when)
+        self._guard = threading.Lock()
+
+    def get(self, name: str, read: Callable[[str], Any]) -> Any:
+        """read(name), or what it returned less than `seconds` ago."""
+        now = time.monotonic()
+        with self._guard:
+            cached = self.entries.get(name)
+        if cached is not None and now - cached[1] < self.seconds:
+            return cached[0]
+        value = read(name)
+        with self._guard:
+            self.entries[name] = (value, now)
+        return value
+
+    def prune(self) -> None:
+        now = time.monotonic()
+        with self._guard:
+            for name in [n for n, (_, at) in self.entries.items() if now - at >= self.seconds]:
+                del self.entries[name]
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Reconciler:
+    """Per-process state of the shell; every method is safe to call from kopf's worker threads."""
+
+    def __init__(self, api: Any, config: Config = Config()):
+        self.api = api
+        self.config = config
+        self.jobs = JobRegistry()
+        self.backoff = CreateBackoff(self.jobs, self.jobs.wake)
+        self.poller = ProgressPoller(self.jobs, api, self.reconcile)
+        self.nodes = ReadCache(NODE_CACHE_SECONDS)
+        self.flavors = ReadCache(FLAVOR_CACHE_SECONDS)     # Kueue's ResourceFlavors
+        self.priorities = ReadCache(FLAVOR_CACHE_SECONDS)  # Kueue's WorkloadPriorityClasses
+        self._swept_at = 0.0
+        self._stop = threading.Event()
+
+    @property
+    def indexes(self) -> dict[str, Any] | None:
+        """kopf's indexes, bound by the first handler call (tests set them)."""
+        return self.jobs.indexes
+
+    @indexes.setter
+    def indexes(self, indexes: dict[str, Any] | None) -> None:
+        self.jobs.indexes = indexes
+
+    # --- the ticker -------------------------------------------------------------------------------
+    def tick(self) -> None:
+        """Run due wake-ups, a slow resync of every job, progress probes (in the pool) and the sweep.
+
+        Each job's work is isolated: whatever one job raises, every other due wake-up still runs, and the
+        failing job's own wake-up is re-armed."""
+        now = time.monotonic()
+        keys = set(self.jobs.take_due(now))
+        try:
+            jobs = self.jobs.keys()
+        except Exception:  # noqa: BLE001 - the wake-ups already taken must run regardless
+            log.exception("could not list jobs for the resync")
+            jobs = []
+        for key in jobs:
+            record = self.jobs.get(key)
+            if now - (record.last_pass if record is not None else 0.0) >= RESYNC_SECONDS:
+                keys.add(key)
+            self.poller.schedule(key)
+        if now - self._swept_at >= SWEEP_SECONDS:
+            self._swept_at = now
+            try:
+                self.nodes.prune()
+                self.jobs.sweep()
+            except Exception:  # noqa: BLE001
+                log.exception("sweep of deleted jobs failed")
+        for key in sorted(keys):
+            try:
+                self.reconcile(*key)
+            except Exception:  # noqa: BLE001 - logged by reconcile; this job alone is retried
+                self.jobs.wake(key, RETRY_SECONDS)
+
+    def run_ticker(self) -> None:
+        while not self._stop.wait(TICK_SECONDS):
+            try:
+                self.tick()
+            except Exception:
+                log.exception("ticker pass failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.poller.stop()
+
+    # --- observation ------------------------------------------------------------------------------
+    def _observe(self, key: Key, uid: str) -> tuple[tuple[PodState, ...], set[str]]:
+        live = [p for p in self.jobs.values("pods_by_job", key) if owned_by(p, uid)]
+        live_names = {p["metadata"]["name"]: p["metadata"]["uid"] for p in live}
+        now = time.monotonic()
+        record = self.jobs.record(key)
+        with self.jobs.guard:
+            tombstones = dict(record.tombstones)
+            created = record.created
+            for name, c in list(created.items()):
+                if live_names.get(name) == c.body["metadata"]["uid"] or now - c.at > CREATED_MEMORY_SECONDS \
+                        or c.body["metadata"]["uid"] in tombstones:
+                    del created[name]
+            fresh = [c.body for name, c in created.items() if name not in live_names]
+        gone = [t for u, t in tombstones.items() if u not in live_names.values() and owned_by(t, uid)]
+        states = tuple(observe_pod(p) for p in live + fresh) + tuple(observe_pod(t, gone=True) for t in gone)
+        return states, set(tombstones)
+
+    def _network_policies(self, key: Key, uid: str) -> list[str]:
+        """UIDs of the job's NetworkPolicy: the index's, or one just created that the watch does not show yet."""
+        policies = [uid_ for uid_, owners in self.jobs.values("network_policies_by_job", key) if uid in owners]
+        record = self.jobs.record(key)
+        with self.jobs.guard:
+            created = record.policy_created
+            if created and (policies or time.monotonic() - created[1] > CREATED_MEMORY_SECONDS):
+                record.policy_created = None
+            elif created:
+                policies = [created[0]]
+        return policies
+
+    # --- the pass ---------------------------------------------------------------------------------
+    def reconcile(self, namespace: str, name: str, body: Mapping[str, Any] | None = None, *,
+                  hang_reports: Mapping[str, Mapping[str, Any] | None] | None = None) -> Plan | None:
+        key = (namespace, name)
+        record = self.jobs.record(key)
+        with record.lock:
+            started = time.monotonic()
+            try:
+                result = (self._reconcile(key, body) if hang_reports is None
+                          else self._reconcile(key, body, hang_reports))
+            except Exception as e:
+                metrics.RECONCILES.labels("error").inc()
+                log.warning("[%s/%s] reconcile failed, retrying in %.0fs: %s", namespace, name, RETRY_SECONDS,
+                            describe_error(e), exc_info=not isinstance(e, ApiException))
+                self.jobs.wake(key, RETRY_SECONDS)
+                raise
+            finally:
+                if self.jobs.exists(key):
+                    current = self.jobs.record(key)
+                    with self.jobs.guard:
+                        current.last_pass = time.monotonic()
+                metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+            metrics.RECONCILES.labels("ok").inc()
+            return result
+
+    def _reconcile(self, key: Key, body: Mapping[str, Any] | None,
+                   hang_reports: Mapping[str, Mapping[str, Any] | None] | None = None) -> Plan | None:
+        body = body if body is not None else self.jobs.body(key)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        uid = body["metadata"]["uid"]
+        now = _now()
+        record = self.jobs.record(key)
+        with self.jobs.guard:
+            prev = record.of(uid).written
+        if prev is None:
+            prev = dict(body.get("status") or {})
+        else:
+            # The watched object may hold a newer progress than our copy (another writer, a restart): the status
+            # written now never carries an older one.
+            stored = newer_progress(prev.get("progress"), (body.get("status") or {}).get("progress"))
+            if stored is not None and stored != prev.get("progress"):
+                prev = {**prev, "progress": stored}
+        try:
+            job = self.jobs.job(key, body)
+        except SpecError as e:
+            result = invalid(int(body["metadata"].get("generation") or 0), prev, str(e), now)
+            self._write_status(key, uid, prev, result.status, force=True)
+            self._post_events(body, result)
+            return result
+        pods, seen_tombstones = self._observe(key, uid)
+        node_ready = {p.node: self.api.node_ready(p.node) for p in stuck_pods(job, pods, now)}
+        nodes = ({p.node: self.nodes.get(p.node, self.api.node_state) for p in node_lost_candidates(pods)}
+                 if job.spec.failure_policy.node_lost_timeout_seconds else {})
+        policies = self._network_policies(key, uid)
+        conflicts, refusals = self.backoff.observed(key)
+        observed = Observed(pods=pods, service_exists=bool(self.jobs.values("services_by_job", key)),
+                            node_ready=node_ready, network_policy_exists=bool(policies),
+                            network_policy_uid=policies[0] if policies else None, conflicts=conflicts,
+                            hang_reports=hang_reports, refusals=refusals, nodes=nodes,
+                            **(self._observe_kueue(key, uid, job.priority_class) if job.queue_name else {}))
+        result = plan(job, prev, observed, now, self.config.network_policy)
+        # Status first: a failure is on record (by pod UID) before the pod is deleted, so a crash between
+        # the two never counts it twice.
+        # A pass with Events is never coalesced: the next pass would post them again from the same old status.
+        self._write_status(key, uid, prev, result.status, force=bool(result.events))
+        # Events before the actions: a refused create fails the pass, and the status that carried them is written.
+        self._post_events(body, result)
+        self._execute(job.namespace, key, body, result)
+        with self.jobs.guard:
+            for u in seen_tombstones:
+                record.tombstones.pop(u, None)
+            record.of(uid).phase = result.status.get("phase", names.PHASE_PENDING)
+        metrics.set_phases(self.jobs.phases())
+        if result.counted_restarts:
+            metrics.RESTARTS.inc(result.counted_restarts)
+        if result.status.get("disruptions", 0) > int(prev.get("disruptions") or 0):
+            metrics.DISRUPTIONS.inc(result.status["disruptions"] - int(prev.get("disruptions") or 0))
+        if result.recovery_seconds is not None:
+            metrics.RECOVERY.observe(result.recovery_seconds)
+            log.info("[%s/%s] recovered in %.1fs", *key, result.recovery_seconds)
+        if result.requeue_after is not None:
+            self.jobs.wake(key, result.requeue_after + 0.5)
+        return result
+
+    def _write_status(self, key: Key, uid: str, prev: Mapping, new: Mapping, force: bool = False) -> None:
+        if new == prev:
+            return
+        changed = {k for k in set(prev) | set(new) if prev.get(k) != new.get(k)}
+        record = self.jobs.record(key)
+        with self.jobs.guard:
+            since = time.monotonic() - record.of(uid).written_at
+        if not force and changed <= _COUNT_FIELDS and since < STATUS_COALESCE_SECONDS:
+            self.jobs.wake(key, STATUS_COALESCE_SECONDS - since)
+            return
+        patch = {k: new.get(k) for k in changed}  # None removes a key (merge patch)
+        self.api.patch_status(key[0], key[1], patch)
+        with self.jobs.guard:
+            obj = record.of(uid)
+            obj.written = copy.deepcopy(dict(new))
+            obj.written_at = time.monotonic()
+        if "phase" in changed:
+            log.info("[%s/%s] phase %s -> %s: %s", *key, prev.get("phase"), new.get("phase"), new.get("message", ""))
+
+    def _post_events(self, body: Mapping, result: Plan) -> None:
+        for event in result.events:
+            self.api.post_event(body, event.type, event.reason, event.message, COMPONENT)
+
+    def _execute(self, namespace: str, key: Key, body: Mapping, result: Plan) -> None:
+        self.backoff.forget_stale(key, {a.name for a in result.actions if a.verb == CREATE})
+        policy_missing = False  # pods are never created before the NetworkPolicy that protects them
+        for action in result.actions:
+            if action.verb == CREATE:
+                if action.kind == "Pod" and policy_missing:
+                    continue
+                if self.backoff.conflicting(key, action.name):
+                    continue
+                if self.backoff.backing_off(key, action.name):
+                    policy_missing = policy_missing or action.kind == "NetworkPolicy"
+                    continue
+                try:
+                    created = self.api.create(action.body)
+                except ChildConflict as e:
+                    self.backoff.conflict(key, action.name, str(e))
+                    continue
+                except ApiException as e:
+                    self.backoff.refused(key, action, e)
+                    policy_missing = policy_missing or action.kind == "NetworkPolicy"
+                    continue
+                self.backoff.created(key, action)
+                if created is not None:
+                    self._created(key, action, created)
+            elif action.kind == names.WORKLOAD_KIND:
+                self._workload_write(namespace, key, action)
+            elif action.verb == DELETE and action.kind == "NetworkPolicy":
+                log.info("[%s/%s] deleting NetworkPolicy %s", *key, action.name)
+                self.api.delete_network_policy(namespace, action.name, action.uid)
+            elif action.verb == DELETE:
+                log.info("[%s/%s] deleting pod %s", *key, action.name)
+                self.api.delete_pod(namespace, action.name, action.uid, grace_seconds=action.grace_seconds)
+            elif action.verb == FORCE_DELETE:
+                log.warning("[%s/%s] force-deleting pod %s on a NotReady or lost node", *key, action.name)
+                self.api.delete_pod(namespace, action.name, action.uid, force=True)
+            elif action.verb == PATCH:
+                log.info("[%s/%s] patching pod %s: %s", *key, action.name, action.body)
+                self.api.patch_pod(namespace, action.name, action.uid, action.body or {})
+            elif action.verb == DELETE_JOB:
+                log.info("[%s/%s] ttlSecondsAfterFinished expired; deleting the job", *key)
+                self.api.delete_job(namespace, action.name, body["metadata"]["uid"])
+
+    def _created(self, key: Key, action: Any, created: dict) -> None:
+        """Remember a created pod or NetworkPolicy until the watch shows it: the next pass does not create it
+        again."""
+        log.info("[%s/%s] created %s %s", *key, action.kind, action.name)
+        record = self.jobs.record(key)
+        with self.jobs.guard:
+            if action.kind == "Pod":
+                record.created[action.name] = Created(created, time.monotonic())
+            elif action.kind == "NetworkPolicy":
+                record.policy_created = (created["metadata"].get("uid"), time.monotonic())
+
+    # --- Kueue ----------------------------------------------------------------------------------------
+    def _observe_kueue(self, key: Key, uid: str, priority_class: str | None) -> dict[str, Any]:
+        """Observed's Kueue fields for a job with a queue name: its Workload, the flavors its admission names and,
+        while it has no Workload yet, its WorkloadPriorityClass."""
+        if not self.config.kueue:
+            return {"kueue": False}
+        owned = [observe_workload(w) for w in self.jobs.values("workloads_by_job", key) if owned_by(w, uid)]
+        workload: WorkloadState | None = owned[0] if owned else None
+        flavors = ({f: self.flavors.get(f, self.api.resource_flavor) for f in workload.flavor_names()}
+                   if workload and workload.admitted else {})
+        priority = (self.priorities.get(priority_class, self.api.workload_priority)
+                    if priority_class and workload is None else None)
+        return {"kueue": True, "workload": workload, "flavors": flavors, "priority": priority}
+
+    def _workload_write(self, namespace: str, key: Key, action: Any) -> None:
+        if action.verb == DELETE:
+            log.info("[%s/%s] deleting Kueue workload %s", *key, action.name)
+            self.api.delete_workload(namespace, action.name, action.uid)
+            return
+        status = action.verb == PATCH_STATUS
+        log.info("[%s/%s] %s Kueue workload %s: %s", *key, "updating the status of" if status else "patching",
+                 action.name, action.body.get("status", action.body.get("spec")))
+        if not self.api.patch_workload(namespace, action.name, action.uid, action.body, status=status):
+            self.jobs.wake(key, RETRY_SECONDS)  # Kueue wrote in between (or it is gone): decided again on fresh state
