@@ -23,8 +23,12 @@ once, as a dying pod) at a chosen step and a replacement agent started at once; 
 For each: kills survived (training resumed within --wait seconds and the job then finished with exit
 code 0 on every node), recovery p50 (kill -> first step logged after the resume) and steps lost
 (ddp_trainer.testing.steps_lost: highest step any rank completed before the restore minus the
-restored step). Prints one JSON object as its last line; --record also writes docs/bench/baselines.json,
-from which `make bench-report` writes the table in docs/recovery.md.
+restored step). Each configuration's outcome is judged against what docs/recovery.md documents for it
+(goals_missed): a documented survivor survives every kill, losing at most the --checkpoint-every steps since its
+last checkpoint; the others (stock, host_killed) survive none. One kill is one sample, judged as it came: no
+configuration is measured again after a miss. Prints one JSON object as its last line (`goals_missed` included) and
+exits 1 when an outcome differs from the documented one; --record also writes docs/bench/baselines.json, from which
+`make bench-report` writes the table in docs/recovery.md.
 """
 
 from __future__ import annotations
@@ -153,6 +157,26 @@ def run_config(cfg: Config, work: Path, kills: int, epochs: int, delay: float, e
     }
 
 
+def goals_missed(result: dict[str, Any]) -> list[str]:
+    """Every configuration's documented outcome: a survivor survived every kill and lost at most the steps since its
+    last checkpoint; the others survived none ([]: all held)."""
+    every, out = result["checkpoint_every"], []
+    for name, c in result["configs"].items():
+        out += results.goal(c["kills"] >= 1, f"{name}: kills", c["kills"], ">= 1")
+        survived = f"{c['survived']}/{c['kills']}"
+        if not c["documented_to_survive"]:
+            out += results.goal(c["survived"] == 0, f"{name}: survived", survived,
+                                "none (docs/recovery.md: it does not recover)")
+            continue
+        out += results.goal(c["survived"] == c["kills"], f"{name}: survived", survived,
+                            "every kill (docs/recovery.md: it survives)")
+        if c["survived"]:
+            lost = c["steps_lost_max"]
+            out += results.goal(lost is not None and 0 <= lost <= every, f"{name}: steps_lost_max", lost,
+                                f"0..{every} (the steps since the last checkpoint)")
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="1 kill per configuration, short jobs (smoke test)")
@@ -188,8 +212,8 @@ def main() -> int:
         "quick": a.quick,
         "wall_s": round(time.time() - t0, 1),
     }
-    results.emit("baselines", result, mode="quick" if a.quick else "full", record=a.record and not a.only)
-    return 0
+    return results.emit_judged("baselines", result, goals_missed(result), mode="quick" if a.quick else "full",
+                               record=a.record and not a.only)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,11 @@ baseline table comes from a committed file that says what produced it: the commi
 had uncommitted changes), the date, the machine (cores, memory, torch version), the command line and the
 mode (`full`, or `quick` for the short smoke runs the test suite makes). `make bench-report` rewrites the
 tables from these files (tests/benchmarks/report.py).
+
+A benchmark also judges its outcomes (never its timings): a pure `goals_missed(result)` of its own lists every goal
+missed, one message each (`goal()`), and `emit_judged` puts that list in the result as `goals_missed` and turns
+it into the exit status, so a smoke test fails on a missed outcome and a unit test can show each check failing on a
+forced bad value.
 """
 
 from __future__ import annotations
@@ -99,6 +104,31 @@ def emit(name: str, result: dict[str, Any], *, mode: str, record: bool) -> Path 
         print(f"recorded {path.relative_to(ROOT)}", file=sys.stderr)
     print(json.dumps(result), flush=True)
     return path
+
+
+def measured(values: list[float | None]) -> list[float]:
+    """The values that were measured (None: not measured, e.g. a round whose job never reached its first step)."""
+    return [v for v in values if v is not None]
+
+
+def difference(a: float | None, b: float | None) -> float | None:
+    """a - b, or None where either was not measured."""
+    return None if a is None or b is None else round(a - b, 2)
+
+
+def goal(held: bool, figure: str, value: Any, want: str) -> list[str]:
+    """[] when a goal held, else its one message, naming the figure, its value and the goal."""
+    return [] if held else [f"{figure} = {value!r}, goal: {want}"]
+
+
+def emit_judged(name: str, result: dict[str, Any], missed: list[str], *, mode: str, record: bool) -> int:
+    """emit() with `goals_missed` (the messages of `goal()`, [] when every goal held) in the result, each miss also on
+    stderr; returns the exit status: 1 when a goal was missed. A run that missed is still recorded: its figures are
+    what was measured, and its JSON says what missed."""
+    emit(name, {**result, "goals_missed": list(missed)}, mode=mode, record=record)
+    for message in missed:
+        print(f"goal missed: {message}", file=sys.stderr)
+    return 1 if missed else 0
 
 
 def load(name: str, bench_dir: Path = BENCH_DIR) -> dict[str, Any] | None:

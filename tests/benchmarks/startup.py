@@ -13,9 +13,17 @@ Each round, in a fresh namespace each:
   latency, reconciling, its API calls.
 
 The rounds alternate DDPJob and baseline (the image is cached on the node for both). Medians are reported.
-Goal (issue 4): delta_s = apply_to_first_step_s - baseline_first_step_s <= 2 s.
+Goal (issue 4): delta_s = apply_to_first_step_s - baseline_first_step_s <= 2 s (a timing: reported, not judged).
+
+Judged (goals_missed; the exit status is 1 when one is missed): every round of both kinds reached its first step, and
+in every DDPJob round the operator made each child exactly once -- its Service, the rendezvous-store pod, the N
+training pods and the NetworkPolicy where it makes one: the UIDs seen under each name (every pod of the job at every
+poll, every child once more when the first step was logged) number one, nothing else carries the job's label, no
+container restarted and the job's status.attempts is empty (the operator saw no pod end). The pods are listed by
+the poll that waits for the first step anyway (one list call for all of them, in both kinds of round), the rest in
+one list call after it: nothing is waited for.
 The last line is one JSON object: apply_to_running_s, apply_to_first_step_s, baseline_first_step_s,
-baseline_running_s, delta_s, rounds.
+baseline_running_s, delta_s, rounds, goals_missed.
 """
 
 from __future__ import annotations
@@ -30,12 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "operator"))
 from tests.benchmarks import results  # noqa: E402
 from tests.e2e import harness as h  # noqa: E402
 
+from ddp_operator import netpol as netpol_render  # noqa: E402
 from ddp_operator import pod as pod_render  # noqa: E402
 from ddp_operator import rdzv as rdzv_render  # noqa: E402
 from ddp_operator import service as service_render  # noqa: E402
 from ddp_operator import spec as spec_model  # noqa: E402
 
 JOB = "st"
+TIMEOUT = 300.0  # seconds from apply to the first step
 
 
 def parse_args():
@@ -44,10 +54,14 @@ def parse_args():
                                lambda p: p.add_argument("--nodes", type=int, default=2))
 
 
+def _parsed(manifest: dict, namespace: str) -> spec_model.Job:
+    return spec_model.parse_job({**manifest, "metadata": {**manifest["metadata"], "namespace": namespace,
+                                                          "uid": str(uuid.uuid4())}})
+
+
 def baseline_objects(manifest: dict, namespace: str) -> list[dict]:
     """The DDPJob's children as the operator renders them, as plain objects nobody owns."""
-    body = {**manifest, "metadata": {**manifest["metadata"], "namespace": namespace, "uid": str(uuid.uuid4())}}
-    job = spec_model.parse_job(body)
+    job = _parsed(manifest, namespace)
     objs = [service_render.render_service(job), rdzv_render.render_rdzv_pod(job, 0)]
     objs += [pod_render.render_trainer_pod(job, i, 0) for i in range(job.spec.nodes)]
     for o in objs:
@@ -55,17 +69,59 @@ def baseline_objects(manifest: dict, namespace: str) -> list[dict]:
     return objs
 
 
-def measure(k: h.Kubectl, ns: str, apply: callable, nodes: int, timeout: float = 300) -> dict:
-    """apply() at t0; poll until every training pod runs and rank 0 logged its first step."""
+def child_key(obj: dict) -> str:
+    return f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+def expected_children(manifest: dict) -> tuple[list[str], list[str]]:
+    """(the children every DDPJob round must have, the one it may have: the NetworkPolicy, which the operator makes
+    unless configured not to), named as the operator's own pure functions name them."""
+    job = _parsed(manifest, "default")
+    return (sorted(child_key(o) for o in baseline_objects(manifest, "default")),
+            [child_key(netpol_render.render_network_policy(job, netpol_render.NetworkPolicyConfig()))])
+
+
+class Children:
+    """Every object labelled as the job's, over every look: the UIDs seen under each name ("Kind/name") and the most
+    restarts its containers showed. A child made twice shows two UIDs, even where the first was gone by the end."""
+
+    def __init__(self) -> None:
+        self.uids: dict[str, set[str]] = {}
+        self.restarts: dict[str, int] = {}
+
+    def note(self, objs: list[dict]) -> None:
+        for o in objs:
+            key = child_key(o)
+            self.uids.setdefault(key, set()).add(o["metadata"]["uid"])
+            n = sum(c.get("restartCount", 0) for c in (o.get("status") or {}).get("containerStatuses") or [])
+            self.restarts[key] = max(self.restarts.get(key, 0), n)
+
+    def look(self, k: h.Kubectl, ns: str) -> None:
+        """The job's pods, Services and NetworkPolicies now: one list call, no wait."""
+        self.note(k.json("get", "pods,services,networkpolicies", "-n", ns, "-l", f"{h.LABEL_JOB}={JOB}")["items"])
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """"Kind/name" -> created (UIDs seen), restarts."""
+        return {key: {"created": len(uids), "restarts": self.restarts[key]} for key, uids in sorted(self.uids.items())}
+
+
+def measure(k: h.Kubectl, ns: str, apply: callable, nodes: int, seen: Children | None = None) -> dict:
+    """apply() at t0; poll until every training pod runs and rank 0 logged its first step (first_step_s None: not
+    within TIMEOUT). Every poll lists all the job's pods (the store pod too) and notes them in `seen`."""
     t0 = time.time()
     apply()
     t_apply_done = time.time()
     running_at = first_step_at = None
-    deadline = time.monotonic() + timeout
+    seen = Children() if seen is None else seen
+    deadline = time.monotonic() + TIMEOUT
     while first_step_at is None or running_at is None:
         if time.monotonic() > deadline:
-            raise AssertionError(f"no first step in {ns} after {timeout}s:\n" + h.dump_namespace(k, ns))
-        pods = h.trainer_pods(k, ns, JOB)
+            h.log(f"no first step in {ns} after {TIMEOUT} s:\n" + h.dump_namespace(k, ns))
+            break
+        every = k.json("get", "pods", "-n", ns, "-l", f"{h.LABEL_JOB}={JOB}")["items"]
+        seen.note(every)
+        pods = sorted((p for p in every if p["metadata"].get("labels", {}).get(h.LABEL_ROLE) == "trainer"),
+                      key=lambda p: p["metadata"]["name"])
         now = time.time()
         if running_at is None and len(pods) == nodes and all(h.running(p) for p in pods):
             running_at = now
@@ -77,12 +133,37 @@ def measure(k: h.Kubectl, ns: str, apply: callable, nodes: int, timeout: float =
                     first_step_at = step.time
                     break
         time.sleep(0.2)
-    return {"apply_s": round(t_apply_done - t0, 2), "running_s": round(running_at - t0, 2),
-            "first_step_s": round(first_step_at - t0, 2)}
+    return {"apply_s": round(t_apply_done - t0, 2), "running_s": results.difference(running_at, t0),
+            "first_step_s": results.difference(first_step_at, t0)}
 
 
-def median(values: list[float]) -> float | None:
-    return h.p50(values)
+def goals_missed(result: dict) -> list[str]:
+    """Every round reached its first step; in every DDPJob round each child was made exactly once, nothing else
+    carries the job's label, no container restarted and the operator recorded no attempt ([]: all held)."""
+    expected, optional = set(result["children_expected"]), set(result["children_optional"])
+    out = []
+    for i, r in enumerate(result["rounds"]):
+        for side in ("ddpjob", "baseline"):
+            out += results.goal(r[side]["first_step_s"] is not None, f"round {i} {side}: first_step_s",
+                                r[side]["first_step_s"], f"a first step within {TIMEOUT:.0f} s")
+        op = r["ddpjob"]
+        made = op["children"]
+        for key in sorted(expected | set(made)):
+            c = made.get(key, {"created": 0, "restarts": 0})
+            at = f"round {i} ddpjob: {key}"
+            if key in expected or key in optional:
+                want = "exactly once" if key in expected else "exactly once where the operator makes one"
+                out += results.goal(c["created"] == 1, f"{at} created", c["created"], want)
+            else:
+                out += results.goal(False, f"{at} created", c["created"], "0: not a child the operator makes")
+            out += results.goal(c["restarts"] == 0, f"{at} restarts", c["restarts"], "0")
+        out += results.goal(op["attempts"] == 0, f"round {i} ddpjob: status.attempts", op["attempts"],
+                            "0 (no pod ended)")
+    return out
+
+
+def median(values: list[float | None]) -> float | None:
+    return h.p50(results.measured(values))
 
 
 def main() -> int:
@@ -94,7 +175,11 @@ def main() -> int:
             manifest = h.digits_job(JOB, nodes=a.nodes, epochs=1)
             ns = h.new_namespace(k, f"bench-startup-op-{i}")
             try:
-                ddpjob = measure(k, ns, lambda: h.apply(k, ns, manifest), a.nodes)
+                seen = Children()
+                ddpjob = measure(k, ns, lambda: h.apply(k, ns, manifest), a.nodes, seen)
+                seen.look(k, ns)  # the Service and the NetworkPolicy, which no poll lists
+                ddpjob["children"] = seen.summary()
+                ddpjob["attempts"] = len(h.status(k, ns, JOB).get("attempts") or [])
             finally:
                 h.delete_namespace(k, ns, wait=True)
             h.log(f"round {i}: DDPJob {ddpjob}")
@@ -110,20 +195,24 @@ def main() -> int:
         op.stop()
     op_first = median([r["ddpjob"]["first_step_s"] for r in rounds])
     base_first = median([r["baseline"]["first_step_s"] for r in rounds])
+    expected, optional = expected_children(h.digits_job(JOB, nodes=a.nodes, epochs=1))
     result = {
         "apply_to_running_s": median([r["ddpjob"]["running_s"] for r in rounds]),
         "apply_to_first_step_s": op_first,
         "baseline_running_s": median([r["baseline"]["running_s"] for r in rounds]),
         "baseline_first_step_s": base_first,
-        "delta_s": round(op_first - base_first, 2),
+        "delta_s": results.difference(op_first, base_first),
         # The same, paired by round (both halves of a round share the machine's load at the time).
-        "delta_s_paired_p50": median([r["ddpjob"]["first_step_s"] - r["baseline"]["first_step_s"] for r in rounds]),
-        "goal": {"delta_s": 2},
+        "delta_s_paired_p50": median([results.difference(r["ddpjob"]["first_step_s"], r["baseline"]["first_step_s"])
+                                      for r in rounds]),
+        "goal": {"delta_s": 2, "children": "each created exactly once, none restarted"},
         "nodes": a.nodes,
+        "children_expected": expected,
+        "children_optional": optional,
         "rounds": rounds,
     }
-    results.emit("startup", result, mode="quick" if a.quick else "full", record=a.record)
-    return 0
+    return results.emit_judged("startup", result, goals_missed(result), mode="quick" if a.quick else "full",
+                               record=a.record)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The trainer benchmarks run in quick mode, and their outcomes are judged: a kill that was not survived,
-final weights that differ from an uninterrupted run, or more than one step lost fails the test. Times are
-never asserted here; they live in the JSON (`make bench-*` runs the benchmarks in full)."""
+final weights that differ from an uninterrupted run, or more than one step lost fails the test, as does a
+baseline whose outcome differs from the one docs/recovery.md documents (a benchmark's `goals_missed`: it exits 1
+then). Times are never asserted here; they live in the JSON (`make bench-*` runs the benchmarks in full)."""
 
 from __future__ import annotations
 
@@ -30,33 +31,22 @@ def test_recovery_benchmark_quick():
             "baseline_recovery_s_p50", "baselines"}  # fmt: skip
     assert keys <= set(result), result
     assert result["kills"] == 1, result
-    assert result["survived"] is True, f"the killed job did not finish: {result}"
-    assert result["bitwise_equal"] is True, f"final weights differ from the uninterrupted run: {result}"
-    # measured from the log lines (never None: the surviving host logged its steps), at most the snapshot
-    # interval K in force (the resume line reports it)
-    assert result["snapshot_every_max"] is not None, result
-    assert result["steps_lost_max"] is not None and 0 <= result["steps_lost_max"] <= result["snapshot_every_max"], result
-    assert result["sources"] == ["peer"], result
+    # ours survived, bitwise equal, from a peer, at most the snapshot interval K in force lost (measured from the
+    # log lines); stock torchrun, the baseline, did not survive (trainer_recovery.goals_missed)
+    assert result["goals_missed"] == [], result["goals_missed"]
 
 
 def test_baselines_quick():
-    """The configurations docs/recovery.md says survive do survive; stock torchrun's outcome is reported."""
+    """Every configuration has the outcome docs/recovery.md documents for it, from one kill, never measured again:
+    share_store_off, keep_alive and ddpjob_settings survive (at most the 10 steps since the last checkpoint lost),
+    stock and host_killed do not (baselines.goals_missed)."""
     result = _run("baselines.py")
     configs = result["configs"]
     assert set(configs) == {"stock", "share_store_off", "keep_alive", "host_killed", "ddpjob_settings"}, result
-    for name, c in configs.items():
-        assert c["kills"] == 1, (name, c)
-        if c["documented_to_survive"] and c["survived"] != 1:
-            # These are stock torchrun's configurations (plain torchrun, a plain script): once in many CI runs a
-            # recovered job did not end cleanly (share_store_off). One kill is a sample of one, so a miss is
-            # measured again once, and both outcomes are printed; two misses fail.
-            again = _run("baselines.py", "--only", name)["configs"][name]
-            print(f"{name}: first kill not survived: {c['detail']}; again: {again['detail']}")
-            configs[name] = c = again
-        if c["documented_to_survive"]:
-            assert c["survived"] == 1, f"{name} is documented to survive a lost node: {c}"
-            # checkpoint every 10 steps: at most the 10 steps since the last checkpoint are redone
-            assert c["steps_lost_max"] is not None and 0 <= c["steps_lost_max"] <= 10, (name, c)
+    assert {n for n, c in configs.items() if c["documented_to_survive"]} == \
+        {"share_store_off", "keep_alive", "ddpjob_settings"}, configs
+    assert all(c["kills"] == 1 for c in configs.values()), configs
+    assert result["goals_missed"] == [], result["goals_missed"]
 
 
 def test_overhead_benchmark_quick():

@@ -15,8 +15,13 @@ settings) are measured by `make bench-baselines` (tests/benchmarks/baselines.py)
 results (docs/bench/baselines.json) are reported under `baselines`.
 
 Steps lost: ddp_trainer.testing.steps_lost (highest step any rank logged before the restore minus the
-restored step; never clamped). Prints one JSON object as its last line; --record also writes
-docs/bench/trainer_recovery.json.
+restored step; never clamped).
+
+Judged (goals_missed): ours survived every kill, its final weights bitwise equal to the uninterrupted run's, every
+recovery from a peer with at most the snapshot interval K in force lost; the stock baseline did not survive, as
+docs/recovery.md documents (the default environment's rank-0 agent never publishes a new master address). Prints
+one JSON object as its last line (`goals_missed` included) and exits 1 when a goal was missed; --record also
+writes docs/bench/trainer_recovery.json.
 
     .venv/bin/python tests/benchmarks/trainer_recovery.py [--quick] [--kills 5] [--compare-env K=V,...] [--record]
 """
@@ -120,6 +125,22 @@ def recorded_baselines() -> dict | None:
     }
 
 
+def goals_missed(result: dict) -> list[str]:
+    """Ours survived, bitwise equal, every recovery from a peer within K steps lost; the stock baseline died ([]: all
+    held)."""
+    lost, k = result["steps_lost_max"], result["snapshot_every_max"]
+    return [
+        *results.goal(result["survived"] is True, "survived", result["survived"], "True (the killed job finished)"),
+        *results.goal(result["bitwise_equal"] is True, "bitwise_equal", result["bitwise_equal"],
+                      "True (final weights equal to the uninterrupted run's)"),
+        *results.goal(k is not None and lost is not None and 0 <= lost <= k, "steps_lost_max", lost,
+                      f"0..snapshot_every_max ({k}), measured"),
+        *results.goal(result["sources"] == ["peer"], "sources", result["sources"], "['peer']"),
+        *results.goal(result["baseline_survived"] is False, "baseline_survived", result["baseline_survived"],
+                      "False (docs/recovery.md: stock torchrun does not recover)"),
+    ]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="1 kill, short jobs (smoke test)")
@@ -181,8 +202,8 @@ def main() -> int:
         "quick": opts.quick,
         "wall_s": round(time.time() - t0, 1),
     }
-    results.emit("trainer_recovery", result, mode="quick" if opts.quick else "full", record=opts.record)
-    return 0
+    return results.emit_judged("trainer_recovery", result, goals_missed(result), mode="quick" if opts.quick else "full",
+                               record=opts.record)
 
 
 if __name__ == "__main__":
