@@ -1,0 +1,168 @@
+"""Failures of trainer pods: in-place restarts, ended pods, the failure budget and permanent exit codes.
+
+- Training pods run with restartPolicy OnFailure (pod.py). A trainer container that exits non-zero is restarted
+  by the kubelet in the same pod (same IP, hostname and /dev/shm): each such restart is recorded once (key
+  `<uid>/<restartCount>` in status.recordedPods, details with `restartCount` in status.attempts; restarts the
+  operator did not see, e.g. while it was down, are recorded together with the newest) and is an incident like a
+  failed pod. The pod is left alone: the kubelet restarts the container (CrashLoopBackOff from the second
+  restart on), the trainer resumes from its own snapshot.
+- A failed, deleted or evicted training pod is recorded once (by UID, in status.recordedPods, with its details in
+  the bounded status.attempts history), deleted, and recreated under the same name once the old one is gone
+  (so there is never more than one pod per index). A pod missing unseen: vanished.py.
+- A failure counts against failurePolicy.backoffLimit unless it is a disruption (eviction, preemption, node
+  loss) and countDisruptions is false, or it falls within incidentWindowSeconds of the incident that came
+  before (survivors crashing because a peer died). Exceeding the budget fails the job and stops the pods.
+- Exit codes listed as permanent (or not listed as retryable) fail the job at once, on a pod that ended as on an
+  in-place restart (the trainer container's exit code and its workers' from torchrun's summary).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from ddp_operator import names
+from ddp_operator import spares as sparesmod
+from ddp_operator.observed import PodState
+from ddp_operator.plan.spares import spare_released
+from ddp_operator.plan.state import Pass
+from ddp_operator.status import Event
+
+
+# --- the failure budget (failurePolicy.backoffLimit, incidentWindowSeconds) -------------------------
+def incident(ctx: Pass, disruption: str | None, *, caused: bool = False) -> bool:
+    """Record a failure; True if it counts against the budget. Updates the incident window. `caused`: a
+    consequence of an incident already on record (never counted, and never opens a new window)."""
+    fp = ctx.job.spec.failure_policy
+    window = timedelta(seconds=fp.incident_window_seconds)
+    same_incident = caused or (ctx.last_incident is not None and ctx.now - ctx.last_incident < window)
+    if disruption:
+        ctx.disruptions += 1
+    counts = not same_incident and (disruption is None or fp.count_disruptions)
+    if not same_incident:
+        ctx.last_incident = ctx.now
+    if ctx.recovery_start is None:
+        ctx.recovery_start = ctx.now
+    return counts
+
+
+def failure(ctx: Pass, p: PodState, what: str, *, disruption: str | None = None, caused: bool = False,
+            **record: Any) -> bool | None:
+    """Put a failure of `p` (an ended pod, an in-place restart, a hang) on record as an incident: whether it
+    counted, or None when it exceeded backoffLimit (the job failed; `what` is in its message)."""
+    counts = incident(ctx, disruption, caused=caused)
+    if counts and over_budget(ctx, what):
+        ctx.record(p, counted=True, **record)
+        return None
+    ctx.record(p, counted=counts, **record)
+    return counts
+
+
+def over_budget(ctx: Pass, what: str) -> bool:
+    limit = ctx.job.spec.failure_policy.backoff_limit
+    if ctx.restarts + 1 > limit:
+        ctx.finish(names.PHASE_FAILED, names.REASON_BACKOFF_LIMIT,
+                   f"{ctx.restarts + 1} failures exceed spec.failurePolicy.backoffLimit={limit}; last: {what}")
+        return True
+    ctx.restarts += 1
+    ctx.counted += 1
+    return False
+
+
+def permanent(ctx: Pass, what: str) -> None:
+    fp = ctx.job.spec.failure_policy
+    field_name = ("spec.failurePolicy.permanentExitCodes" if fp.retryable_exit_codes is None
+                  else "spec.failurePolicy.retryableExitCodes")
+    ctx.finish(names.PHASE_FAILED, names.REASON_PERMANENT_EXIT, f"{what}: a permanent failure per {field_name}")
+
+
+# --- the rules -----------------------------------------------------------------------------------
+def in_place_restarts(ctx: Pass) -> bool:
+    """Record each in-place restart of a current trainer's container once; False if the job failed.
+
+    An incident under the same rules as a failed pod, except that restarts seen while the rendezvous store
+    is not up are consequences of its loss (or of its slow start): recorded, never counted. The pod is
+    left alone: the kubelet has restarted (or is restarting) the container in the same pod."""
+    store_down = not ctx.store_up()
+    for p in sorted((p for p in ctx.trainers if ctx.current(p) and p.restarts > ctx.restarts_recorded(p)),
+                    key=lambda p: (p.index, p.name)):
+        if sparesmod.released(p.restart_message):
+            spare_released(ctx, p, restart=p.restarts)
+            continue
+        missed = p.restarts - ctx.restarts_recorded(p) - 1
+        what = f"trainer container of pod {p.name} {describe_restart(p)}" + (
+            f" ({missed} earlier restart(s) not observed)" if missed > 0 else "")
+        if ctx.job.spec.failure_policy.is_permanent(p.restart_exit_codes):
+            ctx.record(p, counted=True, restart=p.restarts)
+            permanent(ctx, what)
+            return False
+        counts = failure(ctx, p, what, caused=store_down, restart=p.restarts)
+        if counts is None:
+            return False
+        ctx.incident_reason = names.REASON_RESTARTED_IN_PLACE
+        ctx.incident_message = what + ("" if counts else (
+            " (not counted: the rendezvous store was not up)" if store_down else " (not counted)"))
+        ctx.extra_events.append(Event("Warning", names.REASON_RESTARTED_IN_PLACE, ctx.incident_message))
+    return True
+
+
+def trainer_failures(ctx: Pass) -> bool:
+    """Handle ended trainer pods of the current group; False if the job failed. A trainer that failed on
+    its own (an exit code, no disruption, not deleted) while the store is not up is not counted (a template
+    with restartPolicy Never: the store's loss ends every trainer pod)."""
+    fp = ctx.job.spec.failure_policy
+    store_down = not ctx.store_up()
+    ended = sorted((p for p in ctx.trainers if ctx.current(p) and p.terminal and not p.succeeded
+                    and not ctx.recorded(p)), key=lambda p: (p.index, p.name))
+    for p in ended:
+        if sparesmod.released(p.message):
+            spare_released(ctx, p)
+            ctx.delete(p)
+            continue
+        codes = p.exit_codes
+        what = f"pod {p.name} {describe(p)}"
+        if p.disruption is None and fp.is_permanent(codes):
+            ctx.record(p, counted=True)
+            permanent(ctx, what)
+            return False
+        caused = store_down and p.disruption is None and not p.gone and p.exit_code is not None
+        counts = failure(ctx, p, what, disruption=p.disruption, caused=caused)
+        if counts is None:
+            return False
+        ctx.incident_reason = (names.REASON_NODE_LOST if p.disruption == names.REASON_NODE_LOST
+                               else names.REASON_NODE_DISRUPTED if p.disruption else names.REASON_NODE_FAILED)
+        ctx.incident_message = f"{what}; replacing it" + ("" if counts else " (not counted)")
+        ctx.delete(p)
+    return True
+
+
+# --- messages ------------------------------------------------------------------------------------
+def describe_restart(p: PodState) -> str:
+    """'exited 137 (OOMKilled) and was restarted in place (restart 2)', for messages."""
+    details = []
+    workers = [c for c in p.restart_worker_exit_codes if c != p.restart_exit_code]
+    if workers:
+        details.append("worker exit codes " + ",".join(str(c) for c in workers))
+    if p.restart_reason and p.restart_reason not in ("Error",):
+        details.append(p.restart_reason)
+    code = f"exited {p.restart_exit_code}" if p.restart_exit_code is not None else "failed"
+    where = f" on node {p.node}" if p.node else ""
+    return (f"{code}{' (' + ', '.join(details) + ')' if details else ''} and was restarted in place"
+            f"{where} (restart {p.restarts})")
+
+
+def describe(p: PodState) -> str:
+    """'failed (exit code 3, OOMKilled) on node n1' and the like, for messages."""
+    details = []
+    if p.exit_code is not None:
+        details.append(f"exit code {p.exit_code}")
+    workers = [c for c in p.worker_exit_codes if c != p.exit_code]
+    if workers:
+        details.append("worker exit codes " + ",".join(str(c) for c in workers))
+    if p.disruption:
+        details.append(p.disruption)
+    elif p.reason and p.reason not in ("Error",):
+        details.append(p.reason)
+    verb = "was deleted" if p.phase == "Gone" or (p.deleting and not p.terminal) else "failed"
+    where = f" on node {p.node}" if p.node else ""
+    return f"{verb}{' (' + ', '.join(details) + ')' if details else ''}{where}"

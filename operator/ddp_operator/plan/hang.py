@@ -1,0 +1,58 @@
+"""Hang (failurePolicy.hangTimeoutSeconds; ddp_operator/hang.py finds the stuck pods).
+
+When the shell found rank 0's step unchanged for the timeout and hands in every trainer pod's report
+(Observed.hang_reports), the stuck pod(s) are recorded with reason Hang, deleted and replaced; the job is
+Restarting with reason Hang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ddp_operator import hang as hangmod
+from ddp_operator import names
+from ddp_operator.plan.failures import failure
+from ddp_operator.plan.spares import hang_candidates
+from ddp_operator.plan.state import Pass
+
+
+def hang(ctx: Pass) -> bool:
+    """Delete the stuck pod(s) of a hung job (the shell hands in every pod's report); False if it failed.
+
+    Only while the job is Running with every current trainer pod running: the shell's finding may be a pass
+    old, so it is checked again against what is observed now."""
+    reports = ctx.observed.hang_reports
+    if reports is None or not ctx.job.spec.failure_policy.hang_timeout_seconds:
+        return True
+    if ctx.phase != names.PHASE_RUNNING or ctx.recovery_start is not None:
+        return True
+    current = [p for p in ctx.trainers if ctx.current(p) and not p.gone]
+    if ctx.job.spec.spares:
+        current = hang_candidates(ctx, current, reports)
+    if len(current) < ctx.job.spec.nodes or not all(p.running for p in current):
+        return True
+    if any(p.name not in reports for p in current):
+        return True  # the reports are of another set of pods
+    stuck = set(hangmod.stuck_pods((p.name, p.index or 0, reports[p.name]) for p in current))
+    timeout = ctx.job.spec.failure_policy.hang_timeout_seconds
+    deleting = []
+    for p in sorted((p for p in current if p.name in stuck), key=lambda p: p.index or 0):
+        answer = reports[p.name]
+        why = ("its progress endpoint did not answer" if answer is None
+               else f"it reports step {answer.get('step')}")
+        what = (f"pod {p.name}: global rank 0's step did not change for spec.failurePolicy.hangTimeoutSeconds="
+                f"{timeout}; {why}")
+        counts = failure(ctx, p, what, reason=names.REASON_HANG)
+        if counts is None:
+            return False
+        ctx.incident_reason = names.REASON_HANG
+        ctx.incident_message = f"{what}; deleting it" + ("" if counts else " (not counted)")
+        # A stopped or stuck process cannot act on SIGTERM: waiting out the pod's grace period would only
+        # delay the recovery (measured: ~30 s), so the kubelet kills it at once.
+        ctx.delete(p, grace_seconds=names.HANG_DELETE_GRACE_SECONDS)
+        deleting.append(p.uid)
+    if deleting:
+        # The pods are going as of this pass: the phase (phase.py) is Restarting, not Running.
+        ctx.observed = replace(ctx.observed, pods=tuple(
+            replace(p, deleting=True) if p.uid in deleting else p for p in ctx.observed.pods))
+    return True

@@ -1,0 +1,122 @@
+"""Children that cannot be created and pods that cannot start (failurePolicy.startupTimeoutSeconds).
+
+- A child name held by an object the job does not own (a foreign `<job>-0` pod or `<job>` Service) sets
+  condition ReplicaFailure=True, reason ChildConflict, naming the object; the job waits (its create is retried)
+  until the object is removed, then the condition turns False.
+- A current pod the kubelet cannot start (image pull, container config) sets condition PodsNotStarting=True with
+  the kubelet's reason and message (an Unschedulable pod does not: an autoscaler may add room; the startup
+  timeout's message names it); a child the API server refuses (Observed.refusals, the shell backs off its
+  retries) sets ReplicaFailure=True, reason FailedCreate, with the refusal (one Event per distinct refusal).
+  Both show in status.reason/message and turn False once the cause is gone. While fewer than minNodes trainers
+  or no store pod run, status.podsPendingSince says since when; failurePolicy.startupTimeoutSeconds after it the
+  job fails (StartupTimeoutExceeded) with the blocking reason.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from ddp_operator import names
+from ddp_operator.observed import PodState
+from ddp_operator.plan.state import Pass
+from ddp_operator.plan.types import CREATE
+from ddp_operator.status import Event, get_condition
+
+# At most this many refused children are named in the ReplicaFailure condition (and get an Event each).
+REFUSALS_SHOWN = 3
+
+
+def child_conflicts(ctx: Pass) -> None:
+    """Report children that cannot be created because a foreign object holds their name."""
+    conflicts = ctx.observed.conflicts
+    if conflicts:
+        message = "; ".join(conflicts[name] for name in sorted(conflicts))
+        ctx.cond(names.COND_REPLICA_FAILURE, True, names.REASON_CHILD_CONFLICT, message)
+        ctx.reason, ctx.message = names.REASON_CHILD_CONFLICT, f"{ctx.message}; {message}"
+    elif not ctx.observed.refusals and \
+            (get_condition(ctx.conditions, names.COND_REPLICA_FAILURE) or {}).get("status") == "True":
+        ctx.cond(names.COND_REPLICA_FAILURE, False, names.REASON_CHILDREN_CREATED,
+                 "every child was created")
+
+
+def create_refusals(ctx: Pass) -> None:
+    """ReplicaFailure=True, reason FailedCreate, while the API server refuses a child (child_conflicts owns the
+    condition while a foreign object holds a child's name). The condition's Event reports the first refusals;
+    a refusal not yet named in the condition gets an Event of its own, so retries post nothing."""
+    if ctx.observed.conflicts:
+        return
+    refusals = ctx.observed.refusals
+    prev = get_condition(ctx.conditions, names.COND_REPLICA_FAILURE) or {}
+    was_refused = prev.get("status") == "True" and prev.get("reason") == names.REASON_CREATE_FAILED
+    if refusals:
+        shown = sorted(refusals)[:REFUSALS_SHOWN]
+        text = "; ".join(refusals[n] for n in shown)
+        if len(refusals) > len(shown):
+            text += f"; and {len(refusals) - len(shown)} more"
+        if was_refused:
+            ctx.extra_events += [Event("Warning", names.REASON_CREATE_FAILED, refusals[n]) for n in shown
+                                 if refusals[n] not in (prev.get("message") or "")]
+        ctx.cond(names.COND_REPLICA_FAILURE, True, names.REASON_CREATE_FAILED, text)
+        ctx.reason, ctx.message = names.REASON_CREATE_FAILED, f"{ctx.message}; {text}"
+    elif was_refused:
+        ctx.cond(names.COND_REPLICA_FAILURE, False, names.REASON_CHILDREN_CREATED, "every child was created")
+
+
+def blocked(ctx: Pass, *, unschedulable: bool) -> list[PodState]:
+    """Current pods that cannot start (PodState.startup_error), by name; Unschedulable ones only if asked."""
+    return sorted((p for p in ctx.live if p.startup_error and not p.deleting and p.group == ctx.group
+                   and (p.role == names.ROLE_RDZV or ctx.current(p))
+                   and (unschedulable or p.startup_error[0] != names.REASON_UNSCHEDULABLE)),
+                  key=lambda p: p.name)
+
+
+def startup_problems(ctx: Pass) -> None:
+    """PodsNotStarting=True while a current pod cannot start, with the kubelet's reason. A pod waiting for room
+    (Unschedulable) is not one: a cluster autoscaler may be adding a node; the startup timeout names it."""
+    blocked_pods = blocked(ctx, unschedulable=False)
+    prev = get_condition(ctx.conditions, names.COND_PODS_NOT_STARTING) or {}
+    if blocked_pods:
+        first = blocked_pods[0]
+        reason, detail = first.startup_error
+        text = f"{reason}: pod {first.name}" + (f", {detail}" if detail else "")
+        if len(blocked_pods) > 1:
+            text += f" (and {len(blocked_pods) - 1} more pod{'s' if len(blocked_pods) > 2 else ''})"
+        # The kubelet alternates ErrImagePull and ImagePullBackOff while it retries: one Event, not one a flip.
+        kept = prev.get("reason") if prev.get("status") == "True" else None
+        cond_reason = kept if kept in names.IMAGE_PULL_REASONS and reason in names.IMAGE_PULL_REASONS else reason
+        ctx.cond(names.COND_PODS_NOT_STARTING, True, cond_reason, text)
+        ctx.reason, ctx.message = reason, f"{ctx.message}; {text}"
+    elif prev.get("status") == "True":
+        ctx.cond(names.COND_PODS_NOT_STARTING, False, names.REASON_PODS_STARTED, "no pod is blocked from starting")
+
+
+def startup_timeout(ctx: Pass) -> bool:
+    """Track since when the job cannot train (fewer than minNodes trainers or no store pod running); True if
+    that lasted failurePolicy.startupTimeoutSeconds and the job failed."""
+    job = ctx.job
+    trainers = sum(1 for p in ctx.live if ctx.current(p) and p.running)
+    store = any(p.role == names.ROLE_RDZV and p.group == ctx.group and p.running for p in ctx.live)
+    if trainers >= job.spec.min_nodes and store:
+        ctx.pods_pending_since = None
+        return False
+    if ctx.pods_pending_since is None:
+        ctx.pods_pending_since = ctx.now
+    timeout = job.spec.failure_policy.startup_timeout_seconds
+    if not timeout:
+        return False
+    due = ctx.pods_pending_since + timedelta(seconds=timeout)
+    if ctx.now < due:
+        ctx.due_in(due)
+        return False
+    why = [c["message"] for c in ctx.conditions if c.get("status") == "True" and c.get("message")
+           and c["type"] in (names.COND_PODS_NOT_STARTING, names.COND_REPLICA_FAILURE)]
+    waiting = blocked(ctx, unschedulable=True)
+    if not why and waiting:
+        why = [f"{waiting[0].startup_error[0]}: pod {waiting[0].name}, {waiting[0].startup_error[1]}"]
+    ctx.actions = [a for a in ctx.actions if a.verb != CREATE]  # nothing more is started for a failed job
+    ctx.finish(names.PHASE_FAILED, names.REASON_STARTUP_TIMEOUT,
+               f"{trainers}/{job.spec.nodes} training pods (at least {job.spec.min_nodes} needed) and "
+               f"{'the' if store else 'no'} rendezvous store running for "
+               f"spec.failurePolicy.startupTimeoutSeconds={timeout}"
+               + (": " + "; ".join(why) if why else ""))
+    return True
