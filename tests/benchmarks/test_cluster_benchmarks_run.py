@@ -1,5 +1,6 @@
 """The cluster benchmarks run in quick mode against the cluster under test; their outcomes are judged (a
-kill not survived or more than one step lost fails), their times never (`make bench-*` runs them in full
+kill not survived or more than one step lost fails; a goal in a benchmark's `goals_missed` fails: the benchmark
+exits 1 then, and the list must be there and empty), their times never (`make bench-*` runs them in full
 and records them)."""
 
 from __future__ import annotations
@@ -57,8 +58,12 @@ def test_e2e_recovery_quick(bench_env):
 
 
 def test_startup_quick(bench_env):
+    """Every child made exactly once by the operator, none restarted, and the first step reached in every round
+    (startup.goals_missed)."""
     r = _run(bench_env, "startup.py")
     assert {"apply_to_running_s", "apply_to_first_step_s", "baseline_first_step_s", "delta_s"} <= set(r), r
+    assert r["goals_missed"] == [], r["goals_missed"]
+    assert len(r["rounds"]) == 1 and len(r["children_expected"]) == r["nodes"] + 2, r  # Service, store, N pods
     assert r["apply_to_first_step_s"] > 0 and r["baseline_first_step_s"] > 0
 
 
@@ -68,6 +73,9 @@ def test_kueue_queue_quick(bench_env, request):
         request.getfixturevalue("kueue_operator")
     r = _run(bench_env, "kueue_queue.py")
     assert {"queued_first_step_s", "baseline_first_step_s", "admission_delay_s", "handoff_s"} <= set(r), r
+    # the queued job seen waiting with no pod, then run to its first step (kueue_queue.goals_missed)
+    assert r["goals_missed"] == [], r["goals_missed"]
+    assert r["rounds"][0]["waiting_looks"] >= 1 and r["rounds"][0]["waiting_pods_max"] == 0, r["rounds"]
     assert r["queued_first_step_s"] > 0 and r["baseline_first_step_s"] > 0 and r["handoff_s"] > 0, r
 
 
@@ -80,12 +88,18 @@ def test_api_writes_quick(bench_env, cluster):
             "at_progress_period"} <= set(r), r
     assert r["creates"] >= r["nodes"]  # the filter found the operator's writes
     assert set(r["at_progress_period"]) == {str(r["default_progress_period_s"]), "5"}, r
+    # creates <= N + 3, no write while healthy, at most one progress write per period, at both periods
+    assert r["goals_missed"] == [], r["goals_missed"]
 
 
 def test_scale_quick(bench_env):
+    """Every child of every job made exactly once and the operator's RSS measured and within 200 MiB
+    (scale.goals_missed); the time is not judged."""
     r = _run(bench_env, "scale.py")
     assert {"jobs", "all_children_created_s", "operator_rss_mib"} <= set(r), r
     assert r["jobs"] == 20
+    assert r["goals_missed"] == [], r["goals_missed"]
+    assert r["children_found"]["pods"] == 40 and r["children_found"]["services"] == 20, r
 
 
 def test_faults_quick(bench_env, cluster):
