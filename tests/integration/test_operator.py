@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
-from kubernetes import client
+from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
 from ddp_cluster import GROUP, NS_PREFIX, PLURAL, VERSION, owner_uids, wait_for
@@ -240,40 +241,74 @@ def test_in_place_restart_is_counted_once_and_the_pod_kept(k):
 
 
 class Recorder:
-    """Watches one namespace's DDPJobs, pods, Services and NetworkPolicies in threads and records every event."""
+    """Watches one namespace's DDPJobs, pods, Services and NetworkPolicies in threads and records every event.
+
+    Each watch starts from the resourceVersion of a list taken when the Recorder is made, so none misses what
+    happens after that however late its thread gets going. A watch that raises, or ends before stop(), is kept
+    in `dead`; check() fails the test then, since a dead watch sees nothing and "nothing was written" would pass.
+    """
+
+    KINDS = ("DDPJob", "Pod", "Service", "NetworkPolicy")
+    TIMEOUT_S = 600  # the server ends a watch after this; far longer than any test that records
 
     def __init__(self, k):
-        import threading
-        from kubernetes import watch
         self.events = []
+        self.dead = {}
+        self._stopping = threading.Event()
         self._watches = []
-        self._threads = []
+        self._threads = {}
         listers = [
-            lambda **kw: k.custom.list_namespaced_custom_object("ddp.dev", "v1alpha1", k.ns, "ddpjobs", **kw),
+            lambda **kw: k.custom.list_namespaced_custom_object(GROUP, VERSION, k.ns, PLURAL, **kw),
             lambda **kw: k.core.list_namespaced_pod(k.ns, **kw),
             lambda **kw: k.core.list_namespaced_service(k.ns, **kw),
             lambda **kw: client.NetworkingV1Api(k.core.api_client).list_namespaced_network_policy(k.ns, **kw),
         ]
-        for kind, lister in zip(("DDPJob", "Pod", "Service", "NetworkPolicy"), listers):
+        for kind, lister in zip(self.KINDS, listers):
+            listed = lister()
+            rv = listed["metadata"]["resourceVersion"] if isinstance(listed, dict) else listed.metadata.resource_version
             w = watch.Watch()
             self._watches.append(w)
-            t = threading.Thread(target=self._run, args=(w, kind, lister), daemon=True)
+            t = threading.Thread(target=self._run, args=(w, kind, lister, rv), daemon=True)
             t.start()
-            self._threads.append(t)
+            self._threads[kind] = t
 
-    def _run(self, w, kind, lister):
+    def _run(self, w, kind, lister, rv):
         try:
-            for ev in w.stream(lister, timeout_seconds=120):
+            for ev in w.stream(lister, resource_version=rv, timeout_seconds=self.TIMEOUT_S):
                 obj = ev["object"]
                 if not isinstance(obj, dict):
                     obj = obj.to_dict()
                 self.events.append((kind, ev["type"], obj))
-        except Exception:
-            pass
+        except Exception as e:  # noqa: BLE001 - kept for check(): the test fails on it
+            if not self._stopping.is_set():
+                self.dead[kind] = repr(e)
+            return
+        if not self._stopping.is_set():
+            self.dead[kind] = "the watch ended before stop()"
+
+    def check(self):
+        """Fails when a watch raised or ended: what it would have recorded is unknown."""
+        dead = dict(self.dead)
+        dead.update({kind: "its thread is gone" for kind, t in self._threads.items()
+                     if not t.is_alive() and kind not in dead and not self._stopping.is_set()})
+        assert not dead, f"the recorder's watches died: {dead}"
 
     def stop(self):
-        for w in self._watches:
-            w.stop()
+        """check(), then the watches stopped."""
+        try:
+            self.check()
+        finally:
+            self._stopping.set()
+            for w in self._watches:
+                w.stop()
+
+    def added(self, kind):
+        """The UIDs of the objects of `kind` seen created."""
+        return {(obj.get("metadata") or {}).get("uid") for seen, type_, obj in self.events
+                if seen == kind and type_ == "ADDED"}
+
+    def last_status(self):
+        return next((obj.get("status") or {} for kind, _, obj in reversed(self.events) if kind == "DDPJob"), {})
 
     def status_writes(self):
         """DDPJob MODIFIED events whose status differs from the one before."""
@@ -287,8 +322,7 @@ class Recorder:
         return count
 
     def creates(self):
-        return len({(kind, (obj.get("metadata") or {}).get("uid")) for kind, type_, obj in self.events
-                    if kind in ("Pod", "Service", "NetworkPolicy") and type_ == "ADDED"})
+        return sum(len(self.added(kind)) for kind in ("Pod", "Service", "NetworkPolicy"))
 
 
 def test_operator_killed_mid_recovery_records_everything_once(k, operator):
@@ -327,21 +361,28 @@ def test_api_writes_for_a_clean_job(k):
     """bench-api's budget, observed on the API server: N+3 creates, <= 6 status writes, none while healthy."""
     nodes = 3
     rec = Recorder(k)
-    time.sleep(0.5)  # let the watches open before the job exists
     k.create_job(nodes=nodes)
     k.wait_pods({f"job-{i}" for i in range(nodes)} | {"job-rdzv"})
     k.run_all()
     k.wait_phase("Running")
     time.sleep(3)  # let the coalesced count write (<= 2 s) land
+    # every watch alive and delivering: it saw what it must have by now
+    rec.check()
+    assert (len(rec.added("Pod")), len(rec.added("Service")), len(rec.added("NetworkPolicy"))) == (nodes + 1, 1, 1)
+    assert rec.last_status().get("phase") == "Running", rec.last_status()
     steady = len(rec.events)
     time.sleep(5)  # asserting that nothing happens while healthy
+    rec.check()  # a watch that died in the window would have seen nothing
     assert len(rec.events) == steady, rec.events[steady:]
     for i in range(nodes):
         k.set_phase(f"job-{i}", "Succeeded", exit_code=0)
     k.wait_phase("Succeeded")
     wait_for(lambda: "job-rdzv" not in k.pods(), what="store pod cleaned up")
     time.sleep(1)
-    rec.stop()
+    rec.stop()  # check()s first
+    # the DDPJob and pod watches delivered past the window (events arrive in order: nothing in it was skipped)
+    assert rec.last_status().get("phase") == "Succeeded", rec.last_status()
+    assert any(kind == "Pod" and type_ == "DELETED" for kind, type_, _ in rec.events[steady:])
     print(f"\ncreates={rec.creates()} status_writes={rec.status_writes()}")
     assert rec.creates() == nodes + 3  # NetworkPolicy, Service, store pod, N trainer pods
     assert rec.status_writes() <= 6
