@@ -166,7 +166,9 @@ def test_preempted_job_resumes_from_its_checkpoint_after_readmission(kubectl, ns
     st = wait_reason(kubectl, ns, "low", "Evicted")
     assert st["phase"] == "Suspended" and "preempt" in st.get("message", "").lower(), st
     assert st.get("disruptions") == 1 and st.get("restarts", 0) == 0, st
+    # trained to step >= 20 with a checkpoint every 5 steps: status.progress names the last one
     checkpoint_step = (st.get("progress") or {}).get("lastCheckpointStep")
+    assert checkpoint_step is not None and checkpoint_step >= 5, st.get("progress")
     h.wait_for(lambda: not h.trainer_pods(kubectl, ns, "low"), 120, "the evicted job's pods to go")
 
     high = h.wait_phase(kubectl, ns, "high", "Succeeded", RUN_TIMEOUT)
@@ -174,8 +176,7 @@ def test_preempted_job_resumes_from_its_checkpoint_after_readmission(kubectl, ns
     # Readmitted once the high-priority job finished: it resumes from its disk checkpoint.
     rec = h.recovery_after(kubectl, ns, "low", evicted_at, None, RUN_TIMEOUT)
     assert rec.source == "checkpoint" and rec.resumed_from > 0, rec  # the trainer's log word for the disk
-    if checkpoint_step is not None:
-        assert rec.resumed_from >= checkpoint_step, (rec, checkpoint_step)
+    assert rec.resumed_from >= checkpoint_step, (rec, checkpoint_step)
     low = h.wait_phase(kubectl, ns, "low", "Succeeded", RUN_TIMEOUT)
     assert low.get("disruptions") == 1 and low.get("restarts", 0) == 0, low
     assert (low.get("lastRecovery") or {}).get("resumedFrom") == "disk", low.get("lastRecovery")
