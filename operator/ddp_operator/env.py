@@ -24,7 +24,7 @@ def rdzv_endpoint(job: Job) -> str:
 
 def rdzv_id(job: Job, group: int) -> str:
     """torchrun rendezvous id: `<job uid>-<group>`. The group no longer changes (a lost store is recreated and
-    rejoined under the same id, plan.py); it stays in the id for compatibility with running jobs."""
+    rejoined under the same id, plan/rdzv_lost.py); it stays in the id for compatibility with running jobs."""
     return f"{job.uid}-{group}"
 
 

@@ -1,8 +1,8 @@
 """A DDPJob behind Kueue: the job as one Kueue Workload, and what Kueue's answer means for its pods.
 
 Pure: `gate(...)` reads the job, the Workload the operator sees and the ResourceFlavors its admission names, and
-says whether the job may run now, how its pods are placed, and what to write to the Workload. plan.py applies it;
-the shell (reconciler.py) does the reads and writes. docs/kueue.md says the same to users.
+says whether the job may run now, how its pods are placed, and what to write to the Workload. plan/suspend.py
+applies it; the shell (reconciler.py) does the reads and writes. docs/kueue.md says the same to users.
 
 Rules (the contract of Kueue's external job integrations, as its own job framework keeps it):
 - A DDPJob with the label `kueue.x-k8s.io/queue-name` is represented to Kueue by one Workload

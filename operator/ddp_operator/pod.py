@@ -52,7 +52,7 @@ def render_trainer_pod(job: Job, index: int, group: int) -> dict:
     restartPolicy OnFailure: a trainer container that exits non-zero (a worker failed, the rendezvous store was
     lost, the agent was killed) is restarted by the kubelet inside the same pod, keeping its IP, hostname and
     /dev/shm, so the trainer resumes from its own snapshot; the operator records and counts each restart
-    (plan.py). A pod that ends (deleted, evicted, node lost) is replaced under the same name by the operator. A
+    (plan/failures.py). A pod that ends (deleted, evicted, node lost) is replaced under the same name by the operator. A
     template that says restartPolicy Never keeps the older behaviour: every container failure replaces the pod."""
     template = copy.deepcopy(dict(job.spec.template))
     meta = template.get("metadata") or {}
@@ -79,7 +79,7 @@ def render_trainer_pod(job: Job, index: int, group: int) -> dict:
         volumes.append({"name": names.CHECKPOINT_VOLUME, **copy.deepcopy(dict(job.spec.checkpoint.volume))})
     annotations = dict(meta.get("annotations") or {})
     if job.spec.spares:
-        # The kubelet rewrites the file when the annotation changes (plan.py keeps it equal to spec.nodes).
+        # The kubelet rewrites the file when the annotation changes (plan/spares.py keeps it equal to spec.nodes).
         annotations.update(nodes_annotation(job))
         volumes.append({"name": names.NODES_VOLUME, "downwardAPI": {"items": [{
             "path": names.NODES_FILE,

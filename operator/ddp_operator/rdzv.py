@@ -2,7 +2,7 @@
 
 torchrun's c10d store normally lives inside one training agent, so losing that pod breaks every survivor's
 rendezvous. A tiny pod that only holds a TCPStore makes every trainer (rank 0 included) expendable. Losing
-the store itself is survived without a whole-group restart (plan.py): the operator recreates this pod, the
+the store itself is survived without a whole-group restart (plan/rdzv_lost.py): the operator recreates this pod, the
 trainers' torchrun agents fail on the lost store (torch's TCPStore client never reconnects), the kubelet restarts
 their containers in place (restartPolicy OnFailure) and they rejoin the new, empty store under the same
 rendezvous id, resuming from the snapshots in their own /dev/shm.

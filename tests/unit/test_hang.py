@@ -1,4 +1,4 @@
-"""Hang detection (failurePolicy.hangTimeoutSeconds): hang.py's rules and plan's Hang rule."""
+"""Hang detection (failurePolicy.hangTimeoutSeconds): hang.py's rules and plan/hang.py's."""
 
 from ddp_operator import hang, names
 from ddp_operator.plan import DELETE, plan

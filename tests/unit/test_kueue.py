@@ -1,5 +1,5 @@
-"""The Kueue gate (kueue.py) and how plan.py applies it: a queued DDPJob is one Workload, runs only while admitted,
-is placed by its flavors, gives its quota back after an eviction and marks its Workload finished."""
+"""The Kueue gate (kueue.py) and how plan/suspend.py applies it: a queued DDPJob is one Workload, runs only while
+admitted, is placed by its flavors, gives its quota back after an eviction and marks its Workload finished."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Pods that cannot start and pods on lost nodes (plan.py's sections "pods that cannot start" and "node loss"):
+"""Pods that cannot start and pods on lost nodes (plan/startup.py and plan/nodes.py):
 what a user sees in status and Events, when the job gives up, and what is deleted and recreated."""
 
 from ddp_operator import names
