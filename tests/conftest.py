@@ -377,9 +377,25 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cluster_restart: stops and restarts the cluster; runs last")
 
 
+# Each tier's time limit per test (pytest-timeout; it counts the test's fixtures too, so the first test of a tier pays
+# for its session fixtures): a hung test fails in minutes, not after half an hour. A test that needs more says so with
+# its own @pytest.mark.timeout. docs/testing.md has what each tier takes.
+TIER_TIMEOUTS = {"unit": 60, "bootstrap": 900, "trainer": 300, "gpu": 600, "cluster": 600, "integration": 300,
+                 "chart": 600, "e2e": 600, "benchmarks": 1500}
+
+
+def tier_timeout(path: Path) -> int:
+    """The time limit of a test in `path` (a file under tests/), by its tier (directory)."""
+    parts = path.resolve().relative_to(REPO / "tests").parts
+    return TIER_TIMEOUTS.get(parts[0], 600) if len(parts) > 1 else 600
+
+
 def pytest_collection_modifyitems(config, items):
     # Restarting the cluster wipes its API objects; anything else in the session runs before it.
     items.sort(key=lambda item: item.get_closest_marker("cluster_restart") is not None)
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(tier_timeout(Path(str(item.fspath)))))
 
 
 # The only reasons a test may skip under CI=true: the CI machine has no GPU. Any other skip there would hide a

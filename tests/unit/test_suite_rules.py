@@ -1,4 +1,4 @@
-"""Under CI=true a skip fails the run unless its reason is on the allow-list (tests/conftest.py)."""
+"""The suite's own rules (tests/conftest.py): under CI=true a skip fails unless it is for a GPU; each tier has its own time limit."""
 
 from types import SimpleNamespace
 
@@ -23,3 +23,10 @@ def test_outside_ci_a_skip_stays_a_skip():
     rep = _skipped("shellcheck is not installed")
     forbid_skip_in_ci(rep, in_ci=False)
     assert rep.outcome == "skipped"
+
+
+def test_each_tier_has_its_own_time_limit():
+    from tests.conftest import REPO, tier_timeout
+    assert tier_timeout(REPO / "tests/unit/test_spec.py") == 60
+    assert tier_timeout(REPO / "tests/e2e/test_e2e_training.py") == 600
+    assert tier_timeout(REPO / "tests/integration/test_operator.py") == 300
