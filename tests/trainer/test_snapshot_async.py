@@ -13,9 +13,10 @@ import torch.distributed as dist
 from ddp_trainer import snapshot as snapmod
 from ddp_trainer.cadence import StepCost, choose_interval, settle_interval
 from ddp_trainer.log import Logger
-from ddp_trainer.run import Run, model_digest
+from ddp_trainer.run import Run
 from ddp_trainer.session import Session
 from ddp_trainer.snapshot import PeerSnapshots
+from ddp_trainer.state import model_digest
 
 
 def test_interval_keeps_the_copy_within_the_budget():

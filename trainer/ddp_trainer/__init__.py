@@ -35,7 +35,7 @@ _EXPORTS = {
     "convert_sync_batchnorm": "syncbn",
     "init_session": "session",
     "load_file": "storage",
-    "model_digest": "run",
+    "model_digest": "state",
     "rng": None,  # a submodule
 }
 
@@ -44,9 +44,10 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from . import rng
     from .env import ConfigError
-    from .run import Run, model_digest
+    from .run import Run
     from .sampler import ResumableDistributedSampler
     from .session import Session, init_session
+    from .state import model_digest
     from .storage import load_file
     from .syncbn import SyncBatchNorm, convert_sync_batchnorm
 

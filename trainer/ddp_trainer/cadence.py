@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from typing import Any
 
 
 def choose_interval(copy_s: float, step_s: float, budget_pct: float, max_every: int = 50) -> int:
@@ -90,3 +91,67 @@ class StepCost:
         if not self._copies:
             return None
         return max(statistics.median(self._copies), self.extra_s() or 0.0)
+
+
+class Cadence:
+    """K, the interval of a pod's snapshot copies in force: fixed, or adaptive (starts at 1 until a copy has been
+    measured, then settled at every copy). Times the training steps it weighs the copies against."""
+
+    def __init__(self, every: int | None, budget_pct: float, max_every: int) -> None:
+        self.adaptive = every is None
+        self.every = 1 if every is None else every
+        self.budget_pct = budget_pct
+        self.max_every = max_every
+        self._next_step = 0
+        self._step_avg: float | None = None  # moving average of the time between steps
+        self._copy_seen: int | None = None
+        # What one snapshot costs training: its copy's own time or what it adds to the step it overlaps (medians).
+        self._cost = StepCost()
+        self._logged = False
+
+    def step_timed(self, dt: float, after: str | None) -> None:
+        """A step took ``dt`` seconds; ``after``: the save point it followed (None, "snapshot" or "checkpoint")."""
+        self._step_avg = dt if self._step_avg is None else 0.9 * self._step_avg + 0.1 * dt
+        self._cost.step(dt, after)
+
+    @property
+    def step_s(self) -> float | None:
+        """A training step's time: the median clean step, else the moving average (None before the second step)."""
+        return self._cost.clean_s or self._step_avg
+
+    def due(self, step: int) -> bool:
+        """Whether the save point after ``step`` steps writes a copy."""
+        if not self.every:
+            return False
+        if self.adaptive:
+            return step >= self._next_step
+        return step % self.every == 0
+
+    def settle(self, step: int, copy_s: float | None, copy_step: int | None) -> dict[str, Any] | None:
+        """At the save point of a copy, the previous copy complete (``copy_s``: its cost, ``copy_step``: its step):
+        K for the copies from here on. Returns what a ``snapshot_interval`` line says when K changed or was measured
+        for the first time."""
+        if not self.adaptive:
+            return None
+        k = self.every
+        if copy_s is not None and copy_step != self._copy_seen:
+            self._copy_seen = copy_step
+            self._cost.copy(copy_s)
+        # one copy's cost is noisy (page cache, other processes): StepCost takes medians of the recent ones
+        cost_s = self._cost.cost_s()
+        step_s = self.step_s
+        if cost_s is not None and step_s is not None:
+            k = settle_interval(k, cost_s, step_s, self.budget_pct, self.max_every)
+        measured = cost_s is not None and self._step_avg is not None
+        line = None
+        if k != self.every or (measured and not self._logged):
+            self._logged = True
+            line = {
+                "every": k,
+                "previous": self.every,
+                "copy_ms": round(cost_s * 1e3, 3) if cost_s is not None else None,
+                "step_ms": round(step_s * 1e3, 3) if step_s is not None else None,
+            }
+        self.every = k
+        self._next_step = step + k
+        return line

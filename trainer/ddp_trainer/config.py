@@ -41,7 +41,7 @@ class RunConfig:
     # DDPJOB_SNAPSHOT_RESIDENT, auto (default, None), 1 or 0: every rank's parameters and optimizer state live in its
     # pod's snapshot directory (resident.py), so a failure that leaves one rank whole loses at most one step; only
     # with CPU tensors and peer snapshots on. auto: where K may exceed 1 and the trial of its first commits finds it
-    # cheap enough (Run._commit_resident).
+    # cheap enough (resident.Trial).
     snapshot_resident: bool | None
     # DDPJOB_PROGRESS_PORT (default 29401; 0: no server)
     progress_port: int

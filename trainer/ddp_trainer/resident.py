@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import statistics
 import threading
 import time
 from typing import Any
@@ -67,6 +68,10 @@ HOLD_TIMEOUT_S = 20.0
 # ...but only this long once the optimizer step has returned: the save point is then microseconds away, unless the
 # training loop blocks in between (a collective of its own whose peer is gone), which must not delay the exit.
 HOLD_GRACE_S = 1.0
+# Resident state's trial (Trial): its first commits are measured, and it stays on when they cost at most this share of
+# the snapshot budget (the copies are chosen for half of it: cadence.TARGET_SHARE_OF_BUDGET).
+TRIAL_COMMITS = 5
+SHARE_OF_BUDGET = 0.25
 
 
 def supported(optimizer: torch.optim.Optimizer | None) -> bool:
@@ -88,6 +93,35 @@ def _movable(optimizer: torch.optim.Optimizer) -> dict[int, tuple[torch.Tensor, 
                 if isinstance(value, torch.Tensor) and value.device.type == "cpu":
                     out.setdefault(value.data_ptr(), (value, optimizer.state[p], key))
     return out
+
+
+class Trial:
+    """Whether resident state is worth its commits (``DDPJOB_SNAPSHOT_RESIDENT=auto``). Its first TRIAL_COMMITS commits
+    once a step has been timed are a trial: a commit costs the state dict's walk and pickle every step whatever the
+    model's size, which a small model's short step cannot afford (the digits example: 0.17 ms of a ~15 ms step) and a
+    large one does not notice (~100M parameters: 0.12 ms of 1.5 s; make bench-resident-commit). Resident state stays
+    on when the median commit is within SHARE_OF_BUDGET of the budget; else the copies alone hold the state (their K
+    bounds the loss)."""
+
+    def __init__(self) -> None:
+        self._costs: list[float] = []  # the first commits' seconds
+
+    @property
+    def decided(self) -> bool:
+        return len(self._costs) >= TRIAL_COMMITS
+
+    def commit_timed(self, seconds: float, step_s: float, budget_pct: float) -> dict[str, float] | None:
+        """Count one commit; at the trial's end, if the commits cost too much, what the ``resident_state_off`` line
+        says (None: undecided, or resident state stays on)."""
+        self._costs.append(seconds)
+        if len(self._costs) < TRIAL_COMMITS:
+            return None
+        cost_s = statistics.median(self._costs)
+        share_pct = 100.0 * cost_s / step_s
+        if share_pct <= budget_pct * SHARE_OF_BUDGET:
+            return None
+        return {"commit_ms": round(cost_s * 1e3, 3), "step_ms": round(step_s * 1e3, 3),
+                "share_pct": round(share_pct, 3), "budget_pct": budget_pct}
 
 
 class ResidentState:

@@ -143,7 +143,7 @@ def _install_sigterm(session: Session) -> None:
     writer.setblocking(False)
     # The Python-level handler only makes the C-level one write to the wakeup fd; the watcher thread does the rest.
     # Running _terminate on the main thread as well could run it inside an optimizer step that the termination
-    # waits for (resident state: Run._hold_resident), which would then wait for itself.
+    # waits for (resident state: SavePoints._hold_resident), which would then wait for itself.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
 

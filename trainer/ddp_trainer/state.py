@@ -42,6 +42,17 @@ class Position:
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
 
+    def rescale(self, world_size: int) -> bool:
+        """Move to ``world_size``; whether the run stays exact (the same world size, or none recorded)."""
+        if not self.world_size or self.world_size == world_size:
+            return True
+        # Another world size partitions the data differently: keep the share of the epoch that
+        # was done (rounded up), which cannot be bitwise-identical to any uninterrupted run.
+        consumed = self.batch * self.world_size
+        self.batch = -(-consumed // world_size)
+        self.world_size = world_size
+        return False
+
 
 class TensorRef:
     """Placeholder for the i-th tensor in a flattened state tree."""
@@ -138,3 +149,17 @@ def detached_copy(tree: Any, device: str | torch.device = "cpu") -> Any:
     skeleton, tensors = flatten(tree)
     copies = [t.detach().to(device, copy=True) for t in tensors]
     return unflatten(copy.deepcopy(skeleton), copies)
+
+
+def model_digest(model: nn.Module) -> str:
+    """sha256 over the model's state dict (names, dtypes, shapes and bytes): equal iff bitwise equal."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, tensor in sorted(unwrap(model).state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
