@@ -1,0 +1,142 @@
+"""What every hack/ script shares: the repository's paths (from this file's place, so a copy of hack/ is a
+checkout of its own), the pinned versions (hack/versions.env), the embedded cluster's network plan and
+containerd, its error, and the run/log helpers.
+
+Standard library only, so the scripts run before the virtualenv exists.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+STATE = REPO / ".cluster"
+PKI = STATE / "pki"
+CONF = STATE / "config"
+LOGS = STATE / "logs"
+PIDS = STATE / "pids"
+ETCD_DATA = STATE / "etcd"
+KUBECONFIG = STATE / "kubeconfig"
+AUDIT_LOG = LOGS / "audit.log"
+
+CACHE = Path(os.environ.get("DDPJOB_CACHE", Path.home() / ".cache" / "ddpjob"))
+
+# Network plan. The bridge address doubles as the node IP and the cluster DNS address.
+BRIDGE = "cni0"
+NODE_IP = "10.88.0.1"
+POD_CIDR = "10.88.0.0/16"
+SERVICE_CIDR = "10.0.0.0/24"
+KUBERNETES_SERVICE_IP = "10.0.0.1"
+CLUSTER_DOMAIN = "cluster.local"
+CNI_NETWORK = "ddpjob"
+API_PORT = 6443
+API_URL = f"https://{NODE_IP}:{API_PORT}"
+ETCD_URL = "http://127.0.0.1:2379"
+
+# containerd: private socket/root/state; the root (image store) is kept across down/up.
+CONTAINERD_ROOT = Path("/var/lib/ddpjob/containerd")
+CONTAINERD_STATE = Path("/run/ddpjob/containerd")
+CONTAINERD_SOCK = "/run/ddpjob/containerd.sock"
+RUNC_ROOT = "/run/ddpjob/runc"  # runc's own state (default /run/containerd/runc)
+K8S_NAMESPACE = "k8s.io"  # containerd namespace the CRI plugin uses
+# Host-wide, beside the image store (it survives `down`, unlike /run/ddpjob): which checkout owns the
+# cluster, and the lock that serialises up/down across checkouts.
+HOST_STATE = CONTAINERD_ROOT.parent
+OWNER_FILE = HOST_STATE / "owner.json"
+KUBELET_ROOT = Path("/var/lib/kubelet")
+CNI_BIN_DIR = "/usr/lib/cni"  # Debian's containernetworking-plugins
+PAUSE_VERSION = "3.10.1"  # the pause version Kubernetes 1.34 ships
+PAUSE_IMAGE = f"localhost/pause:{PAUSE_VERSION}"
+
+NODE_NAME = os.environ.get("DDPJOB_NODE_NAME") or socket.gethostname().split(".")[0].lower()
+
+# Start order; `down` stops in reverse (kubelet first, so it cannot restart containers).
+COMPONENTS = ["containerd", "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
+              "coredns", "kube-proxy", "kube-router", "kubelet"]
+CONTROL_PLANE = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "coredns"]
+
+
+class ClusterError(RuntimeError):
+    """A step failed; the message already carries the relevant log tail."""
+
+
+# --------------------------------------------------------------------------------------------
+# small helpers
+
+def log(msg: str) -> None:
+    print(f"[cluster {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for line in (REPO / "hack" / "versions.env").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            k, v = line.split("=", 1)
+            out[k.strip()] = v.strip().strip('"')
+    return out
+
+
+def pinned_path(name: str) -> Path | None:
+    """Where hack/build-binaries.sh puts the pinned build of `name`; None for tools nobody pins."""
+    v = versions()
+    where = {"etcd": f"etcd-{v['ETCD_VERSION']}", "coredns": f"coredns-{v['COREDNS_VERSION']}",
+             "helm": f"helm-{v['HELM_VERSION']}", "kube-router": f"kube-router-{v['KUBE_ROUTER_VERSION']}"}
+    if name.startswith("kube") and name not in where:
+        return CACHE / f"kube-{v['KUBE_VERSION']}" / name
+    return CACHE / where[name] / name if name in where else None
+
+
+def binary(name: str) -> str:
+    """Path of a built component (kube-*, kubectl, etcd, coredns, helm) or a system tool."""
+    path = pinned_path(name)
+    if path is None:
+        found = shutil.which(name, path=_path_env())
+        if not found:
+            raise ClusterError(f"{name} not found on PATH; run hack/install-deps.sh")
+        return found
+    if not os.access(path, os.X_OK):
+        raise ClusterError(f"{path} is missing; run hack/build-binaries.sh")
+    return str(path)
+
+
+def _path_env() -> str:
+    return os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/local/bin", "/usr/sbin",
+                            "/usr/bin", "/sbin", "/bin"])
+
+
+def run(argv: list[str], check: bool = True, input: str | None = None, timeout: float = 120,
+        quiet: bool = False) -> subprocess.CompletedProcess:
+    p = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "PATH": _path_env()})
+    if check and p.returncode != 0:
+        raise ClusterError(f"{' '.join(argv)} failed ({p.returncode}):\n{p.stderr.strip() or p.stdout.strip()}")
+    if not quiet and p.returncode != 0:
+        log(f"(ignored) {' '.join(argv[:4])}...: {p.stderr.strip()[:200]}")
+    return p
+
+
+def kubectl(*args: str, check: bool = True, input: str | None = None, timeout: float = 60):
+    return run([binary("kubectl"), f"--kubeconfig={KUBECONFIG}", *args], check=check, input=input,
+               timeout=timeout, quiet=True)
+
+
+def ctr(*args: str, check: bool = True, input: str | None = None, timeout: float = 600, namespace=K8S_NAMESPACE):
+    return run(["ctr", "--address", CONTAINERD_SOCK, "--namespace", namespace, *args], check=check,
+               input=input, timeout=timeout, quiet=True)
+
+
+def write(path: Path, text: str, mode: int = 0o644) -> Path:
+    """Write only when the content changes: kube-proxy exits when its config file is rewritten."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink():  # .cluster/kubeconfig linked to another checkout's cluster: never write through
+        path.unlink()
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    path.chmod(mode)
+    return path
