@@ -300,8 +300,9 @@ def _spec_schema() -> dict:
                               "(else request) divided by nprocPerNode, at least 1. Immutable.",
                               minimum=1, maximum=1024),
         "progressPeriodSeconds": _int(
-            "How often the operator copies the trainer's progress (GET :29401/progress on rank 0) into "
-            "status.progress; 0 turns progress polling off. Progress writes are rate-limited to this period.",
+            f"How often the operator copies the trainer's progress (GET :{names.PROGRESS_PORT}{names.PROGRESS_PATH} "
+            "on rank 0) into status.progress; 0 turns progress polling off. Progress writes are rate-limited to this "
+            "period.",
             minimum=0, maximum=MAXIMA["progressPeriodSeconds"], default=d["progressPeriodSeconds"]),
         "template": _template_schema(),
         "torchrun": _obj(

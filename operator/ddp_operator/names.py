@@ -94,7 +94,7 @@ RDZV_BACKEND = "c10d"
 RDZV_BACKEND_SPARES = "ddpjob-c10d"
 # The last log line of a spare's torchrun released because a participant closed the rendezvous (the training
 # ended): with FallbackToLogsOnError it ends the termination message. Such an exit is not a failure.
-SPARE_RELEASED_MARKER = "ddpjob-c10d: spare released"
+SPARE_RELEASED_MARKER = f"{RDZV_BACKEND_SPARES}: spare released"
 SNAPSHOT_DIR = "/dev/shm/ddpjob"
 # torchrun options the operator owns, in torchrun's `-` spelling. torchrun accepts `-` and `_` alike and reads
 # each from PET_<OPTION>, so `torchrun.extraArgs` is checked after normalising `_` to `-`, and the trainer

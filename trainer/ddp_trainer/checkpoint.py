@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import storage
-from .env import ConfigError
+from .env import CHECKPOINT_DIR, ConfigError
 
 _NAME = re.compile(r"^ckpt-(\d{9,})\.pt$")
 FORMAT = "ddp_trainer/checkpoint/1"
@@ -26,7 +26,7 @@ def checkpoint_name(step: int) -> str:
     return f"ckpt-{step:09d}.pt"
 
 
-def validate_dir(directory: str, variable: str = "DDPJOB_CHECKPOINT_DIR") -> str:
+def validate_dir(directory: str, variable: str = CHECKPOINT_DIR) -> str:
     """Create the directory if needed and prove it is writable; raise ConfigError otherwise."""
     path = os.path.abspath(directory)
     if os.path.exists(path) and not os.path.isdir(path):

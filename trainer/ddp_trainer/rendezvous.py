@@ -110,7 +110,7 @@ from . import env as envmod
 BACKEND = "ddpjob-c10d"
 # The last line a released spare's torchrun writes (after torch's traceback): the operator finds it in the
 # termination message (FallbackToLogsOnError) and neither counts nor replaces-as-failed that exit.
-SPARE_RELEASED = "ddpjob-c10d: spare released"
+SPARE_RELEASED = f"{BACKEND}: spare released"
 
 
 log = logging.getLogger(__name__)

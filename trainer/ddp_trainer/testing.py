@@ -25,6 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from . import env as envmod
 from .log import parse_line
 
 REPO_TRAINER_DIR = str(Path(__file__).resolve().parent.parent)
@@ -226,8 +227,8 @@ class LocalCluster:
                 "MKL_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join(filter(None, [REPO_TRAINER_DIR, os.environ.get("PYTHONPATH")])),
-                "DDPJOB_RUN_KEY": f"test/{self.rdzv_id}",
-                "DDPJOB_PROGRESS_PORT": "0",
+                envmod.RUN_KEY: f"test/{self.rdzv_id}",
+                envmod.PROGRESS_PORT: "0",
             }
         )
         if self.fault_tolerant:
@@ -275,7 +276,7 @@ class LocalCluster:
         conf.update(self.rdzv_conf)
         snapshot_dir = snapshot_dir or (self.shm_root / name)
         node_env = self.base_env()
-        node_env["DDPJOB_SNAPSHOT_DIR"] = str(snapshot_dir)
+        node_env[envmod.SNAPSHOT_DIR] = str(snapshot_dir)
         node_env.update(env or {})
         argv = [
             self.python,
