@@ -109,7 +109,7 @@ class RunConfig:
         )
 
 
-def default_dir(run_key: str, root: str = "/dev/shm/ddpjob") -> str:
+def default_dir(run_key: str, root: str = envmod.DEFAULT_SNAPSHOT_ROOT) -> str:
     """Where a run keeps its snapshots when DDPJOB_SNAPSHOT_DIR is not set."""
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", run_key).strip("._") or "run"
     if not os.path.isdir(os.path.dirname(root)):  # no /dev/shm (macOS): fall back to the temp dir

@@ -22,6 +22,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from . import env as envmod
+
 PATH = "/progress"
 
 
@@ -125,7 +127,7 @@ def write_termination_log(path: str | None, record: dict[str, Any]) -> bool:
     return True
 
 
-def termination_log_path(explicit: str | None, default: str = "/dev/termination-log") -> str | None:
+def termination_log_path(explicit: str | None, default: str = envmod.DEFAULT_TERMINATION_LOG) -> str | None:
     if explicit:
         return explicit
     return default if os.path.exists(default) else None

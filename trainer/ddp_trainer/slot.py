@@ -59,7 +59,7 @@ class Snapshot:
     step: int
     state: dict[str, Any]
     path: str
-    every: int | None = None  # the snapshot interval K in force when it was written
+    every: int | None  # the snapshot interval K in force when it was written (None: not recorded)
 
 
 class _MetaPickler(pickle.Pickler):

@@ -285,10 +285,6 @@ class PeerSnapshots:
                 best = snap
         return best
 
-    def peek_latest_step(self) -> int | None:
-        snap = self.read_latest()
-        return None if snap is None else snap.step
-
     def set_next_slot_after(self, snap: Snapshot | None) -> None:
         """Write next into the slot that does not hold ``snap`` (keep the newest intact)."""
         if snap is not None:
