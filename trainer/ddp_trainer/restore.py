@@ -53,7 +53,7 @@ def newest_state(
 
     state: dict[str, Any] | None = None
     source, src_rank = "fresh", None
-    bound = None  # the snapshot interval in force when the restored snapshot was written
+    bound = None
     if disk_step > best_snap:
         payload: list[Any] = [None]
         if s.is_main:
@@ -76,7 +76,5 @@ def newest_state(
             source = "peer"
         bound = gathered[src_rank][2]
     pod = gathered[src_rank][4] if source in ("peer", "local") and src_rank is not None else None
-    return Restored(
-        state=state, source=source, src_rank=src_rank, bound=bound if source in ("peer", "local") else None, pod=pod,
-        disk_step=disk_step, marks=[g[3] for g in gathered], pod_indices=[g[5] for g in gathered],
-    )
+    return Restored(state=state, source=source, src_rank=src_rank, bound=bound, pod=pod, disk_step=disk_step,
+                    marks=[g[3] for g in gathered], pod_indices=[g[5] for g in gathered])

@@ -30,7 +30,7 @@ from torch import nn
 
 from . import env as envmod
 from . import rng
-from .config import FROM_ENV, RunConfig
+from .config import RunConfig
 from .progress import Progress, ProgressServer, write_termination_log
 from .recovery import HighWaterMark, complete, recovery_record
 from .resident import ResidentState
@@ -55,30 +55,19 @@ class Run:
         scheduler: Any | None = None,
         extra: dict[str, Any] | None = None,
         seed: int = 0,
-        checkpoint_dir: str | None = FROM_ENV,
-        checkpoint_every: int | None = FROM_ENV,
-        keep_checkpoints: int | None = FROM_ENV,
-        snapshot_dir: str | None = FROM_ENV,
-        snapshot_every: int | str | None = FROM_ENV,
-        snapshot_budget_pct: float | None = FROM_ENV,
-        snapshot_resident: bool | str | None = FROM_ENV,
-        progress_port: int | None = FROM_ENV,
-        log_every: int | None = FROM_ENV,
         checkpoint_on_terminate: bool = True,
+        **settings: Any,
     ) -> None:
-        """Arguments left out are read from the DDPJOB_* environment (:class:`~ddp_trainer.config.RunConfig` says
-        what each one sets); ``None``/0 disables a feature."""
+        """``settings``: checkpoint_dir, checkpoint_every, keep_checkpoints, snapshot_dir, snapshot_every,
+        snapshot_budget_pct, snapshot_resident, progress_port, log_every (:class:`~ddp_trainer.config.RunConfig` says
+        what each one sets); one left out is read from its DDPJOB_* environment variable. ``None``/0 disables a
+        feature."""
         self.session = session
         self.seed = seed
         self.components = Components(model, optimizer, scaler, scheduler, extra)
         self.position = Position(world_size=session.world_size)
         self.log = session.log
-        config = self.config = RunConfig.from_env(
-            os.environ, session.run_key, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            keep_checkpoints=keep_checkpoints, snapshot_dir=snapshot_dir, snapshot_every=snapshot_every,
-            snapshot_budget_pct=snapshot_budget_pct, snapshot_resident=snapshot_resident,
-            progress_port=progress_port, log_every=log_every,
-        )
+        config = self.config = RunConfig.from_env(os.environ, session.run_key, **settings)
         self.log_every = config.log_every
         self.saves = SavePoints(session, config, self.components, self._warn)
 
