@@ -45,40 +45,42 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-if not __package__:  # run as `python hack/cluster.py`: its siblings are imported as the hack package
+if not __package__:  # run as a script (python hack/cluster.py): hack.* from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hack.common import (COMPONENTS, CONTAINERD_SOCK, CONTROL_PLANE, K8S_NAMESPACE, KUBECONFIG,  # noqa: E402
-                         NODE_NAME, OWNER_FILE, REPO, ClusterError, binary, kubectl, log)
-from hack.components import (HEALTH, _node_ready, _pid, _started, api_ready, argv_for, is_running,  # noqa: E402
-                             rss_kib, start, stop, wait_for)
+from hack import image  # noqa: E402
+from hack.common import (COMPONENTS, CONTAINERD_SOCK, CONTROL_PLANE, K8S_NAMESPACE, KUBECONFIG, NODE_NAME,  # noqa: E402
+                         OWNER_FILE, REPO, ClusterError, binary, kubectl, log)
+from hack.components import (HEALTH, api_ready, argv_for, is_running, node_ready, recorded_pid, rss_kib,  # noqa: E402
+                             start, started_here, stop, wait_for)
 from hack.configs import BOOTSTRAP_RBAC, write_configs  # noqa: E402
 from hack.faults import SINGLE, restart_component, start_component, stop_component  # noqa: E402
-from hack.host import (_check_ports, _claim, _locked, _other_owner, _owner_line, _release, _reuse,  # noqa: E402
-                       ensure_containerd, prepare_host)
-from hack.teardown import _down, leftovers  # noqa: E402
+from hack.host import (check_ports, claim, ensure_containerd, locked, other_owner, owner_line,  # noqa: E402
+                       prepare_host, release, reuse)
+from hack.teardown import leftovers, stop_and_clean  # noqa: E402
 
-# What tests/, tests/tools.py and hack/image.py, hack/kueue.py, hack/kind_node.py read from here, as they did
-# when this file held everything.
-from hack.common import (BRIDGE, CACHE, NODE_IP, PAUSE_IMAGE, PAUSE_VERSION, ctr, pinned_path, run,  # noqa: E402,F401
-                         versions)
+# What tests/ and tests/tools.py read from here, as they did when this file held everything (the
+# underscored ones under their names from then).
+from hack.common import BRIDGE, CACHE, NODE_IP, ctr, pinned_path, versions  # noqa: E402,F401
 from hack.components import containerd_ready  # noqa: E402,F401
-from hack.host import PORTS, _check_containerd_db_free, _component_processes, audit_log, owner  # noqa: E402,F401
+from hack.host import PORTS, audit_log, owner  # noqa: E402,F401
+from hack.host import check_containerd_db_free as _check_containerd_db_free  # noqa: E402,F401
+from hack.host import check_ports as _check_ports  # noqa: E402,F401
+from hack.host import component_processes as _component_processes  # noqa: E402,F401
 
 
 def up() -> dict[str, float]:
-    with _locked():
-        other = _other_owner()
+    with locked():
+        other = other_owner()
         if other:
-            return _reuse(other)
+            return reuse(other)
         was_running = [n for n in COMPONENTS if is_running(n)]
         if not was_running or not OWNER_FILE.exists():
-            _claim()
-        del _started[:]
+            claim()
+        del started_here[:]
         try:
             return _up()
         except BaseException:
@@ -86,18 +88,18 @@ def up() -> dict[str, float]:
             # lock, and every later `up` from any checkout would hang on it. When nothing ran before,
             # the host is cleaned as by `down` (the etcd data stays); components that were already
             # running (a degraded cluster being repaired) are left alone.
-            if _started:
-                log(f"up failed: stopping what it started ({', '.join(_started)})")
+            if started_here:
+                log(f"up failed: stopping what it started ({', '.join(started_here)})")
                 try:
                     if was_running:
-                        for name in reversed(_started):
+                        for name in reversed(started_here):
                             stop(name)
                     else:
-                        _down(False, keep_etcd=True)
+                        stop_and_clean(False, keep_etcd=True)
                 except Exception as e:  # noqa: BLE001 - report the original failure
                     log(f"cleanup after the failed up failed too: {e}")
             if not was_running:
-                _release()
+                release()
             raise
 
 
@@ -113,14 +115,13 @@ def _up() -> dict[str, float]:
                  "kubectl", "etcd", "coredns", "containerd", "runc", "tini", "iptables", "conntrack", "openssl",
                  "kube-router", "ipset"):
         binary(tool)  # fail before touching the host if anything is missing
-    _check_ports([n for n in COMPONENTS if not is_running(n)])
+    check_ports([n for n in COMPONENTS if not is_running(n)])
     prepare_host()
     write_configs()
     step("host prepared, PKI and configs written")
 
     ensure_containerd()
-    subprocess.run([sys.executable, str(Path(__file__).with_name("image.py")), "pause"], check=True,
-                   stdout=subprocess.DEVNULL)
+    image.ensure_pause()
     step("containerd up, pause image present")
 
     if start("etcd", argv_for("etcd")):
@@ -133,7 +134,7 @@ def _up() -> dict[str, float]:
     for name in ("kube-controller-manager", "kube-scheduler", "coredns", "kube-proxy", "kubelet"):
         start(name, argv_for(name))
     wait_for("kubelet /healthz", HEALTH["kubelet"], 60, "kubelet")
-    wait_for(f"node {NODE_NAME} Ready", _node_ready, 120, "kubelet", interval=0.5)
+    wait_for(f"node {NODE_NAME} Ready", node_ready, 120, "kubelet", interval=0.5)
     step("node Ready")
     wait_for("kube-proxy synced", HEALTH["kube-proxy"], 60, "kube-proxy")
     # After the node exists (kube-router reads its own Node for the node IP); pods started before its
@@ -156,16 +157,16 @@ def _up() -> dict[str, float]:
 # down
 
 def down(purge: bool = False) -> None:
-    with _locked():
-        other = _other_owner()
+    with locked():
+        other = other_owner()
         if other:
             if KUBECONFIG.is_symlink():  # this checkout's own link to the owner's kubeconfig
                 KUBECONFIG.unlink()
-            print(f"{_owner_line(other)}, not to this checkout: nothing stopped "
+            print(f"{owner_line(other)}, not to this checkout: nothing stopped "
                   f"(`make cluster-down` in {other['repo']} stops it)")
             return
-        _down(purge)
-        _release()
+        stop_and_clean(purge)
+        release()
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,7 +175,7 @@ def down(purge: bool = False) -> None:
 def status() -> dict:
     comps = {}
     for name in COMPONENTS:
-        pid = _pid(name)
+        pid = recorded_pid(name)
         running = is_running(name)
         healthy = False
         if running:
@@ -204,8 +205,7 @@ def figures(runs: int = 3) -> dict:
     """Numbers for the record: idle memory and how fast a local-image pod starts (JSON)."""
     ref = "localhost/ddp-testimage:0.1.0"
     ctx = REPO / "tests" / "cluster" / "testimage"
-    subprocess.run([sys.executable, str(Path(__file__).with_name("image.py")), "build", "-f", str(ctx / "Dockerfile"),
-                    "-t", ref, str(ctx)], check=True)
+    image.build(ctx / "Dockerfile", ref, ctx)
     st = status()
     ns = "ddpjob-figures"
     kubectl("create", "namespace", ns, check=False)
@@ -229,7 +229,7 @@ def figures(runs: int = 3) -> dict:
 
 
 def is_up() -> bool:
-    return all(is_running(n) for n in COMPONENTS) and api_ready() and _node_ready()
+    return all(is_running(n) for n in COMPONENTS) and api_ready() and node_ready()
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "down":
             down(a.purge)
         elif a.cmd == "status":
-            other = _other_owner()
+            other = other_owner()
             if other:
-                print(f"{_owner_line(other)}: `make cluster-status` there shows it")
+                print(f"{owner_line(other)}: `make cluster-status` there shows it")
             st = status()
             print(json.dumps(st, indent=2)) if a.json else print_status(st)
             return 0 if st["up"] else 1

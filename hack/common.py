@@ -1,6 +1,6 @@
 """What every hack/ script shares: the repository's paths (from this file's place, so a copy of hack/ is a
 checkout of its own), the pinned versions (hack/versions.env), the embedded cluster's network plan and
-containerd, its error, and the run/log helpers.
+containerd, the errors, the run/log helpers, and containerd's config (the embedded cluster's and a kind node's).
 
 Standard library only, so the scripts run before the virtualenv exists.
 """
@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 STATE = REPO / ".cluster"
@@ -65,11 +66,21 @@ class ClusterError(RuntimeError):
     """A step failed; the message already carries the relevant log tail."""
 
 
+class BuildError(RuntimeError):
+    """An image build (hack/image.py, hack/kind_node.py) failed; the message says which step."""
+
+
 # --------------------------------------------------------------------------------------------
 # small helpers
 
-def log(msg: str) -> None:
-    print(f"[cluster {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+def logger(name: str) -> Callable[[str], None]:
+    """A log function whose lines on stderr name the script: `[name HH:MM:SS] message`."""
+    def log(msg: str) -> None:
+        print(f"[{name} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    return log
+
+
+log = logger("cluster")
 
 
 def versions() -> dict[str, str]:
@@ -96,7 +107,7 @@ def binary(name: str) -> str:
     """Path of a built component (kube-*, kubectl, etcd, coredns, helm) or a system tool."""
     path = pinned_path(name)
     if path is None:
-        found = shutil.which(name, path=_path_env())
+        found = shutil.which(name, path=path_env())
         if not found:
             raise ClusterError(f"{name} not found on PATH; run hack/install-deps.sh")
         return found
@@ -105,7 +116,7 @@ def binary(name: str) -> str:
     return str(path)
 
 
-def _path_env() -> str:
+def path_env() -> str:
     return os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/local/bin", "/usr/sbin",
                             "/usr/bin", "/sbin", "/bin"])
 
@@ -113,7 +124,7 @@ def _path_env() -> str:
 def run(argv: list[str], check: bool = True, input: str | None = None, timeout: float = 120,
         quiet: bool = False) -> subprocess.CompletedProcess:
     p = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "PATH": _path_env()})
+                       env={**os.environ, "PATH": path_env()})
     if check and p.returncode != 0:
         raise ClusterError(f"{' '.join(argv)} failed ({p.returncode}):\n{p.stderr.strip() or p.stdout.strip()}")
     if not quiet and p.returncode != 0:
@@ -140,3 +151,42 @@ def write(path: Path, text: str, mode: int = 0o644) -> Path:
         path.write_text(text)
     path.chmod(mode)
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# containerd's config
+
+CONTAINERD_CONFIG = """\
+# containerd of a Kubernetes node (hack/common.py): the CRI plugin, runc, overlayfs, Debian's CNI plugins.
+version = 2
+{private}[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{sandbox_image}"
+  enable_selinux = false
+  # Where root lacks CAP_SYS_RESOURCE, runc cannot give the pause container the kubelet's oom_score_adj of
+  # -998; clamp to containerd's own score instead of failing every sandbox.
+  restrict_oom_score_adj = {restrict_oom_score_adj}
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = {systemd_cgroup}
+{runc_root}  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{cni_bin_dir}"
+    conf_dir = "{cni_conf_dir}"
+    max_conf_num = 1
+"""
+
+
+def containerd_config(sandbox_image: str, cni_conf_dir: str | Path, *, systemd_cgroup: bool,
+                      restrict_oom_score_adj: bool, private: bool) -> str:
+    """containerd's config.toml, the embedded cluster's (hack/configs.py) and a kind node's (hack/kind_node.py).
+    private: the embedded cluster's own root, state, socket and runc state, so that it never meets a system
+    containerd; a kind node's containerd is alone in its container and keeps containerd's defaults."""
+    return CONTAINERD_CONFIG.format(
+        private=(f'root = "{CONTAINERD_ROOT}"\nstate = "{CONTAINERD_STATE}"\n[grpc]\n  address = "{CONTAINERD_SOCK}"\n'
+                 f'[ttrpc]\n  address = "{CONTAINERD_SOCK}.ttrpc"\n') if private else "",
+        sandbox_image=sandbox_image, restrict_oom_score_adj=str(restrict_oom_score_adj).lower(),
+        systemd_cgroup=str(systemd_cgroup).lower(), runc_root=f'        Root = "{RUNC_ROOT}"\n' if private else "",
+        cni_bin_dir=CNI_BIN_DIR, cni_conf_dir=cni_conf_dir)

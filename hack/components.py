@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hack.common import (API_PORT, API_URL, AUDIT_LOG, CLUSTER_DOMAIN, CONF, CONTAINERD_SOCK, ETCD_DATA, ETCD_URL,
                          KUBERNETES_SERVICE_IP, LOGS, NODE_IP, NODE_NAME, PIDS, PKI, SERVICE_CIDR, STATE, ClusterError,
-                         _path_env, binary, ctr, kubectl, log, run)
+                         binary, ctr, kubectl, log, path_env, run)
 
 
 # --------------------------------------------------------------------------------------------
@@ -51,14 +51,14 @@ def wait_for(what: str, check, timeout: float, component: str | None = None, int
 # --------------------------------------------------------------------------------------------
 # processes
 
-def _pid(name: str) -> int | None:
+def recorded_pid(name: str) -> int | None:
     try:
         return int((PIDS / f"{name}.pid").read_text())
     except (OSError, ValueError):
         return None
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -67,8 +67,8 @@ def _alive(pid: int) -> bool:
 
 
 def is_running(name: str) -> bool:
-    pid = _pid(name)
-    if not pid or not _alive(pid):
+    pid = recorded_pid(name)
+    if not pid or not alive(pid):
         return False
     # guard against pid reuse: the recorded process must still be ours
     try:
@@ -78,14 +78,14 @@ def is_running(name: str) -> bool:
     return any(name.encode() in part for part in cmd[:6])
 
 
-_started: list[str] = []  # components this process started, in order (a failed `up` stops them)
+started_here: list[str] = []  # components this process started, in order (a failed `up` stops them)
 
 
 def start(name: str, argv: list[str]) -> bool:
     """Start a component detached from us (own session) so it outlives `up`; False if already running."""
     if is_running(name):
         return False
-    _started.append(name)
+    started_here.append(name)
     for d in (LOGS, PIDS):
         d.mkdir(parents=True, exist_ok=True)
     logfile = LOGS / f"{name}.log"
@@ -95,7 +95,7 @@ def start(name: str, argv: list[str]) -> bool:
         out.write(f"# {time.strftime('%F %T')} {' '.join(argv)}\n".encode())
         out.flush()
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                             cwd=STATE, start_new_session=True, env={**os.environ, "PATH": _path_env()})
+                             cwd=STATE, start_new_session=True, env={**os.environ, "PATH": path_env()})
     # Until the child has exec'd (and the kernel has set up its new arguments), /proc shows our own
     # or an empty cmdline and is_running() would say "not running".
     deadline = time.monotonic() + 5
@@ -111,10 +111,10 @@ def start(name: str, argv: list[str]) -> bool:
 
 
 def stop(name: str, timeout: float = 15) -> None:
-    pid = _pid(name)
+    pid = recorded_pid(name)
     t0 = time.monotonic()
     if pid and is_running(name):
-        _kill_group(name, pid, timeout)
+        kill_group(name, pid, timeout)
         if time.monotonic() - t0 > 2:
             log(f"{name} took {time.monotonic() - t0:.1f}s to stop")
     (PIDS / f"{name}.pid").unlink(missing_ok=True)
@@ -146,7 +146,7 @@ def rss_kib(pid: int) -> int:
     return total
 
 
-def _kill_group(name: str, pid: int, timeout: float = 15) -> None:
+def kill_group(name: str, pid: int, timeout: float = 15) -> None:
     """SIGTERM to the component's process group (each component leads its own), SIGKILL after `timeout`; reaped
     when it is our own child (a pytest-started cluster)."""
     try:
@@ -154,13 +154,13 @@ def _kill_group(name: str, pid: int, timeout: float = 15) -> None:
     except ProcessLookupError:
         return
     deadline = time.monotonic() + timeout
-    while _alive(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _alive(pid):
+    if alive(pid):
         log(f"{name} ignored SIGTERM; killing")
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
-        while _alive(pid):
+        while alive(pid):
             time.sleep(0.05)
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
@@ -170,7 +170,7 @@ def _kill_group(name: str, pid: int, timeout: float = 15) -> None:
 # --------------------------------------------------------------------------------------------
 # probes
 
-def _ssl_context(client: bool = True, pki: Path = PKI) -> ssl.SSLContext:
+def ssl_context(client: bool = True, pki: Path = PKI) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
     if client:
         ctx.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
@@ -193,7 +193,7 @@ def https_insecure_ok(url: str) -> bool:
 
 
 def api_ready() -> bool:
-    return http_ok(f"{API_URL}/readyz", _ssl_context())
+    return http_ok(f"{API_URL}/readyz", ssl_context())
 
 
 def dns_query(name: str, server: str = NODE_IP, timeout: float = 1.0) -> list[str]:
@@ -315,7 +315,7 @@ def argv_for(name: str) -> list[str]:
 # --------------------------------------------------------------------------------------------
 # the node
 
-def _node_ready() -> bool:
+def node_ready() -> bool:
     out = kubectl("get", "node", NODE_NAME, "-o",
                   "jsonpath={.status.conditions[?(@.type=='Ready')].status}", check=False).stdout
     return out.strip() == "True"

@@ -8,9 +8,9 @@ import os
 import textwrap
 from pathlib import Path
 
-from hack.common import (API_URL, BRIDGE, CLUSTER_DOMAIN, CNI_BIN_DIR, CNI_NETWORK, CONF, CONTAINERD_ROOT,
-                         CONTAINERD_SOCK, CONTAINERD_STATE, KUBECONFIG, KUBERNETES_SERVICE_IP, NODE_IP, NODE_NAME,
-                         PAUSE_IMAGE, PKI, POD_CIDR, RUNC_ROOT, run, write)
+from hack.common import (API_URL, BRIDGE, CLUSTER_DOMAIN, CNI_NETWORK, CONF, CONTAINERD_SOCK, KUBECONFIG,
+                         KUBERNETES_SERVICE_IP, NODE_IP, NODE_NAME, PAUSE_IMAGE, PKI, POD_CIDR, containerd_config, run,
+                         write)
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,35 +111,8 @@ def write_configs() -> None:
         - level: Metadata
         """))
 
-    write(CONF / "containerd.toml", textwrap.dedent(f"""\
-        # containerd for the embedded cluster: private socket/root/state, Debian's CNI plugins,
-        # a locally built pause image, cgroupfs (no systemd here).
-        version = 2
-        root = "{CONTAINERD_ROOT}"
-        state = "{CONTAINERD_STATE}"
-        [grpc]
-          address = "{CONTAINERD_SOCK}"
-        [ttrpc]
-          address = "{CONTAINERD_SOCK}.ttrpc"
-        [plugins."io.containerd.grpc.v1.cri"]
-          sandbox_image = "{PAUSE_IMAGE}"
-          enable_selinux = false
-          # root here lacks CAP_SYS_RESOURCE, so runc cannot give the pause container the kubelet's
-          # oom_score_adj of -998; clamp to containerd's own score instead of failing every sandbox.
-          restrict_oom_score_adj = {"true" if _restricted_oom_score() else "false"}
-          [plugins."io.containerd.grpc.v1.cri".containerd]
-            snapshotter = "overlayfs"
-            default_runtime_name = "runc"
-            [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-              runtime_type = "io.containerd.runc.v2"
-              [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-                SystemdCgroup = false
-                Root = "{RUNC_ROOT}"
-          [plugins."io.containerd.grpc.v1.cri".cni]
-            bin_dir = "{CNI_BIN_DIR}"
-            conf_dir = "{CONF / 'cni'}"
-            max_conf_num = 1
-        """))
+    write(CONF / "containerd.toml", containerd_config(PAUSE_IMAGE, CONF / "cni", systemd_cgroup=False,
+                                                      restrict_oom_score_adj=_restricted_oom_score(), private=True))
 
     # One bridge network; the bridge IP is the pods' gateway, DNS server and API endpoint.
     write(CONF / "cni" / "10-ddpjob.conflist", json.dumps({

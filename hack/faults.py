@@ -9,9 +9,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from hack.common import API_URL, COMPONENTS, STATE, ClusterError, _path_env, log
-from hack.components import HEALTH, _kill_group, _ssl_context, argv_for, http_ok
-from hack.host import _component_processes, owner
+from hack.common import API_URL, COMPONENTS, STATE, ClusterError, log, path_env
+from hack.components import HEALTH, argv_for, http_ok, kill_group, ssl_context
+from hack.host import component_processes, owner
 
 # --------------------------------------------------------------------------------------------
 # one component at a time (fault injection): restart / stop / start
@@ -38,7 +38,7 @@ def _host_state() -> Path:
 def _running_component(name: str) -> tuple[int, Path] | None:
     """(pid, its checkout's .cluster/) of a running component of this host's cluster: the process
     leading its own session (start() makes every component one), not a child it spawned."""
-    for repo, procs in _component_processes().items():
+    for repo, procs in component_processes().items():
         for pid, n in procs:
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -60,7 +60,7 @@ def _launch_record(pid: int) -> dict:
 
 def _component_healthy(name: str, state: Path) -> bool:
     if name == "kube-apiserver":  # the owner's PKI, which may not be this checkout's
-        return http_ok(f"{API_URL}/readyz", _ssl_context(pki=state / "pki"))
+        return http_ok(f"{API_URL}/readyz", ssl_context(pki=state / "pki"))
     return bool(HEALTH[name]())
 
 
@@ -74,7 +74,7 @@ def stop_component(name: str) -> dict:
     rec = _launch_record(pid)
     (state / "pids" / f"{name}.stopped.json").write_text(json.dumps(rec) + "\n")
     t0 = time.monotonic()
-    _kill_group(name, pid)
+    kill_group(name, pid)
     (state / "pids" / f"{name}.pid").unlink(missing_ok=True)
     log(f"stopped {name} (pid {pid}, {time.monotonic() - t0:.1f}s)")
     return rec
@@ -95,7 +95,7 @@ def start_component(name: str, rec: dict | None = None, timeout: float = 120) ->
         if state != STATE:
             raise ClusterError(f"{name} was not stopped by `hack/cluster.py stop`: run `make cluster-up` in "
                                f"{state.parent}")
-        rec = {"argv": argv_for(name), "cwd": str(STATE), "env": {**os.environ, "PATH": _path_env()}}
+        rec = {"argv": argv_for(name), "cwd": str(STATE), "env": {**os.environ, "PATH": path_env()}}
     state = Path(rec["cwd"])
     (state / "logs").mkdir(parents=True, exist_ok=True)
     with open(state / "logs" / f"{name}.log", "ab") as out:

@@ -12,10 +12,10 @@ import ssl
 import time
 from pathlib import Path
 
-from hack.common import (API_URL, AUDIT_LOG, BRIDGE, COMPONENTS, CONTAINERD_ROOT, CONTAINERD_STATE, ETCD_DATA,
-                         HOST_STATE, KUBECONFIG, KUBELET_ROOT, LOGS, NODE_IP, API_PORT, OWNER_FILE, PIDS, REPO,
-                         STATE, ClusterError, run, write)
-from hack.components import _alive, _ssl_context, argv_for, containerd_ready, http_ok, is_running, start, stop, wait_for
+from hack.common import (API_PORT, API_URL, AUDIT_LOG, BRIDGE, COMPONENTS, CONTAINERD_ROOT, CONTAINERD_STATE, ETCD_DATA,
+                         HOST_STATE, KUBECONFIG, KUBELET_ROOT, LOGS, NODE_IP, OWNER_FILE, PIDS, REPO, STATE,
+                         ClusterError, run, write)
+from hack.components import alive, argv_for, containerd_ready, http_ok, is_running, ssl_context, start, stop, wait_for
 from hack.configs import write_configs
 
 # What each component listens on (checked before it starts: a clear message instead of its own
@@ -80,14 +80,14 @@ def ensure_containerd() -> None:
         return
     if os.geteuid() != 0:
         raise ClusterError("containerd needs root")
-    with _locked():
-        other = _other_owner()
+    with locked():
+        other = other_owner()
         if other:
-            raise ClusterError(f"{_owner_line(other)}; its containerd is not answering: "
+            raise ClusterError(f"{owner_line(other)}; its containerd is not answering: "
                                f"run `make cluster-status` or `make cluster-down` in {other['repo']}")
         if not is_running("containerd"):
-            _check_containerd_db_free()
-            _claim()  # containerd is the first component: whoever starts it owns the host's cluster
+            check_containerd_db_free()
+            claim()  # containerd is the first component: whoever starts it owns the host's cluster
         write_configs()
         CONTAINERD_STATE.parent.mkdir(parents=True, exist_ok=True)
         started = start("containerd", argv_for("containerd"))
@@ -104,7 +104,7 @@ _lock_depth = 0
 
 
 @contextlib.contextmanager
-def _locked():
+def locked():
     """One up/down at a time on the host (parallel pytest sessions and other checkouts may all try to
     start the one cluster); re-entrant within this process."""
     global _lock_depth
@@ -134,7 +134,7 @@ def _locked():
 # --------------------------------------------------------------------------------------------
 # ownership: one cluster per host
 
-def _component_processes() -> dict[Path, list[tuple[int, str]]]:
+def component_processes() -> dict[Path, list[tuple[int, str]]]:
     """Running cluster components on this host, by checkout: start() runs each one in its
     checkout's .cluster/, so a cluster is found even without (or with a stale) owner record."""
     names = set(COMPONENTS) | {"tini"}
@@ -144,7 +144,7 @@ def _component_processes() -> dict[Path, list[tuple[int, str]]]:
             continue
         try:
             cwd = os.readlink(d / "cwd").removesuffix(" (deleted)")
-            if not cwd.endswith("/.cluster") or not _alive(int(d.name)):
+            if not cwd.endswith("/.cluster") or not alive(int(d.name)):
                 continue
             name = Path((d / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")).name
         except OSError:
@@ -161,7 +161,7 @@ def owner() -> dict | None:
         rec = json.loads(OWNER_FILE.read_text())
     except (OSError, ValueError):
         rec = {}
-    running = _component_processes()
+    running = component_processes()
     if not running:
         return None
     repo = Path(rec["repo"]) if rec.get("repo") else None
@@ -178,23 +178,23 @@ def audit_log() -> Path:
     return Path(o["repo"]) / AUDIT_LOG.relative_to(REPO) if o else AUDIT_LOG
 
 
-def _other_owner() -> dict | None:
+def other_owner() -> dict | None:
     o = owner()
     return o if o and Path(o["repo"]).resolve() != REPO.resolve() else None
 
 
-def _owner_line(o: dict) -> str:
+def owner_line(o: dict) -> str:
     since = f", up since {o['since']} by pid {o['pid']}" if o.get("since") else ""
     return f"the embedded cluster of this host belongs to {o['repo']}{since}"
 
 
-def _claim() -> None:
+def claim() -> None:
     HOST_STATE.mkdir(parents=True, exist_ok=True)
     OWNER_FILE.write_text(json.dumps({"repo": str(REPO), "pid": os.getpid(),
                                       "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
 
 
-def _release() -> None:
+def release() -> None:
     try:
         if Path(json.loads(OWNER_FILE.read_text())["repo"]).resolve() == REPO.resolve():
             OWNER_FILE.unlink()
@@ -202,21 +202,21 @@ def _release() -> None:
         pass
 
 
-def _reuse(o: dict) -> dict[str, float]:
+def reuse(o: dict) -> dict[str, float]:
     """`up` in a checkout that does not own the host's cluster: use the owner's, if it is healthy."""
     state = Path(o["repo"]) / ".cluster"
     try:
-        ready = http_ok(f"{API_URL}/readyz", _ssl_context(pki=state / "pki"))
+        ready = http_ok(f"{API_URL}/readyz", ssl_context(pki=state / "pki"))
     except (OSError, ssl.SSLError):  # its PKI is not readable from here
         ready = False
     if not ready:
-        raise ClusterError(f"{_owner_line(o)} and it is not ready (running: {', '.join(o['components'])}): "
+        raise ClusterError(f"{owner_line(o)} and it is not ready (running: {', '.join(o['components'])}): "
                            f"run `make cluster-up` or `make cluster-down` in {o['repo']}")
     STATE.mkdir(parents=True, exist_ok=True)
     if KUBECONFIG.is_symlink() or KUBECONFIG.exists():
         KUBECONFIG.unlink()
     KUBECONFIG.symlink_to(state / "kubeconfig")
-    print(f"{_owner_line(o)}; reusing it (`make cluster-down` there frees the host for this checkout); "
+    print(f"{owner_line(o)}; reusing it (`make cluster-down` there frees the host for this checkout); "
           f"export KUBECONFIG={KUBECONFIG}")
     return {}
 
@@ -266,7 +266,7 @@ def _socket_holder(inode: int) -> str:
     return "an unknown process"
 
 
-def _check_ports(names: list[str]) -> None:
+def check_ports(names: list[str]) -> None:
     """Fail with one line when a port one of `names` needs is taken by something else."""
     listening = _listeners()
     for name in names:
@@ -278,7 +278,7 @@ def _check_ports(names: list[str]) -> None:
                                    "stop it and run `make cluster-up` again")
 
 
-def _check_containerd_db_free() -> None:
+def check_containerd_db_free() -> None:
     """A containerd left running (e.g. by a failed start) holds its boltdb lock: a second one would
     wait 30 s on `waiting for response from boltdb open` and fail without saying why."""
     db = str(CONTAINERD_ROOT / "io.containerd.metadata.v1.bolt" / "meta.db")

@@ -50,10 +50,12 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cluster  # noqa: E402  (paths, containerd, versions; cluster.py runs this file, never imports it)
+if not __package__:  # run as a script (python hack/image.py): hack.* from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hack import common, host  # noqa: E402
+from hack.common import BuildError  # noqa: E402
 
-CACHE = cluster.CACHE
+CACHE = common.CACHE
 LOCK = CACHE / "image-build.lock"
 OLD_BUILD_CACHE = CACHE / "image-build"  # the step snapshots of the builder this file replaced
 
@@ -70,16 +72,11 @@ HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 OCI_LAYER = "application/vnd.oci.image.layer.v1.tar"
 
 
-class BuildError(RuntimeError):
-    pass
-
-
 class StoreError(BuildError):
     """buildah's store cannot give a layer back byte for byte (the image then travels via `buildah push`)."""
 
 
-def log(msg: str) -> None:
-    print(f"[image {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = common.logger("image")
 
 
 def buildah(*args: str, capture: bool = True) -> str:
@@ -111,8 +108,8 @@ def _listed(images_ls: str) -> dict[str, str]:
 
 def containerd_images() -> dict[str, str]:
     """ref -> manifest digest of everything in the k8s.io namespace (starts containerd if needed)."""
-    cluster.ensure_containerd()
-    return _listed(cluster.ctr("images", "ls").stdout)
+    host.ensure_containerd()
+    return _listed(common.ctr("images", "ls").stdout)
 
 
 def has_image(ref: str) -> bool:
@@ -230,12 +227,12 @@ def to_containerd(ref: str, export_dir: Path | None = None) -> str:
     if containerd_images().get(ref) == digest:
         return digest
     layers = json.loads(manifest)["layers"]
-    have = set(cluster.ctr("content", "ls", "-q").stdout.split())
+    have = set(common.ctr("content", "ls", "-q").stdout.split())
     missing = [layer for layer in layers if layer["digest"] not in have]
     log(f"importing {ref}: {len(missing)} of {len(layers)} layers "
         f"({sum(m['size'] for m in missing) / 2**20:.1f} MiB) are new to containerd")
-    cluster.ensure_containerd()
-    out, = _ctr_import([["ctr", "--address", cluster.CONTAINERD_SOCK, "--namespace", cluster.K8S_NAMESPACE,
+    host.ensure_containerd()
+    out, = _ctr_import([["ctr", "--address", common.CONTAINERD_SOCK, "--namespace", common.K8S_NAMESPACE,
                          "images", "import", "-"]], ref, image, missing, export_dir)
     if containerd_images().get(ref) != digest:
         raise BuildError(f"import finished but containerd does not list {ref} at {digest}:\n{out}")
@@ -303,7 +300,7 @@ def archive(ref: str, path: str | Path) -> None:
 
 
 def _node_ctr(node: str) -> list[str]:
-    return ["docker", "exec", "-i", node, "ctr", "--namespace", cluster.K8S_NAMESPACE]
+    return ["docker", "exec", "-i", node, "ctr", "--namespace", common.K8S_NAMESPACE]
 
 
 def kind_snapshotter(node: str) -> str:
@@ -351,7 +348,7 @@ def kind_load(ref: str, cluster_name: str, nodes: list[str] | None = None, kind:
 # base images
 
 def base_rootfs_path() -> Path:
-    suite = cluster.versions().get("DEBIAN_SUITE", "bookworm")
+    suite = common.versions().get("DEBIAN_SUITE", "bookworm")
     return CACHE / f"rootfs-{suite}-v{BASE_REVISION}"
 
 
@@ -376,7 +373,7 @@ def strip_host(root: Path) -> None:
 
 def base_rootfs() -> Path:
     """The cached Debian base root filesystem, made on first use (call with the build lock held)."""
-    suite = cluster.versions().get("DEBIAN_SUITE", "bookworm")
+    suite = common.versions().get("DEBIAN_SUITE", "bookworm")
     d = base_rootfs_path()
     if (d / "etc" / "os-release").exists() and not d.with_suffix(".tmp").exists():
         return d
@@ -494,8 +491,8 @@ def go_binary() -> str:
 
 def pause_binary() -> Path:
     """Kubernetes' own pause.c, compiled statically once into the cache (touches no containerd)."""
-    kube = cluster.versions()["KUBE_VERSION"]
-    out = CACHE / f"pause-{cluster.PAUSE_VERSION}"
+    kube = common.versions()["KUBE_VERSION"]
+    out = CACHE / f"pause-{common.PAUSE_VERSION}"
     binary = out / "pause"
     if not binary.exists():
         go = go_binary()
@@ -506,15 +503,15 @@ def pause_binary() -> Path:
             subprocess.run([go, "mod", "download", f"k8s.io/kubernetes@{kube}"], check=True,
                            env={**os.environ, "GOFLAGS": "-mod=mod"}, cwd=tempfile.gettempdir())
         out.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["gcc", "-Os", "-static", "-Wall", "-Werror", f'-DVERSION=v{cluster.PAUSE_VERSION}-ddpjob',
+        subprocess.run(["gcc", "-Os", "-static", "-Wall", "-Werror", f'-DVERSION=v{common.PAUSE_VERSION}-ddpjob',
                         "-o", str(binary), str(src)], check=True)
         subprocess.run(["strip", str(binary)], check=False)
     return binary
 
 
 def ensure_pause() -> str:
-    """Build Kubernetes' own pause.c statically and import it as cluster.PAUSE_IMAGE (no pull possible)."""
-    ref = cluster.PAUSE_IMAGE
+    """Build Kubernetes' own pause.c statically and import it as common.PAUSE_IMAGE (no pull possible)."""
+    ref = common.PAUSE_IMAGE
     if has_image(ref):
         return ref
     binary = pause_binary()
@@ -571,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{ref}\t{digest}")
         elif a.cmd == "has":
             return 0 if has_image(a.ref) else 1
-    except (BuildError, cluster.ClusterError, subprocess.CalledProcessError) as e:
+    except (BuildError, common.ClusterError, subprocess.CalledProcessError) as e:
         print(f"ERROR: {e}", file=sys.stderr)
         return 1
     return 0

@@ -47,13 +47,13 @@ import textwrap
 import time
 from pathlib import Path
 
-HACK = Path(__file__).resolve().parent
-sys.path.insert(0, str(HACK))
-import cluster  # noqa: E402  (hack/cluster.py: the cache and the pinned versions)
-import docker as engine  # noqa: E402  (hack/docker.py: the engine's socket)
-import image  # noqa: E402  (hack/image.py: the pause binary)
+if not __package__:  # run as a script (python hack/kind_node.py): hack.* from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hack import common, image  # noqa: E402  (the cache and the pinned versions; the pause binary, debootstrap)
+from hack import docker as engine  # noqa: E402  (hack/docker.py: the engine's socket)
+from hack.common import BuildError  # noqa: E402
 
-CACHE = cluster.CACHE
+CACHE = common.CACHE
 ROOTFS_REVISION = 1  # bump when a package list or the rootfs post-processing changes
 IMAGE_LABEL = "dev.ddpjob.kind-node.inputs"  # hash of everything the node image is made from
 
@@ -63,17 +63,12 @@ NET_PACKAGES = ["iptables", "ipset", "conntrack", "iproute2", "kmod"]
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 # kubeadm v1.34's image names (cmd/kubeadm/app/constants: PauseVersion, SupportedEtcdVersion, CoreDNSVersion)
-PAUSE_TAG = image.cluster.PAUSE_VERSION  # the embedded cluster pins the same pause
+PAUSE_TAG = common.PAUSE_VERSION  # the embedded cluster pins the same pause
 ETCD_TAG = "3.6.5-0"
 COREDNS_TAG = "v1.12.1"
 
 
-class BuildError(RuntimeError):
-    pass
-
-
-def log(msg: str) -> None:
-    print(f"[kind-node {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = common.logger("kind-node")
 
 
 def docker(*args: str, stdin=None, capture: bool = True) -> str:
@@ -287,27 +282,6 @@ info "starting $*"
 exec "$@"
 '''
 
-CONTAINERD_CONFIG = '''\
-version = 2
-
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "registry.k8s.io/pause:{pause}"
-  # a container's cgroup v1 hierarchy may lack hugetlb
-  tolerate_missing_hugepages_controller = true
-  restrict_oom_score_adj = false
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        SystemdCgroup = true
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    # Debian's containernetworking-plugins
-    bin_dir = "/usr/lib/cni"
-    conf_dir = "/etc/cni/net.d"
-'''
-
 KUBELET_SERVICE = '''\
 [Unit]
 Description=kubelet: The Kubernetes Node Agent
@@ -481,7 +455,10 @@ ENTRYPOINT ["/usr/local/bin/entrypoint", "/sbin/init"]
 def node_files(v: dict[str, str], bins: dict[str, Path], router_image: str) -> dict[str, tuple[str | Path, int]]:
     f: dict[str, tuple[str | Path, int]] = {
         "usr/local/bin/entrypoint": (ENTRYPOINT, 0o755),
-        "etc/containerd/config.toml": (CONTAINERD_CONFIG.format(pause=PAUSE_TAG), 0o644),
+        # restrict_oom_score_adj is turned on by ENTRYPOINT where the host needs it
+        "etc/containerd/config.toml": (common.containerd_config(f"registry.k8s.io/pause:{PAUSE_TAG}", "/etc/cni/net.d",
+                                                                systemd_cgroup=True, restrict_oom_score_adj=False,
+                                                                private=False), 0o644),
         "etc/systemd/system/kubelet.service": (KUBELET_SERVICE, 0o644),
         "etc/systemd/system/kubelet.service.d/10-kubeadm.conf": (KUBEADM_DROPIN, 0o644),
         "etc/systemd/system/kubelet.service.d/11-cgroups.conf": (CGROUP_DROPIN, 0o644),
@@ -536,7 +513,7 @@ def preload(stage: str, images: list[str], ref: str, label: str) -> None:
 
 
 def build(tag: str | None = None) -> str:
-    v = cluster.versions()
+    v = common.versions()
     ref = tag or default_ref(v)
     bins = binaries(v)
     suite = v.get("DEBIAN_SUITE", "bookworm")
@@ -567,7 +544,7 @@ def build(tag: str | None = None) -> str:
 
 
 def default_ref(v: dict[str, str] | None = None) -> str:
-    return f"ddpjob/kind-node:{(v or cluster.versions())['KUBE_VERSION']}"
+    return f"ddpjob/kind-node:{(v or common.versions())['KUBE_VERSION']}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ the cluster (failurePolicy Fail for pods), so a Kueue hiccup would block pod cre
 watches DDPJobs, the owners of their Workloads: `up` applies manifests/kueue/ddpjob-access.yaml, without which
 Kueue's cache of DDPJobs never syncs and its webhooks that look a pod's owner up stall.
 
-Standard library only, like hack/cluster.py and hack/image.py, whose helpers it uses.
+Standard library only, like hack/common.py and hack/image.py, whose helpers it uses.
 """
 from __future__ import annotations
 
@@ -56,9 +56,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cluster  # noqa: E402
-import image  # noqa: E402
+if not __package__:  # run as a script (python hack/kueue.py): hack.* from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hack import common, image  # noqa: E402
 
 HACK = Path(__file__).resolve().parent
 DOCKERFILE = HACK / "kueue" / "Dockerfile"
@@ -74,7 +74,7 @@ IMAGE_REPO = "localhost/kueue"
 CRD_GROUP = "kueue.x-k8s.io"
 # Kind.version.group of the DDPJob CRD (operator/ddp_operator/crd.py)
 DDPJOB_FRAMEWORK = "DDPJob.v1alpha1.ddp.dev"
-LOCK = cluster.CACHE / "kueue.lock"
+LOCK = common.CACHE / "kueue.lock"
 # The chart's labels on everything it creates (cluster-scoped leftovers are found by it in `down`).
 CHART_SELECTOR = f"app.kubernetes.io/name=kueue,app.kubernetes.io/instance={RELEASE}"
 HELM_TIMEOUT = "5m"
@@ -91,19 +91,18 @@ class KueueError(RuntimeError):
     pass
 
 
-def log(msg: str) -> None:
-    print(f"[kueue {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = common.logger("kueue")
 
 
 # --------------------------------------------------------------------------------------------
 # where things are
 
 def version() -> str:
-    return cluster.versions()["KUEUE_VERSION"]
+    return common.versions()["KUEUE_VERSION"]
 
 
 def build_dir() -> Path:
-    return cluster.CACHE / f"kueue-{version()}"
+    return common.CACHE / f"kueue-{version()}"
 
 
 def chart_dir() -> Path:
@@ -115,13 +114,13 @@ def image_ref() -> str:
 
 
 def helm(kubeconfig: Path, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
-    return cluster.run([cluster.binary("helm"), f"--kubeconfig={kubeconfig}", *args], check=check,
+    return common.run([common.binary("helm"), f"--kubeconfig={kubeconfig}", *args], check=check,
                        timeout=timeout, quiet=True)
 
 
 def kubectl(kubeconfig: Path, *args: str, check: bool = True, input: str | None = None,
             timeout: float = 60) -> subprocess.CompletedProcess:
-    return cluster.run([cluster.binary("kubectl"), f"--kubeconfig={kubeconfig}", *args], check=check,
+    return common.run([common.binary("kubectl"), f"--kubeconfig={kubeconfig}", *args], check=check,
                        input=input, timeout=timeout, quiet=True)
 
 
@@ -159,7 +158,7 @@ def ensure_image(kind_cluster: str | None = None, kind: str = "kind") -> str:
     digest = image.containerd_images().get(ref)
     if digest:
         return digest
-    log(f"building {ref} from {DOCKERFILE.relative_to(cluster.REPO)} (context {build_dir()})")
+    log(f"building {ref} from {DOCKERFILE.relative_to(common.REPO)} (context {build_dir()})")
     return image.build(DOCKERFILE, ref, build_dir())
 
 
@@ -307,7 +306,7 @@ def _cluster_reachable(kubeconfig: Path) -> None:
 # --------------------------------------------------------------------------------------------
 # up / down / status
 
-def up(kubeconfig: Path | str = cluster.KUBECONFIG, kind_cluster: str | None = None,
+def up(kubeconfig: Path | str = common.KUBECONFIG, kind_cluster: str | None = None,
        kind: str = "kind") -> dict[str, float]:
     """Install Kueue or bring the release to the configuration above; returns the seconds per stage.
     `kind_cluster`: the kubeconfig's cluster is that kind cluster, whose nodes get the image by `kind load`."""
@@ -356,7 +355,7 @@ def _drop_finalizers(kubeconfig: Path, crd: str) -> None:
                     "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False)
 
 
-def down(kubeconfig: Path | str = cluster.KUBECONFIG) -> None:
+def down(kubeconfig: Path | str = common.KUBECONFIG) -> None:
     """Uninstall Kueue and everything it defined; a no-op when it is not installed."""
     kubeconfig = Path(kubeconfig)
     t0 = time.monotonic()
@@ -393,7 +392,7 @@ def down(kubeconfig: Path | str = cluster.KUBECONFIG) -> None:
     log(f"Kueue is down ({time.monotonic() - t0:.1f}s)")
 
 
-def status(kubeconfig: Path | str = cluster.KUBECONFIG) -> dict:
+def status(kubeconfig: Path | str = common.KUBECONFIG) -> dict:
     kubeconfig = Path(kubeconfig)
     _cluster_reachable(kubeconfig)
     rel = release(kubeconfig)
@@ -435,7 +434,7 @@ def print_status(st: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kubeconfig", default=str(cluster.KUBECONFIG), help="default: the embedded cluster's")
+    ap.add_argument("--kubeconfig", default=str(common.KUBECONFIG), help="default: the embedded cluster's")
     ap.add_argument("--kind-cluster", default="", help="the kubeconfig's cluster is this kind cluster: `up` loads "
                                                         "the image into its nodes")
     ap.add_argument("--kind", default="kind", help="the kind binary (with --kind-cluster)")
@@ -459,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
             st = status(a.kubeconfig)
             print(json.dumps(st, indent=2)) if a.json else print_status(st)
             return 0 if st["ok"] else 1
-    except (KueueError, cluster.ClusterError, image.BuildError, subprocess.CalledProcessError) as e:
+    except (KueueError, common.ClusterError, common.BuildError, subprocess.CalledProcessError) as e:
         print(f"\nERROR: {e}", file=sys.stderr)
         return 1
     return 0

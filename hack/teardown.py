@@ -11,10 +11,11 @@ import signal
 import time
 from pathlib import Path
 
-from hack.common import (BRIDGE, CNI_NETWORK, COMPONENTS, CONTAINERD_ROOT, CONTAINERD_SOCK, CONTAINERD_STATE,
-                         ETCD_DATA, KUBELET_ROOT, PIDS, POD_CIDR, REPO, SERVICE_CIDR, STATE, _path_env, ctr, run)
+from hack.common import (BRIDGE, CNI_NETWORK, COMPONENTS, CONTAINERD_ROOT, CONTAINERD_SOCK, CONTAINERD_STATE, ETCD_DATA,
+                         KUBELET_ROOT, PIDS, POD_CIDR, REPO, SERVICE_CIDR, STATE, ctr, path_env, run)
 from hack.components import containerd_ready, is_running, stop
-from hack.host import _component_processes, sysctl
+from hack.host import component_processes, sysctl
+
 
 def _mounts_under(prefixes: list[str]) -> list[str]:
     out = []
@@ -44,13 +45,13 @@ def _our_stray_processes() -> list[int]:
             if b"containerd-shim" in cmd and CONTAINERD_SOCK.encode() in cmd:
                 pids.append(int(d.name))
     # components of this checkout whose pid file is gone (they run in its .cluster/)
-    pids += [pid for pid, _ in _component_processes().get(REPO, [])]
+    pids += [pid for pid, _ in component_processes().get(REPO, [])]
     return sorted(set(p for p in pids if p != os.getpid()))
 
 
 def _clean_iptables(save: str, restore: str) -> None:
     """Drop every KUBE-*/CNI-* chain and every rule that jumps to one, table by table."""
-    if not shutil.which(save, path=_path_env()):
+    if not shutil.which(save, path=path_env()):
         return
     dump = run([save], check=False).stdout
     ours = re.compile(r"(^:(KUBE|CNI)-)|(^-A (KUBE|CNI)-)|(\s-[jg] (KUBE|CNI)-)")
@@ -69,7 +70,7 @@ def _clean_iptables(save: str, restore: str) -> None:
 
 def _our_ipsets() -> list[str]:
     """kube-router's ipsets (KUBE-SRC-*, KUBE-DST-*, KUBE-ROUTER-*, `inet6:` for IPv6)."""
-    if not shutil.which("ipset", path=_path_env()):
+    if not shutil.which("ipset", path=path_env()):
         return []
     names = run(["ipset", "list", "-n"], check=False, quiet=True).stdout.split()
     return [n for n in names if n.removeprefix("inet6:").startswith("KUBE-")]
@@ -84,7 +85,7 @@ def _remove_cgroups() -> None:
                 pass
 
 
-def _down(purge: bool, keep_etcd: bool = False) -> None:
+def stop_and_clean(purge: bool, keep_etcd: bool = False) -> None:
     t0 = time.monotonic()
     for name in ("kubelet", "kube-router", "kube-proxy", "kube-scheduler", "kube-controller-manager", "coredns"):
         stop(name)
@@ -141,7 +142,7 @@ def _down(purge: bool, keep_etcd: bool = False) -> None:
     _clean_iptables("ip6tables-save", "ip6tables-restore")
     for name in _our_ipsets():  # only once no iptables rule refers to them
         run(["ipset", "destroy", name], check=False)
-    if shutil.which("conntrack", path=_path_env()):
+    if shutil.which("conntrack", path=path_env()):
         for flt in (["-s", POD_CIDR], ["-d", SERVICE_CIDR]):
             run(["conntrack", "-D", *flt], check=False, quiet=True)
     _remove_cgroups()
@@ -175,7 +176,7 @@ def leftovers() -> list[str]:
         found.append(f"interface {BRIDGE}")
     found += [f"interface {p.name}" for p in Path("/sys/class/net").glob("veth*")]
     for save in ("iptables-save", "ip6tables-save"):
-        if shutil.which(save, path=_path_env()):
+        if shutil.which(save, path=path_env()):
             chains = re.findall(r"^:((?:KUBE|CNI)-\S+)", run([save], check=False).stdout, re.M)
             found += [f"{save} chain {c}" for c in chains]
     found += [f"ipset {n}" for n in _our_ipsets()]

@@ -41,9 +41,8 @@ from typing import Any, Callable
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "hack"))
-import cluster as embedded  # noqa: E402  hack/cluster.py
-import image as image_builder  # noqa: E402  hack/image.py
+from hack import cluster as embedded  # noqa: E402  hack/cluster.py
+from hack import image as image_builder  # noqa: E402  hack/image.py
 
 from tests import tools  # noqa: E402
 

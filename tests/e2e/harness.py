@@ -695,12 +695,9 @@ KUEUE_ONE_JOB_QUOTA = {"cpu": "300m", "memory": "1600Mi"}
 
 
 def kueue_module():
-    """hack/kueue.py (installs the pinned Kueue into the cluster), imported from its path."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("hack_kueue", REPO / "hack" / "kueue.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """hack/kueue.py (installs the pinned Kueue into the cluster)."""
+    from hack import kueue
+    return kueue
 
 
 def kueue_queue(k: Kubectl, namespace: str, flavor: str, quota: dict[str, str] = KUEUE_ONE_JOB_QUOTA) -> str:
