@@ -26,7 +26,7 @@ CNI manifest inside. kind's own images are pulled from Docker Hub; this one is m
 - Storage: /kind/manifests/default-storage.yaml is a default StorageClass `standard` on the controller
   manager's host-path provisioner (kind's config enables it): volumes live on a node's disk, are not
   shared between nodes, and are meant for tests. kind's local-path provisioner would need a pull.
-- The entrypoint (ENTRYPOINT below) prepares the container for systemd on cgroup v1 and v2 hosts:
+- The entrypoint (ENTRYPOINT, hack/kind_node_files.py) prepares the container for systemd on cgroup v1 and v2 hosts:
   read-only /sys, rshared /, the kubelet's cgroup roots, a fresh machine-id, ip_forward, containerd's
   oom_score_adj restricted where CAP_SYS_RESOURCE is missing, pods reaching Docker's embedded DNS, and,
   after `docker start` gave the node a new address, the files naming the old one.
