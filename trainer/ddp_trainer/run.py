@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from . import env as envmod
 from . import rng
@@ -70,6 +71,9 @@ class Run:
         config = self.config = RunConfig.from_env(os.environ, session.run_key, **settings)
         self.log_every = config.log_every
         self.saves = SavePoints(session, config, self.components, self._warn)
+        if session.world_size > 2 and _rebuckets(model):
+            self.log("ddp_rebuckets", level="warning", world_size=session.world_size,
+                     fix="DistributedDataParallel(..., find_unused_parameters=True)")
 
         # The high-water mark of the last completed step (recovery.py): next to the pod's snapshots.
         self._mark: HighWaterMark | None = None
@@ -329,3 +333,11 @@ class Run:
             self._mark.close(remove=True)
             self._mark = None
         return record
+
+
+def _rebuckets(model: nn.Module) -> bool:
+    """Whether ``model`` is a DDP that re-buckets its gradients after its first iteration (torch's default; not with
+    ``find_unused_parameters=True`` unless ``static_graph``). With more than two ranks a resumed run then is not
+    bitwise equal to an uninterrupted one: its first step all-reduces in the first iteration's layout, whose rounding
+    differs (trainer/README.md, "Rules that keep resume exact")."""
+    return isinstance(model, DistributedDataParallel) and (model.static_graph or not model.find_unused_parameters)

@@ -163,7 +163,11 @@ def train(args: argparse.Namespace, session: ddp_trainer.Session) -> dict[str, A
 
     ddp_trainer.rng.seed_all(args.seed)  # identical initial weights on every rank
     net = ddp_trainer.convert_sync_batchnorm(DigitsNet(), device).to(device)
-    model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+    # Above two ranks DDP must keep one gradient bucket layout for the whole run, or a restarted worker's first step
+    # rounds differently from the uninterrupted run's (trainer/README.md, "Rules that keep resume exact"); torch warns
+    # once per rank that no parameter went unused, which is expected here.
+    model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None,
+                find_unused_parameters=session.world_size > 2)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
     amp_on, amp_dtype, use_scaler = amp_settings(args.amp, device)
