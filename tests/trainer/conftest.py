@@ -1,4 +1,4 @@
-"""Shared fixtures for the trainer tests: one uninterrupted reference run of the digits job."""
+"""Shared fixtures for the trainer tests: uninterrupted reference runs of the digits job."""
 
 from __future__ import annotations
 
@@ -53,3 +53,16 @@ def reference(tmp_path_factory):
             "progress_all": seen,
             "termination": termination,
         }
+
+
+@pytest.fixture(scope="session")
+def reference_two_workers_per_pod(tmp_path_factory):
+    """An uninterrupted run of 2 pods with 2 workers each (world size 4): the weights a killed 2x2 run ends with."""
+    work = tmp_path_factory.mktemp("reference-2x2")
+    with LocalCluster(work, nproc_per_node=2, args=DIGITS_ARGS, rdzv_id="reference-2x2") as cluster:
+        cluster.start_node()
+        cluster.start_node()
+        rcs = cluster.wait_exit(timeout=JOB_TIMEOUT)
+        assert rcs == {"node0": 0, "node1": 0}, cluster.dump()
+        final = final_event(cluster)
+        return {"digest": final["weights_sha256"], "steps": final.int("step")}

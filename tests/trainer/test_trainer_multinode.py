@@ -17,7 +17,8 @@ import urllib.request
 
 import pytest
 from ddp_trainer.testing import (
-    REPO_TRAINER_DIR, LocalCluster, descendants, forked_workers, free_port, recovery_after_kill, torchrun_workers,
+    REPO_TRAINER_DIR, Event, LocalCluster, descendants, forked_workers, free_port, recovery_after_kill,
+    torchrun_workers,
 )
 from tests.trainer.digits_job import DIGITS_ARGS, JOB_TIMEOUT, SLOW, final_event
 
@@ -40,24 +41,65 @@ def test_two_nodes_reach_accuracy_and_report_progress(reference):
     assert term["final"] is True and term["metrics"]["testAccuracy"] >= 0.90 and term["step"] == reference["steps"]
 
 
-@pytest.mark.parametrize("with_disk_checkpoints", [True, False], ids=["checkpoints", "peer-only"])
-def test_kill_non_host_node_resumes_bitwise(tmp_path, reference, with_disk_checkpoints):
-    """Items 2 and 3: a replaced non-host node; with disk checkpoints off, recovery is peer-only."""
-    env = {}
+def _assert_every_rank_restored(cluster: LocalCluster, after: float, step: int, own: dict[str, str]) -> None:
+    """Both workers of each pod in ``own`` restored ``step`` (their first event=rank_restored at or after ``after``):
+    from their own state where they held that step (``own[pod]``: the pod's copy or the rank's resident file), else
+    from a peer's broadcast."""
+    lines: dict[tuple[str, int], Event] = {}
+    for e in cluster.events("rank_restored"):
+        if e.time >= after:
+            lines.setdefault((e.node, e.int("local_rank")), e)
+    got = {key: (e["source"], e.int("step")) for key, e in lines.items()}
+    want = {(pod, local_rank): (source if (pod, local_rank) in lines and lines[pod, local_rank].int("held") == step
+                                else "peer", step)
+            for pod, source in own.items() for local_rank in (0, 1)}
+    assert got == want, cluster.dump()
+
+
+@pytest.mark.parametrize(("with_disk_checkpoints", "nproc_per_node"), [(True, 1), (False, 2)],
+                         ids=["checkpoints", "peer-only-two-workers-per-pod"])
+def test_kill_non_host_node_resumes_bitwise(tmp_path, request, with_disk_checkpoints, nproc_per_node):
+    """Items 2 and 3: a replaced non-host node; with disk checkpoints off, recovery is peer-only.
+
+    With two workers per pod (world size 4, ``--nproc-per-node 2``), local rank 1 of the victim pod is killed first
+    (its agent restarts both workers in place), then the whole pod. After each kill every worker of every pod logs
+    where its own state came from, and each restored the step the group resumed from: after the worker kill each
+    rank holds it itself (the host pod, resident state on: both ranks their own resident file; the victim pod, copies
+    only: both ranks the pod's copy, which local rank 0 alone writes); after the pod kill the host's two ranks their
+    resident files and the replacement's two the broadcast. The final weights equal an uninterrupted 2x2 run's: so no
+    local rank restored a wrong state, and the first step after a restart rounds as the uninterrupted run's (with more
+    than two ranks DDP's re-bucketing after its first iteration would break that; trainer/README.md)."""
+    reference = request.getfixturevalue("reference" if nproc_per_node == 1 else "reference_two_workers_per_pod")
+    env, host_env, victim_env = {}, None, None
     if with_disk_checkpoints:
         env = {"DDPJOB_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "DDPJOB_CHECKPOINT_EVERY": "10"}
-    kill_step = 33 if with_disk_checkpoints else 47
-    with LocalCluster(tmp_path, args=[*DIGITS_ARGS, *SLOW], env=env, rdzv_id=f"kill-{kill_step}") as cluster:
-        host = cluster.start_node()
-        victim = cluster.start_node()
+    if nproc_per_node > 1:
+        host_env, victim_env = {"DDPJOB_SNAPSHOT_RESIDENT": "1"}, {"DDPJOB_SNAPSHOT_RESIDENT": "0"}
+    kill_step = 33 if with_disk_checkpoints else 35
+    with LocalCluster(tmp_path, nproc_per_node=nproc_per_node, args=[*DIGITS_ARGS, *SLOW], env=env,
+                      rdzv_id=f"kill-{kill_step}") as cluster:
+        host = cluster.start_node(env=host_env)
+        victim = cluster.start_node(env=victim_env)
+        since = float("-inf")
+        if nproc_per_node > 1:
+            cluster.wait_for_step(15, timeout=JOB_TIMEOUT)
+            killed_at = cluster.kill_workers(victim, local_ranks=[1])
+            rec = recovery_after_kill(cluster, killed_at, timeout=JOB_TIMEOUT)
+            assert rec["source"] in ("local", "peer") and rec["steps_lost"] <= rec["snapshot_every"], rec
+            _assert_every_rank_restored(cluster, killed_at, rec["resumed_from"],
+                                        {host.name: "resident", victim.name: "snapshot"})
+            since = rec["restored_at"]
         cluster.wait_for_step(kill_step, timeout=JOB_TIMEOUT)
         killed_at = cluster.kill(victim)
-        cluster.start_node("node1-replacement")
-        rec = recovery_after_kill(cluster, killed_at, timeout=JOB_TIMEOUT)
-        rcs = cluster.wait_exit([host, cluster.node("node1-replacement")], timeout=JOB_TIMEOUT)
+        replacement = cluster.start_node("node1-replacement", env=victim_env)
+        rec = recovery_after_kill(cluster, killed_at, timeout=JOB_TIMEOUT, since=since)
+        rcs = cluster.wait_exit([host, replacement], timeout=JOB_TIMEOUT)
         assert set(rcs.values()) == {0}, cluster.dump()
         assert rec["source"] == "peer", rec
         assert rec["snapshot_every"] is not None and rec["steps_lost"] <= rec["snapshot_every"], rec
+        if nproc_per_node > 1:
+            _assert_every_rank_restored(cluster, killed_at, rec["resumed_from"],
+                                        {host.name: "resident", replacement.name: "peer"})
         assert final_event(cluster)["weights_sha256"] == reference["digest"], cluster.dump()
         if not with_disk_checkpoints:
             assert not any(e["event"] == "checkpoint" for e in cluster.events())

@@ -174,6 +174,13 @@ class Run:
                 restart_count=s.restart_count,
                 snapshot_every=got.bound,
             )
+            # Every worker says where its own state came from (the line above is the group's): its resident file, its
+            # pod's copy, or another rank (a peer's snapshot or rank 0's checkpoint, broadcast); ``held``: the newest
+            # step it could read itself (-1: none).
+            held = local.step if local is not None else -1
+            own = got.source in ("local", "peer") and held == position.step
+            self.log("rank_restored", all_ranks=True, local_rank=s.local_rank, step=position.step, held=held,
+                     source=("resident" if local is not copies else "snapshot") if own else got.source)
         else:
             self.log("start", source="fresh", restart_count=s.restart_count)
         if saves.checkpoints is not None and got.disk_step >= 0:

@@ -84,18 +84,19 @@ def forked_workers(pids: Iterable[int | str]) -> list[int]:
                   if process_name(p) == WORKER_NAME and process_name(parent_pid(p) or 0) != WORKER_NAME)
 
 
+def local_rank(pid: int | str) -> int | None:
+    """LOCAL_RANK in the environment of process `pid`, a torchrun worker (None for the agent, or once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+    except OSError:
+        return None
+    return next((int(v.partition(b"=")[2]) for v in environ if v.startswith(b"LOCAL_RANK=")), None)
+
+
 def torchrun_workers(node: Node) -> list[int]:
     """The node's torchrun workers (their environment has LOCAL_RANK; the agent's does not)."""
-    out = []
-    for pid in descendants(node.proc.pid):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        if any(v.startswith(b"LOCAL_RANK=") for v in environ):
-            out.append(pid)
-    return out
+    return [pid for pid in descendants(node.proc.pid) if local_rank(pid) is not None]
 
 
 def descendants(pid: int) -> list[int]:
@@ -305,9 +306,11 @@ class LocalCluster:
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
 
-    def kill_workers(self, node: Node) -> float:
-        """SIGKILL the node's torchrun workers, not its agent (which restarts them in place). Returns the kill time."""
-        pids = torchrun_workers(node)
+    def kill_workers(self, node: Node, local_ranks: Iterable[int] | None = None) -> float:
+        """SIGKILL the node's torchrun workers (those of ``local_ranks``; default all), not its agent (which restarts
+        all of them in place). Returns the kill time."""
+        wanted = None if local_ranks is None else set(local_ranks)
+        pids = [pid for pid in torchrun_workers(node) if wanted is None or local_rank(pid) in wanted]
         assert pids, self.dump()
         killed_at = time.time()
         for pid in pids:
