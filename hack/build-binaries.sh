@@ -9,6 +9,11 @@ here=$(cd "$(dirname "$0")" && pwd)
 source "$here/versions.env"
 
 CACHE_ROOT=${DDPJOB_CACHE:-$HOME/.cache/ddpjob}
+mkdir -p "$CACHE_ROOT"
+# One build at a time per cache (the Go toolchain fetch included): `make test` builds Kueue and kind in the
+# background while a test may ask for one; a second run waits here, then finds it cached.
+exec 9>"$CACHE_ROOT/.build.lock"
+flock 9
 export GOTOOLCHAIN=local GOFLAGS=-mod=mod GOPROXY=${GOPROXY:-https://proxy.golang.org,direct}
 log() { printf '[build %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 # Go: the one on PATH when it is new enough, else the pinned toolchain from the module proxy
@@ -229,7 +234,6 @@ GO
   rm -rf "$out"; mv "$out.tmp" "$out"; log "kind done"
 }
 
-mkdir -p "$CACHE_ROOT"
 components=("$@"); [[ ${#components[@]} -gt 0 ]] || components=(etcd coredns helm kube-router kube kueue)
 for c in "${components[@]}"; do
   case $c in

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # `make test`: the whole suite as CI runs it, in stages whose times are printed at the end (also after a failure).
-#   1. prepare, side by side: the Go binaries (CPU) | both images built and imported into containerd (mostly
-#      downloads on a cold machine: the Debian base, torch) | the unit tests (no cluster)
-#   2. the embedded cluster up (seconds once its binaries exist)
-#   3. pytest: every other tier (bootstrap, trainer, cluster, integration, chart, e2e, benchmark smoke)
+#   1. side by side: the tests that need no cluster (unit, bootstrap, trainer, gpu) in front, and behind them, at a
+#      lower CPU priority so that they only take what the tests leave, the embedded cluster's Go binaries and both
+#      images (downloads, mostly, on a cold machine: the Debian base and torch)
+#   2. the embedded cluster up (seconds once its binaries exist); behind it, at low priority, what only later tests
+#      need: the Kueue manager, and kind's binaries and Docker engine package for stage 4
+#   3. pytest over the tiers that use the cluster (cluster, integration, chart, e2e, benchmark smoke)
 #   4. a node lost on a kind cluster of its own (make kind-node-loss, KIND_CLUSTER_NAME=ddpjob-test)
-# Each pytest run writes JUnit XML under .test-results/; hack/test_times.py turns it into the per-directory table.
-# Knobs: PYTEST_ARGS (extra pytest arguments for stages 1 and 3), DDPJOB_SKIP_KIND=1 (stop after stage 3; never
-# under CI=true). docs/testing.md has the measured time of each stage and of each test directory.
+# Each pytest run writes JUnit XML under .test-results/; hack/test_times.py turns it into the per-directory table
+# of docs/testing.md.
+# Knobs: PYTEST_ARGS (extra pytest arguments for every pytest run), DDPJOB_SKIP_KIND=1 (stop after stage 3; not
+# under CI=true).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -16,60 +19,73 @@ read -r -a extra <<<"${PYTEST_ARGS:-}"
 
 STAGES=()
 STARTED=$SECONDS
-record() { STAGES+=("$(printf '%-44s %5d s' "$1" "$2")"); }
+record() { STAGES+=("$(printf '%-52s %5d s' "$1" "$2")"); }
 summary() { # exit status
   local rc=$1
+  local pid
+  for pid in "${BG_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   rm -rf "$TMP"
   log "stage times:"
   printf '  %s\n' "${STAGES[@]}" >&2
-  printf '  %-44s %5d s\n' total $((SECONDS - STARTED)) >&2
+  printf '  %-52s %5d s\n' total $((SECONDS - STARTED)) >&2
   if [[ $rc -eq 0 ]]; then log "passed"; else log "FAILED (exit $rc)"; fi
 }
 TMP=$(mktemp -d /tmp/ddpjob-test-XXXXXX)
+BG_PIDS=()
 trap 'summary $?' EXIT
 
-# run_bg NAME CMD...: CMD in the background, its output prefixed with NAME; its pid in BG_PID
-run_bg() {
+# background NAME CMD...: CMD at low CPU priority, its output prefixed with [NAME]; its pid in BG_PID
+background() {
   local name=$1; shift
   ( t0=$SECONDS; rc=0
-    "$@" > >(sed -u "s/^/[$name] /") 2>&1 || rc=$?
+    nice -n 15 "$@" > >(sed -u "s/^/[$name] /") 2>&1 || rc=$?
     echo "$((SECONDS - t0)) $rc" >"$TMP/$name.done"
     exit "$rc" ) &
   BG_PID=$!
+  BG_PIDS+=("$BG_PID")
 }
-log "stage 1: Go binaries | images | unit tests, side by side"
-t0=$SECONDS
+# finished NAME PID: wait for a background job, record its time, fail the run with its exit status
+finished() {
+  local name=$1 pid=$2 rc=0 secs=0
+  wait "$pid" || rc=$?
+  read -r secs _ <"$TMP/$name.done" 2>/dev/null || true
+  record "  $name (in the background)" "$secs"
+  ((rc == 0)) || { log "$name failed (exit $rc); its output is above, prefixed [$name]"; exit "$rc"; }
+}
+pytest_run() { # name paths...: one pytest run with its JUnit XML
+  local name=$1; shift
+  "$PY" -m pytest -ra --durations=15 --junitxml=".test-results/$name.xml" "$@" "${extra[@]}"
+}
+
 rm -rf .test-results
-run_bg binaries hack/build-binaries.sh; pid_bin=$BG_PID
-run_bg images hack/build-images.sh; pid_img=$BG_PID
-unit_rc=0
-"$PY" -m pytest -ra --durations=10 --junitxml=.test-results/unit.xml tests/unit "${extra[@]}" || unit_rc=$?
-record "unit tests (beside binaries and images)" $((SECONDS - t0))
-bin_rc=0; img_rc=0
-wait "$pid_bin" || bin_rc=$?
-wait "$pid_img" || img_rc=$?
-for name in binaries images; do
-  read -r secs rc <"$TMP/$name.done" || { secs=0; rc=1; }
-  record "$name (stage 1, exit $rc)" "$secs"
-done
-record "stage 1: prepare" $((SECONDS - t0))
-((bin_rc == 0)) || { log "the Go binaries failed (exit $bin_rc)"; exit "$bin_rc"; }
-((img_rc == 0)) || { log "the images failed (exit $img_rc)"; exit "$img_rc"; }
-((unit_rc == 0)) || { log "unit tests failed (exit $unit_rc)"; exit "$unit_rc"; }
+t0=$SECONDS
+log "stage 1: the tests that need no cluster | the Go binaries and both images behind them"
+background binaries hack/build-binaries.sh etcd coredns helm kube-router kube; pid_bin=$BG_PID
+background images hack/build-images.sh; pid_img=$BG_PID
+rc=0
+pytest_run no-cluster tests/unit tests/bootstrap tests/trainer tests/gpu || rc=$?
+record "  unit, bootstrap, trainer, gpu tests" $((SECONDS - t0))
+((rc == 0)) || { log "the tests that need no cluster failed (exit $rc)"; exit "$rc"; }
+finished binaries "$pid_bin"
+finished images "$pid_img"
+record "stage 1" $((SECONDS - t0))
 
 t0=$SECONDS
 log "stage 2: the embedded cluster"
 "$PY" hack/cluster.py up
 record "stage 2: cluster up" $((SECONDS - t0))
+background later-binaries bash -c 'hack/build-binaries.sh kueue kind && hack/install-deps.sh --docker'
+pid_later=$BG_PID
 
 t0=$SECONDS
-log "stage 3: pytest"
+log "stage 3: the tiers that use the cluster"
 rc=0
-"$PY" -m pytest -ra --durations=25 --junitxml=.test-results/cluster.xml tests/bootstrap tests/trainer tests/gpu tests/cluster tests/integration \
-  tests/chart tests/e2e tests/benchmarks --ignore=tests/e2e/test_e2e_node_loss.py "${extra[@]}" || rc=$?
-record "stage 3: pytest (cluster tiers, trainer)" $((SECONDS - t0))
-"$PY" hack/test_times.py --top 10 .test-results/unit.xml .test-results/cluster.xml >&2 || true
+pytest_run cluster tests/cluster tests/integration tests/chart tests/e2e tests/benchmarks \
+  --ignore=tests/e2e/test_e2e_node_loss.py || rc=$?
+record "stage 3: cluster, integration, chart, e2e, benchmarks" $((SECONDS - t0))
+"$PY" hack/test_times.py --top 10 .test-results/*.xml >&2 || true
 ((rc == 0)) || exit "$rc"
+finished later-binaries "$pid_later"
 
 if [[ -n ${DDPJOB_SKIP_KIND:-} && ${CI:-} != true ]]; then
   log "stage 4 skipped (DDPJOB_SKIP_KIND)"

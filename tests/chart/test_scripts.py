@@ -12,7 +12,7 @@ import pytest
 from tests import tools
 from tests.chart.conftest import run
 
-SCRIPTS = ["hack/build-images.sh", "hack/demo.sh", "hack/kind-e2e.sh", "hack/install-deps.sh"]
+SCRIPTS = ["hack/build-images.sh", "hack/demo.sh", "hack/kind-e2e.sh", "hack/install-deps.sh", "hack/test.sh"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
