@@ -367,6 +367,29 @@ def digits_job(name: str, *, nodes: int = 2, min_nodes: int | None = None, max_n
     return job
 
 
+CHECKPOINT_MOUNT = "/checkpoints"
+
+
+def with_disk_checkpoint(job: dict, host_dir: str, every: int = 5) -> dict:
+    """The job with a disk checkpoint every `every` steps on `host_dir`, a directory of the node (under
+    SHARED_HOST_DIR: every node of the cluster sees it, so the job may come back on another), made writable for the
+    trainer's uid by an init container."""
+    job = copy.deepcopy(job)
+    s = job["spec"]
+    s["checkpoint"] = {"volume": {"hostPath": {"path": host_dir, "type": "DirectoryOrCreate"}},
+                       "mountPath": CHECKPOINT_MOUNT}
+    trainer = next(c for c in s["template"]["spec"]["containers"] if c["name"] == "trainer")
+    trainer["env"] = [e for e in trainer.get("env", []) if e["name"] != "DDPJOB_CHECKPOINT_EVERY"] + \
+        [{"name": "DDPJOB_CHECKPOINT_EVERY", "value": str(every)}]
+    s["template"]["spec"]["initContainers"] = [{
+        "name": "checkpoint-owner", "image": TRAINER_IMAGE, "imagePullPolicy": "IfNotPresent",
+        "command": ["chown", "1000:1000", CHECKPOINT_MOUNT],
+        "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}},
+        "volumeMounts": [{"name": "checkpoint", "mountPath": CHECKPOINT_MOUNT}]}]
+    return job
+
+
 def apply(k: Kubectl, namespace: str, obj: dict | list[dict]) -> None:
     objs = obj if isinstance(obj, list) else [obj]
     k("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(objs), timeout=300)

@@ -22,7 +22,6 @@ FLAVOR_NODE_LABELS = {"kubernetes.io/os": "linux"}
 FLAVOR_TOLERATION = {"key": "ddp.dev/e2e-flavor", "operator": "Exists", "effect": "NoSchedule"}
 PRIORITIES = {"ddp-e2e-low": 10, "ddp-e2e-high": 1000}
 STEP_DELAY = 0.1
-CHECKPOINT_MOUNT = "/checkpoints"
 RUN_TIMEOUT = 420
 
 
@@ -58,19 +57,9 @@ def queue(kubectl, ns):
 def queued_job(name: str, *, priority: str | None = None, checkpoint: str | None = None, epochs: int = 4,
                step_delay: float = STEP_DELAY) -> dict:
     """The digits job in LocalQueue team-a; `checkpoint`: a directory of every node that outlives the pods
-    (under harness.SHARED_HOST_DIR), made writable for the trainer's uid by an init container."""
-    env = {"DDPJOB_CHECKPOINT_EVERY": "5"} if checkpoint else {}
-    spec = {"checkpoint": {"volume": {"hostPath": {"path": checkpoint, "type": "DirectoryOrCreate"}},
-                           "mountPath": CHECKPOINT_MOUNT}} if checkpoint else None
-    job = h.queued(h.digits_job(name, nodes=2, step_delay=step_delay, epochs=epochs, env=env, spec=spec), priority)
-    if checkpoint:
-        job["spec"]["template"]["spec"]["initContainers"] = [{
-            "name": "checkpoint-owner", "image": h.TRAINER_IMAGE, "imagePullPolicy": "IfNotPresent",
-            "command": ["chown", "1000:1000", CHECKPOINT_MOUNT],
-            "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
-                                "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}},
-            "volumeMounts": [{"name": "checkpoint", "mountPath": CHECKPOINT_MOUNT}]}]
-    return job
+    (harness.with_disk_checkpoint)."""
+    job = h.digits_job(name, nodes=2, step_delay=step_delay, epochs=epochs)
+    return h.queued(h.with_disk_checkpoint(job, checkpoint) if checkpoint else job, priority)
 
 
 workload = h.workload
