@@ -121,10 +121,6 @@ class Job:
     queue_name: str | None = None
     priority_class: str | None = None
 
-    @property
-    def selector(self) -> dict[str, str]:
-        return {names.LABEL_JOB_NAME: self.name}
-
 
 # --- helpers --------------------------------------------------------------------------------------
 def _section(spec: Mapping, key: str) -> Mapping:
