@@ -45,11 +45,10 @@ class FailurePolicy:
     count_disruptions: bool
     incident_window_seconds: int
     stuck_terminating_timeout_seconds: int
-    # 0: never. The CRD's defaults, those the API server applies (keyword defaults only so that older callers
-    # still construct it).
-    hang_timeout_seconds: int = crd.DEFAULTS["failurePolicy"]["hangTimeoutSeconds"]
-    startup_timeout_seconds: int = crd.DEFAULTS["failurePolicy"]["startupTimeoutSeconds"]
-    node_lost_timeout_seconds: int = crd.DEFAULTS["failurePolicy"]["nodeLostTimeoutSeconds"]
+    # Each 0: never.
+    hang_timeout_seconds: int
+    startup_timeout_seconds: int
+    node_lost_timeout_seconds: int
 
     def is_permanent(self, exit_codes: tuple[int, ...]) -> bool:
         """Whether any of the exit codes (trainer container and workers) rules out a retry."""
