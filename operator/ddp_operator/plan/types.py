@@ -92,6 +92,10 @@ class PrevStatus:
     conditions: tuple[dict, ...] = ()
     restarts: int = 0
     disruptions: int = 0
+    # status.group: the rendezvous generation (PET_RDZV_ID `<uid>-<group>`, pod label ddp.dev/group). Carried
+    # over unchanged (0 for new jobs) since a lost store no longer bumps it; kept because a job started by an
+    # operator that did still runs pods under its group > 0: dropping it would delete those pods as stale and
+    # move their rendezvous id. It is also in the CRD's status, read by kubectl users and the e2e tests.
     group: int = 0
     attempts: tuple[dict, ...] = ()
     recorded_pods: tuple[str, ...] = ()
