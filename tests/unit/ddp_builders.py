@@ -26,7 +26,7 @@ def job_body(name="mnist", namespace="ml", **spec):
         "spec": {
             "nodes": 2,
             "template": {"spec": {"containers": [
-                {"name": "trainer", "image": IMAGE, "command": ["torchrun", "-m", "ddp_trainer.digits"]}]}},
+                {"name": "trainer", "image": IMAGE, "command": ["torchrun", "-m", "ddp_trainer.examples.digits"]}]}},
         },
     }
     body["spec"].update(copy.deepcopy(spec))
