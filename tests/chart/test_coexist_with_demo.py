@@ -12,7 +12,8 @@ import uuid
 import pytest
 
 from tests.chart.conftest import CHART
-from tests.conftest import foreign_operators_paused_in, wait_for
+from tests.support.kube import foreign_operators_paused_in
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import IN_CI, REPO, create_test_namespace, embedded
+from hack import cluster as embedded
+from tests.support.kube import create_test_namespace
+from tests.support.suite import IN_CI, REPO
 
 pytestmark = [pytest.mark.cluster, pytest.mark.cluster_restart]
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from tests.conftest import embedded, image_builder
+from hack import cluster as embedded
+from hack import image as image_builder
 
 # --- pure ----------------------------------------------------------------------------------------
 

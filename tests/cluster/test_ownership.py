@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import IN_CI, REPO, embedded
+from hack import cluster as embedded
+from tests.support.suite import IN_CI, REPO
 
 pytestmark = pytest.mark.cluster
 

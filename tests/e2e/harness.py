@@ -43,18 +43,18 @@ for _path in (REPO, REPO / "trainer"):
         sys.path.insert(0, str(_path))
 from ddp_trainer.testing import StepsLostError, steps_lost  # noqa: E402  the one definition of steps lost
 from ddp_trainer.testing import forked_workers, parent_pid  # noqa: E402
+from hack import cluster as embedded  # noqa: E402  hack/cluster.py
 from tests import tools  # noqa: E402
-from tests.conftest import (  # noqa: E402  the suite's cluster helpers, shared with the benchmarks
+from tests.support.kube import (  # noqa: E402  the suite's cluster helpers, shared with the benchmarks
     Cluster,
     Kubectl,
     create_test_namespace,
     dump_namespace,
-    embedded,
     ensure_image,
-    stop_process,
-    wait_for,
 )
-from tests.conftest import connect as _connect  # noqa: E402
+from tests.support.kube import connect as _connect  # noqa: E402
+from tests.support.processes import stop_process  # noqa: E402
+from tests.support.waiting import wait_for  # noqa: E402
 
 TAG = "0.1.0"
 OPERATOR_IMAGE = f"localhost/ddp-operator:{TAG}"

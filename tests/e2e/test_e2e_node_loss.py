@@ -28,8 +28,8 @@ import time
 
 import pytest
 
-from tests.conftest import IN_CI
 from tests.e2e import harness as h
+from tests.support.suite import IN_CI
 
 NODE_LOST_TIMEOUT = 20  # s: short, so the test is quick; the default is 60
 STEP_DELAY = 0.15

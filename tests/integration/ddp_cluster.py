@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 
 import yaml
 
-from tests.conftest import stop_process
+from tests.support.processes import stop_process
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # The suite passes the cluster fixture's kubeconfig; the default is never an arbitrary $KUBECONFIG.

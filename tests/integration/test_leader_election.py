@@ -19,7 +19,7 @@ from collections import Counter
 import pytest
 
 from ddp_cluster import REPO, JobNamespace, wait_for
-from tests.conftest import stop_process
+from tests.support.processes import stop_process
 
 LEASE = "ddp-operator-it"
 

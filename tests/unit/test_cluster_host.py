@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.conftest import embedded
+from hack import cluster as embedded
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
-"""The suite's own rules (tests/conftest.py): under CI=true a skip fails unless it is for a GPU; each tier has its own time limit."""
+"""The suite's own rules (tests/support/suite.py; tests/conftest.py's hooks apply them): under CI=true a skip fails
+unless it is for a GPU; each tier has its own time limit."""
 
 from types import SimpleNamespace
 
-from tests.conftest import forbid_skip_in_ci
+from tests.support.suite import forbid_skip_in_ci
 
 
 def _skipped(reason: str) -> SimpleNamespace:
@@ -26,7 +27,7 @@ def test_outside_ci_a_skip_stays_a_skip():
 
 
 def test_each_tier_has_its_own_time_limit():
-    from tests.conftest import REPO, tier_timeout
+    from tests.support.suite import REPO, tier_timeout
     assert tier_timeout(REPO / "tests/unit/test_spec.py") == 60
     assert tier_timeout(REPO / "tests/e2e/test_e2e_training.py") == 600
     assert tier_timeout(REPO / "tests/integration/test_operator.py") == 300
