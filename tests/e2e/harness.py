@@ -24,12 +24,10 @@ import json
 import os
 import re
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from calendar import timegm
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +41,7 @@ for _path in (REPO, REPO / "trainer"):
         sys.path.insert(0, str(_path))
 from ddp_trainer.testing import StepsLostError, steps_lost  # noqa: E402  the one definition of steps lost
 from ddp_trainer.testing import forked_workers, parent_pid  # noqa: E402
-from hack import cluster as embedded  # noqa: E402  hack/cluster.py
+from hack import cluster as embedded  # noqa: E402,F401  hack/cluster.py (h.embedded: the benchmarks use it)
 from tests import tools  # noqa: E402
 from tests.support.kube import (  # noqa: E402  the suite's cluster helpers, shared with the benchmarks
     Cluster,
@@ -53,7 +51,7 @@ from tests.support.kube import (  # noqa: E402  the suite's cluster helpers, sha
     ensure_image,
 )
 from tests.support.kube import connect as _connect  # noqa: E402
-from tests.support.processes import stop_process  # noqa: E402
+from tests.support.processes import OperatorProcess  # noqa: E402
 from tests.support.waiting import wait_for  # noqa: E402
 
 TAG = "0.1.0"
@@ -121,12 +119,6 @@ def image_id(cluster: Cluster, ref: str) -> str | None:
 # --------------------------------------------------------------------------------------------
 # the operator
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Operator:
     """The operator the tests run against, started and stopped according to DDPJOB_OPERATOR."""
 
@@ -135,9 +127,12 @@ class Operator:
         self.mode = mode or operator_mode()
         self.kueue = kueue  # the operator's Kueue integration (chart value kueue.enabled)
         self.installed_here = False
-        self.proc: subprocess.Popen | None = None
-        self.log_path: Path | None = None
-        self.metrics_port = 0
+        self.process: OperatorProcess | None = None  # DDPJOB_OPERATOR=subprocess: the last one started
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        """The operator's process in subprocess mode (None before it started and once stopped)."""
+        return self.process.proc if self.process is not None else None
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self) -> "Operator":
@@ -164,16 +159,14 @@ class Operator:
             return self.start()
         if enabled != self.kueue:
             self.kueue = enabled
-            if self.proc is not None:
-                stop_process(self.proc)
-                self.proc = None
+            if self.process is not None:
+                self.process.stop()
             self.start()
         return self
 
     def stop(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc)
-            self.proc = None
+        if self.process is not None:
+            self.process.stop()
         if self.installed_here:
             log(f"helm uninstall {RELEASE} -n {OPERATOR_NS}")
             self.helm("uninstall", RELEASE, "-n", OPERATOR_NS, "--wait", "--timeout", "120s", check=False)
@@ -212,10 +205,8 @@ class Operator:
                     return True
                 if "another operation" in p.stderr:  # e.g. `make demo` upgrading the same release
                     return False
-                raise _Fatal(AssertionError(f"helm {' '.join(args)} failed:\n{p.stdout}\n{p.stderr}"))
-            result = wait_for(lambda: _unwrap(upgraded), 300, f"helm upgrade of {RELEASE}", interval=5)
-            if isinstance(result, _Fatal):
-                raise result.error
+                raise AssertionError(f"helm {' '.join(args)} failed:\n{p.stdout}\n{p.stderr}")
+            wait_for(upgraded, 300, f"helm upgrade of {RELEASE}", interval=5, fatal=AssertionError)
         finally:
             os.unlink(f.name)
         self.installed_here = self.installed_here or not existed  # an upgrade of our own release keeps it ours
@@ -235,16 +226,11 @@ class Operator:
         return {"name": "DDP_OPERATOR_KUEUE", "value": "true"} in env
 
     def _start_subprocess(self) -> None:
-        self.metrics_port = _free_port()
-        self.log_path = Path(tempfile.mkdtemp(prefix="ddp-e2e-operator-")) / "operator.log"
-        env = {**os.environ, "KUBECONFIG": self.cluster.kubeconfig, "DDP_OPERATOR_KUEUE": str(self.kueue).lower(),
-               "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), os.environ.get("PYTHONPATH", "")])}
-        log(f"python -m ddp_operator --namespace '{NS_PREFIX}*' (log: {self.log_path})")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ddp_operator", "--namespace", NS_PREFIX + "*",
-             "--metrics-port", str(self.metrics_port), "--liveness-port", "0"],
-            env=env, stdout=open(self.log_path, "a"), stderr=subprocess.STDOUT, cwd=REPO)
-        wait_for(lambda: self.metrics_text() is not None, 60, "the operator's metrics endpoint")
+        log_path = Path(tempfile.mkdtemp(prefix="ddp-e2e-operator-")) / "operator.log"
+        log(f"python -m ddp_operator --namespace '{NS_PREFIX}*' (log: {log_path})")
+        self.process = OperatorProcess(self.cluster.kubeconfig, NS_PREFIX + "*", log_path, ready_timeout=60,
+                                       env={"DDP_OPERATOR_KUEUE": str(self.kueue).lower()})
+        self.process.start()
 
     # -- observation --------------------------------------------------------------------------
     def pods(self) -> list[dict]:
@@ -259,8 +245,7 @@ class Operator:
         """The operator's Prometheus metrics (through the API server's pod proxy for an in-cluster one)."""
         try:
             if self.mode == "subprocess":
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=3) as r:
-                    return r.read().decode()
+                return self.process.metrics_text() if self.process is not None else None
             pod = self.pods()[0]
             ns = pod["metadata"]["namespace"]
             port = next((p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])
@@ -308,10 +293,7 @@ class Operator:
 
     def logs(self, tail: int = 200) -> str:
         if self.mode == "subprocess":
-            try:
-                return "\n".join(self.log_path.read_text().splitlines()[-tail:]) if self.log_path else ""
-            except OSError:
-                return ""
+            return self.process.log_tail(tail) if self.process is not None else ""
         d = self.deployment["metadata"]
         p = self.k("logs", "-n", d["namespace"], f"deployment/{d['name']}", f"--tail={tail}", check=False)
         return p.stdout + p.stderr
@@ -425,32 +407,7 @@ def wait_for_or_raise(check: Callable[[], Any], timeout: float, what: str,
                       fatal: type[BaseException] | tuple[type[BaseException], ...],
                       interval: float = 0.5) -> Any:
     """wait_for, except that exceptions of type `fatal` end the wait at once."""
-    def guarded():
-        try:
-            return check()
-        except fatal as e:
-            return _Fatal(e)
-    result = wait_for(guarded, timeout, what, interval)
-    if isinstance(result, _Fatal):
-        raise result.error
-    return result
-
-
-def _unwrap(fn: Callable[[], Any]) -> Any:
-    """fn(), with a raised _Fatal returned instead (wait_for treats exceptions as "not yet")."""
-    try:
-        return fn()
-    except _Fatal as f:
-        return f
-
-
-class _Fatal(Exception):
-    def __init__(self, error: BaseException):
-        super().__init__(str(error))
-        self.error = error
-
-    def __bool__(self) -> bool:
-        return True
+    return wait_for(check, timeout, what, interval, fatal=fatal)
 
 
 def trainer_pods(k: Kubectl, namespace: str, name: str) -> list[dict]:

@@ -1,23 +1,20 @@
-"""Helpers for the integration tests: the operator subprocess, pod-status driving, waiting. A plain module with a
-unique name (not conftest.py) so tests import it unambiguously."""
+"""Helpers for the integration tests: the operator subprocess (tests/support/processes.py), pod-status driving,
+waiting (tests/support/waiting.py, with this tier's defaults). A plain module with a unique name (not conftest.py)
+so tests import it unambiguously."""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from datetime import datetime, timezone
 
 import yaml
 
-from tests.support.processes import stop_process
+from tests.support import waiting
+from tests.support.processes import OperatorProcess
+from tests.support.suite import REPO
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 # The suite passes the cluster fixture's kubeconfig; the default is never an arbitrary $KUBECONFIG.
 KUBECONFIG = pathlib.Path(os.environ.get("DDPJOB_TEST_KUBECONFIG") or REPO / ".cluster" / "kubeconfig")
 CRD = REPO / "manifests" / "base" / "crd.yaml"
@@ -35,61 +32,20 @@ def _api(kubeconfig=None):
 
 
 def wait_for(predicate, timeout=30.0, interval=0.2, what="condition"):
-    """Poll until predicate() is truthy; return its value or fail with `what`."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-        except Exception as e:  # e.g. a 404 while an object is being replaced
-            last = e
-        else:
-            if last:
-                return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+    """tests.support.waiting.wait_for with this tier's defaults (30 s, polled every 0.2 s) and argument order."""
+    return waiting.wait_for(predicate, timeout, what, interval)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Operator:
-    """`python -m ddp_operator` as a subprocess against the test cluster."""
+class Operator(OperatorProcess):
+    """`python -m ddp_operator` as a subprocess against the test cluster, watching ddp-it-*."""
 
     def __init__(self, log_path: pathlib.Path, kubeconfig=None):
-        self.log_path = log_path
-        self.kubeconfig = str(kubeconfig or KUBECONFIG)
-        self.proc: subprocess.Popen | None = None
-        self.metrics_port = 0
-
-    def start(self) -> None:
-        self.metrics_port = _free_port()
-        env = {**os.environ, "KUBECONFIG": self.kubeconfig,
-               "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), os.environ.get("PYTHONPATH", "")])}
-        log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ddp_operator", "--namespace", NS_PREFIX + "*",
-             "--metrics-port", str(self.metrics_port), "--liveness-port", "0"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        wait_for(lambda: self.metrics() is not None, 30, what="operator metrics endpoint")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            stop_process(self.proc)
-        self.proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
+        super().__init__(kubeconfig or KUBECONFIG, NS_PREFIX + "*", log_path, ready_timeout=30)
 
     def metrics(self) -> dict[str, float] | None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as r:
-                text = r.read().decode()
-        except OSError:
+        """Its ddpjob_* series by name and labels; None while it does not answer."""
+        text = self.metrics_text()
+        if text is None:
             return None
         out = {}
         for line in text.splitlines():
@@ -97,12 +53,6 @@ class Operator:
                 key, value = line.rsplit(" ", 1)
                 out[key] = float(value)
         return out
-
-    def log_tail(self, lines: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text().splitlines()[-lines:])
-        except OSError:
-            return ""
 
 
 class JobNamespace:

@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 from hack import cluster as embedded  # hack/cluster.py
 from hack import image as image_builder  # hack/image.py
 from tests import tools
-from tests.support.waiting import wait_for
+from tests.support.waiting import WaitTimeout, wait_for
 
 
 class Kubectl:
@@ -60,20 +59,12 @@ class Kubectl:
                 raise AssertionError(f"pod {name} ended {phase}, expected {phases}: {pod['status']}")
             return None
 
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                pod = check()
-                if pod:
-                    return pod
-            except AssertionError:
-                raise
-            except Exception:  # noqa: BLE001 - not created yet etc.
-                pass
-            if time.monotonic() >= deadline:
-                raise AssertionError(f"pod {namespace}/{name} not {phases} after {timeout:.0f}s:\n"
-                                     + dump_namespace(self, namespace))
-            time.sleep(0.5)
+        # An AssertionError (a terminal phase not asked for; kubectl failing, e.g. no such pod) ends the wait at once.
+        try:
+            return wait_for(check, timeout, f"pod {namespace}/{name} {phases}", fatal=AssertionError)
+        except WaitTimeout:
+            raise AssertionError(f"pod {namespace}/{name} not {phases} after {timeout:.0f}s:\n"
+                                 + dump_namespace(self, namespace)) from None
 
 
 def dump_namespace(kubectl: Kubectl, namespace: str) -> str:

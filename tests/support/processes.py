@@ -1,8 +1,18 @@
-"""Processes the tests start on this machine."""
+"""Processes the tests start on this machine: stopping one (`stop_process`), and the operator as a subprocess
+(`OperatorProcess`, the one launcher of `python -m ddp_operator` for the integration tier and the e2e harness)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+
+from ddp_trainer.testing import free_port
+from tests.support.suite import REPO
+from tests.support.waiting import wait_for
 
 
 def stop_process(proc: subprocess.Popen, grace: float = 15) -> None:
@@ -13,3 +23,56 @@ def stop_process(proc: subprocess.Popen, grace: float = 15) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(5)
+
+
+class OperatorProcess:
+    """`python -m ddp_operator` on this machine against `kubeconfig`, watching the namespaces that `namespace` (a glob
+    such as ddp-it-*) matches, its output appended to `log_path`; `env` is added to this process's environment.
+
+    start() returns once its metrics endpoint answers (on a free port of 127.0.0.1), within `ready_timeout` seconds.
+    Used by tests/integration/ddp_cluster.py's Operator and by tests/e2e/harness.py's with DDPJOB_OPERATOR=subprocess.
+    """
+
+    def __init__(self, kubeconfig: str | Path, namespace: str, log_path: Path, *, ready_timeout: float,
+                 env: Mapping[str, str] | None = None):
+        self.kubeconfig, self.namespace, self.log_path = str(kubeconfig), namespace, Path(log_path)
+        self.ready_timeout = ready_timeout
+        self.env = dict(env or {})
+        self.proc: subprocess.Popen | None = None
+        self.metrics_port = 0
+
+    def start(self) -> None:
+        self.metrics_port = free_port()
+        env = {**os.environ, "KUBECONFIG": self.kubeconfig, **self.env,
+               "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), os.environ.get("PYTHONPATH", "")])}
+        with open(self.log_path, "a") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ddp_operator", "--namespace", self.namespace,
+                 "--metrics-port", str(self.metrics_port), "--liveness-port", "0"],
+                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        wait_for(lambda: self.metrics_text() is not None, self.ready_timeout, "the operator's metrics endpoint",
+                 interval=0.2)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            stop_process(self.proc)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def metrics_text(self) -> str | None:
+        """Its Prometheus metrics, None while it does not answer."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=3) as r:
+                return r.read().decode()
+        except OSError:
+            return None
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The last `lines` lines of its log ("" before there is one)."""
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-lines:])
+        except OSError:
+            return ""

@@ -6,7 +6,6 @@ suite's conftest when several test directories run together."""
 import copy
 import http.server
 import json
-import socket
 import threading
 from datetime import datetime, timedelta, timezone
 
@@ -117,9 +116,3 @@ class ProgressServer:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

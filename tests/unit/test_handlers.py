@@ -11,9 +11,9 @@ import pytest
 from ddp_operator import backoff, names
 from ddp_operator.k8s import ChildConflict
 from ddp_operator.reconciler import Reconciler
+from ddp_trainer.testing import free_port as _free_port
 
 from ddp_builders import ProgressServer as _Serve
-from ddp_builders import free_port as _free_port
 from ddp_builders import job_body
 
 

@@ -5,8 +5,9 @@ import json
 import threading
 
 from ddp_operator import names, progress
+from ddp_trainer.testing import free_port
 
-from ddp_builders import ProgressServer, free_port
+from ddp_builders import ProgressServer
 
 
 def test_probe_finds_the_pod_that_answers(monkeypatch):
