@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `make test`: the whole suite as CI runs it, in stages whose times are printed at the end (also after a failure).
-#   1. side by side: the tests that need no cluster (unit, bootstrap, trainer, gpu) in front, and behind them, at a
-#      lower CPU priority so that they only take what the tests leave, the embedded cluster's Go binaries and both
-#      images (downloads, mostly, on a cold machine: the Debian base and torch)
+#   1. side by side: the tests that need no cluster (unit, bootstrap, trainer, gpu, the loopback benchmarks) in
+#      front, and behind them, at a lower CPU priority so that they only take what the tests leave, the embedded
+#      cluster's Go binaries and both images (downloads, mostly, on a cold machine: the Debian base and torch)
 #   2. the embedded cluster up (seconds once its binaries exist); behind it, at low priority, what only later tests
 #      need: the Kueue manager, and kind's binaries and Docker engine package for stage 4
 #   3. pytest over the tiers that use the cluster (cluster, integration, chart, e2e, benchmark smoke)
@@ -63,8 +63,9 @@ log "stage 1: the tests that need no cluster | the Go binaries and both images b
 background binaries hack/build-binaries.sh etcd coredns helm kube-router kube; pid_bin=$BG_PID
 background images hack/build-images.sh; pid_img=$BG_PID
 rc=0
-pytest_run no-cluster tests/unit tests/bootstrap tests/trainer tests/gpu || rc=$?
-record "  unit, bootstrap, trainer, gpu tests" $((SECONDS - t0))
+pytest_run no-cluster tests/unit tests/bootstrap tests/trainer tests/gpu \
+  tests/benchmarks/test_trainer_benchmarks_run.py || rc=$?
+record "  unit, bootstrap, trainer, gpu, trainer benchmark tests" $((SECONDS - t0))
 ((rc == 0)) || { log "the tests that need no cluster failed (exit $rc)"; exit "$rc"; }
 finished binaries "$pid_bin"
 finished images "$pid_img"
@@ -81,7 +82,7 @@ t0=$SECONDS
 log "stage 3: the tiers that use the cluster"
 rc=0
 pytest_run cluster tests/cluster tests/integration tests/chart tests/e2e tests/benchmarks \
-  --ignore=tests/e2e/test_e2e_node_loss.py || rc=$?
+  --ignore=tests/e2e/test_e2e_node_loss.py --ignore=tests/benchmarks/test_trainer_benchmarks_run.py || rc=$?
 record "stage 3: cluster, integration, chart, e2e, benchmarks" $((SECONDS - t0))
 "$PY" hack/test_times.py --top 10 .test-results/*.xml >&2 || true
 ((rc == 0)) || exit "$rc"
