@@ -9,6 +9,10 @@
 #                               KIND_CLUSTER_NAME=ddpjob-test)
 #   KIND_KEEP=1 hack/kind-e2e.sh     keep the cluster afterwards (KUBECONFIG path is printed); a cluster the
 #                               run found already there is always kept (only what a run creates is deleted)
+#   KIND_PREPARE=1 hack/kind-e2e.sh [--node-loss]   everything up to the tests (cluster, images, chart, warm-up),
+#                               then stop, keeping the cluster and the engine: `make test` prepares stage 4 while
+#                               stage 3 runs
+#   KIND_DELETE=1 hack/kind-e2e.sh   delete the cluster afterwards even when the run found it (a prepared one)
 #   KIND_RECORD=1 hack/kind-e2e.sh --node-loss   also record docs/bench/node_loss.json (make bench-node-loss)
 # Every stage's duration is printed at the end (also after a failure); the exit code is non-zero on any failure.
 # Works offline: without a Docker engine that answers, it starts the private one of hack/docker.py (root;
@@ -118,7 +122,7 @@ cleanup() {
     log "failed: operator logs follow"
     "$KUBECTL" -n "$OPERATOR_NS" logs "deployment/$RELEASE" --tail=100 2>/dev/null || true
   fi
-  if [[ -n ${KIND_KEEP:-} || -z ${CREATED_CLUSTER:-} ]]; then
+  if [[ -n ${KIND_KEEP:-} || (-n ${KIND_PREPARE:-} && $rc -eq 0) || (-z ${CREATED_CLUSTER:-} && -z ${KIND_DELETE:-}) ]]; then
     # a cluster this run found (reused) is left as it was found: only what the run created goes
     log "cluster kept${CREATED_CLUSTER:+ (KIND_KEEP)}: export KUBECONFIG=$KCFG   (delete: $KIND delete cluster --name $CLUSTER)"
   else
@@ -214,6 +218,11 @@ for node in ${workers//,/ }; do
   "$KUBECTL" wait --for=jsonpath='{.status.phase}'=Succeeded "pod/warm-$node" --timeout=600s >/dev/null
   "$KUBECTL" delete pod "warm-$node" --wait=false >/dev/null
 done
+
+if [[ -n ${KIND_PREPARE:-} ]]; then
+  log "prepared (KIND_PREPARE): the tests run when hack/kind-e2e.sh runs again"
+  exit 0
+fi
 
 stage "tests (${TESTS[*]})"
 # DDPJOB_TEST_KUBECONFIG is what makes tests/conftest.py use kind (it never follows a plain

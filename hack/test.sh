@@ -14,6 +14,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
+# shellcheck source=hack/versions.env
+source hack/versions.env
+KIND_NAME=ddpjob-test
 log() { printf '[test %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 read -r -a extra <<<"${PYTEST_ARGS:-}"
 
@@ -22,6 +25,11 @@ STARTED=$SECONDS
 record() { STAGES+=("$(printf '%-52s %5d s' "$1" "$2")"); }
 summary() { # exit status
   local rc=$1
+  if [[ -f $TMP/engine-started ]]; then  # the run started the Docker engine: stop it (and a kind cluster left)
+    local kind="${DDPJOB_CACHE:-$HOME/.cache/ddpjob}/kind-$KIND_VERSION/kind"
+    [[ -x $kind ]] && { "$kind" delete cluster --name "$KIND_NAME" >/dev/null 2>&1 || true; }
+    python3 hack/docker.py down >/dev/null 2>&1 || true
+  fi
   local pid
   for pid in "${BG_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   rm -rf "$TMP"
@@ -38,7 +46,8 @@ trap 'summary $?' EXIT
 background() {
   local name=$1; shift
   ( t0=$SECONDS; rc=0
-    nice -n 15 "$@" > >(sed -u "s/^/[$name] /") 2>&1 || rc=$?
+    renice -n 15 -p "$BASHPID" >/dev/null  # inherited by everything it starts (a function too)
+    "$@" > >(sed -u "s/^/[$name] /") 2>&1 || rc=$?
     echo "$((SECONDS - t0)) $rc" >"$TMP/$name.done"
     exit "$rc" ) &
   BG_PID=$!
@@ -75,7 +84,16 @@ t0=$SECONDS
 log "stage 2: the embedded cluster"
 "$PY" hack/cluster.py up
 record "stage 2: cluster up" $((SECONDS - t0))
-background later-binaries bash -c 'hack/build-binaries.sh kueue kind && hack/install-deps.sh --docker'
+# Stage 4's kind cluster is made ready behind stage 3: its Docker engine (started here at low priority, so its
+# containers are too), node image, nodes and images; stage 4 then only runs the test.
+prepare_kind() { # (set -e does not hold in a function called with ||: every step says how it failed)
+  hack/build-binaries.sh kueue kind || return
+  if [[ -n ${DDPJOB_SKIP_KIND:-} && ${CI:-} != true ]]; then return 0; fi
+  hack/install-deps.sh --docker || return
+  python3 hack/docker.py status >/dev/null 2>&1 || touch "$TMP/engine-started"
+  KIND_CLUSTER_NAME=$KIND_NAME KIND_PREPARE=1 hack/kind-e2e.sh --node-loss
+}
+background later prepare_kind
 pid_later=$BG_PID
 
 t0=$SECONDS
@@ -86,7 +104,7 @@ pytest_run cluster tests/cluster tests/integration tests/chart tests/e2e tests/b
 record "stage 3: cluster, integration, chart, e2e, benchmarks" $((SECONDS - t0))
 "$PY" hack/test_times.py --top 10 .test-results/*.xml >&2 || true
 ((rc == 0)) || exit "$rc"
-finished later-binaries "$pid_later"
+finished later "$pid_later"
 
 if [[ -n ${DDPJOB_SKIP_KIND:-} && ${CI:-} != true ]]; then
   log "stage 4 skipped (DDPJOB_SKIP_KIND)"
@@ -94,5 +112,5 @@ if [[ -n ${DDPJOB_SKIP_KIND:-} && ${CI:-} != true ]]; then
 fi
 t0=$SECONDS
 log "stage 4: a lost node on kind (make kind-node-loss)"
-KIND_CLUSTER_NAME=ddpjob-test make --no-print-directory kind-node-loss
+KIND_CLUSTER_NAME=$KIND_NAME KIND_DELETE=1 make --no-print-directory kind-node-loss
 record "stage 4: kind node loss" $((SECONDS - t0))
