@@ -287,7 +287,8 @@ def argv_for(name: str) -> list[str]:
                 f"--service-account-private-key-file={PKI / 'sa.key'}",
                 f"--root-ca-file={PKI / 'ca.crt'}",  # feeds kube-root-ca.crt in every namespace
                 f"--cluster-signing-cert-file={PKI / 'ca.crt'}", f"--cluster-signing-key-file={PKI / 'ca.key'}",
-                f"--service-cluster-ip-range={SERVICE_CIDR}", "--controllers=*", "--profiling=false", "--v=1"]
+                f"--service-cluster-ip-range={SERVICE_CIDR}", "--controllers=*", "--profiling=false", "--v=1",
+                "--node-monitor-grace-period=20s"]  # with the kubelet's 20 s node Lease (configs.py), as on kind
     if name == "kube-scheduler":
         kc = CONF / "scheduler.kubeconfig"
         return [binary("kube-scheduler"), f"--config={CONF / 'kube-scheduler.yaml'}",

@@ -19,9 +19,10 @@ crash back-off starts fresh. Once rank 0 reports --inject-step steps, the fault 
   twice in `status.attempts`).
 - `apiserver_restart`: `hack/cluster.py restart apiserver`; the operator must carry on without being
   restarted (its pod's UID and restartCount unchanged; as a subprocess: still the same process).
-- `node_notready`: `hack/cluster.py stop kubelet`, 90 s (--notready-s), `start kubelet`; the job sets
-  `failurePolicy.nodeLostTimeoutSeconds: 20` (the node turns NotReady ~40-55 s after the kubelet stops, so
-  the default 60 s would only act after the kubelet is back); the operator must record the pods as lost
+- `node_notready`: `hack/cluster.py stop kubelet` until the operator has recorded the pods as lost (at most
+  --notready-s, 90 s), `start kubelet`; the job sets
+  `failurePolicy.nodeLostTimeoutSeconds: 20` (the node turns NotReady ~20-25 s after the kubelet stops: the
+  embedded cluster's 20 s node Lease and node-monitor grace period, as on kind); the operator must record the pods as lost
   (an attempt with reason NodeLost), force-delete and recreate them. On a one-node
   cluster every pod of the job is on the lost node: nothing in memory survives, and without a checkpoint
   volume training starts over. The steps lost are recorded as they are and not held against survival.
@@ -298,6 +299,11 @@ class Bench:
                                    ".status}", check=False, timeout=15).stdout.strip()
                     if ready and "True" not in ready and "notready_after_s" not in d:
                         d["notready_after_s"] = round(time.time() - t, 1)
+                    # the kubelet stays down until the operator has treated the pods as lost (or --notready-s)
+                    st = h.status(self.k, ns, job) if "notready_after_s" in d else {}
+                    if any(a.get("reason") == "NodeLost" for a in st.get("attempts") or []):
+                        d["node_lost_after_s"] = round(time.time() - t, 1)
+                        break
             finally:
                 h.embedded.start_component("kubelet")
                 self.kubelet_stopped = False
@@ -316,8 +322,8 @@ class Bench:
         if fault == "hang":
             policy["hangTimeoutSeconds"] = HANG_TIMEOUT_S
         if fault == "node_notready":
-            # The node turns NotReady ~40-55 s after the kubelet stops; with the default 60 s the operator would
-            # act after the kubelet is back, and the node-loss path would go untried.
+            # The node turns NotReady ~20-25 s after the kubelet stops; with the default 60 s the operator would
+            # act after --notready-s, and the node-loss path would go untried.
             policy["nodeLostTimeoutSeconds"] = NODE_LOST_TIMEOUT_S
         return h.digits_job(name, nodes=2, step_delay=self.a.step_delay, epochs=epochs,
                             env={"DIGITS_PATIENCE": "0"}, spec={"failurePolicy": policy})
@@ -378,7 +384,7 @@ class Bench:
             d.update(phase=phase, restarts=st.get("restarts"), reason=st.get("reason"),
                      attempts=[{k: a.get(k) for k in ("pod", "reason", "exitCode", "counted")}
                                for a in st.get("attempts") or []])
-            # did the operator act (an attempt recorded)? node_notready: NotReady ~40 s after the kubelet stopped
+            # did the operator act (an attempt recorded)? node_notready: NotReady ~20 s after the kubelet stopped
             d["operator_acted"] = bool(st.get("attempts"))
             if st.get("lastRecovery") is not None:
                 d["lastRecovery"] = st["lastRecovery"]
