@@ -91,202 +91,34 @@ torchrun finds the backend through the ``torchrun.handlers`` entry point (the ``
 next to the package); the operator selects it with ``PET_RDZV_BACKEND=ddpjob-c10d`` for jobs with
 ``spec.spares``. It uses torch internals (underscored names), so it checks them when it is created and
 fails with a clear message rather than misbehave on a torch it was not written for.
+
+The rules' decisions and state writes are in ``ddp_trainer.rendezvous_rules``; this module wires them into
+torch's operation executor, state holder and handler (and keeps rule 5's judgment of heartbeats, with
+``ROUND_START_GRACE``, next to the state holder's sanitizer it guards).
 """
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
 import functools
 import logging
-import math
 import os
-import sys
 import time
 from typing import Any, Callable
 
 from . import env as envmod
-
-BACKEND = "ddpjob-c10d"
-# The last line a released spare's torchrun writes (after torch's traceback): the operator finds it in the
-# termination message (FallbackToLogsOnError) and neither counts nor replaces-as-failed that exit.
-SPARE_RELEASED = f"{BACKEND}: spare released"
-
+# The rules' decisions and state writes; every name stays importable from here (torchrun's entry point, the
+# operator's contract test and the unit tests use ddp_trainer.rendezvous).
+from .rendezvous_rules import (  # noqa: F401
+    BACKEND, GONE_KEPT, SPARE_RELEASED, _COMPLETED, _GONE, _LAST, _ORDER, _POD, _READ, TakenOver, _completed_at, _heard,
+    _not_taken_over, _priority, _priority_key, _remember, _round_complete, _round_completed, _say_released, _Size,
+    _spare_aware, take_over, taken_over, wanted_nodes,
+)
 
 log = logging.getLogger(__name__)
 
-_LAST = "ddpjob_last"    # state attribute: the participants of the last complete round
-_ORDER = "ddpjob_order"  # state attribute: node -> when (a counter) it first was a participant or redundant
-_POD = "ddpjob_pod"      # state attribute: node -> the pod (DDPJOB_POD_INDEX) its agent runs in (rule 4)
-_GONE = "ddpjob_gone"    # state attribute: the nodes a newer agent of their pod took out (rule 4), newest last
-GONE_KEPT = 64           # how many of those the state remembers
-_COMPLETED = "ddpjob_completed"  # state attribute: (round, time.time()) of the write that completed the round (rule 5)
-_READ = "ddpjob_read"            # state attribute: the participants that sent a heartbeat in that round (rule 5)
 # Rule 5 keeps a new round's participants from heartbeat expiry until all heard of the round, at most this long: an
 # agent's store waits at a round's start (MASTER_ADDR, the role information) time out after 60 s anyway.
 ROUND_START_GRACE = 60.0
-
-
-def _priority(state: Any, node: Any) -> tuple[bool, float]:
-    """Higher is first: the last round's participants, then by how long an agent has been in the rendezvous."""
-    return node in getattr(state, _LAST, ()), -getattr(state, _ORDER, {}).get(node, math.inf)
-
-
-def _remember(state: Any, nodes: Any) -> None:
-    order = dict(getattr(state, _ORDER, {}))
-    for node in nodes:
-        order.setdefault(node, max(order.values(), default=0) + 1)
-    setattr(state, _ORDER, order)
-
-
-def wanted_nodes(path: str | None) -> int | None:
-    """The number of training nodes the operator wants (rule 3), or None when there is no such file or it holds no
-    positive number (not written yet, or being rewritten)."""
-    if not path:
-        return None
-    try:
-        with open(path) as f:
-            value = int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-    return value if value > 0 else None
-
-
-class _Size:
-    """Rule 3: the handler's and its executor's settings follow the wanted size."""
-
-    def __init__(self, handler: Any, path: str | None) -> None:
-        self._handler, self._path = handler, path
-
-    def follow(self) -> Any | None:
-        """The new settings when the wanted size differs from the round size in force, else None."""
-        wanted = wanted_nodes(self._path)
-        current = self._handler._settings
-        if wanted is None or wanted == current.min_nodes == current.max_nodes:
-            return None
-        settings = dataclasses.replace(current, min_nodes=wanted, max_nodes=wanted)
-        self._handler._settings = settings
-        self._handler._op_executor._settings = settings
-        log.warning("%s: the group size is now %d training nodes (was %d:%d, from %s)", BACKEND, wanted,
-                    current.min_nodes, current.max_nodes, self._path)
-        return settings
-
-
-def _spare_aware(join_op: Callable[[Any, float], Any], size: _Size | None = None) -> Callable[[Any, float], Any]:
-    """Wrap torch's join operation with the rules the module doc describes."""
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action, _RendezvousContext, _should_keep_alive
-
-    def join(ctx: Any, deadline: float) -> Any:
-        if size is not None and (settings := size.follow()) is not None:  # rule 3
-            ctx = _RendezvousContext(ctx.node, ctx.state, settings)
-        state, me = ctx.state, ctx.node
-        if state.closed and me in state.redundancy_list:
-            _say_released(ctx.settings.run_id)  # torch raises RendezvousGracefulExitError next
-        if state.closed or me in state.participants:
-            return join_op(ctx, deadline)
-        if state.complete and len(state.participants) >= ctx.settings.max_nodes:  # rule 1
-            if me not in state.redundancy_list:
-                return _Action.ADD_TO_REDUNDANCY_LIST  # out of the wait list in the same write
-            return join_op(ctx, deadline)
-        if not state.complete:  # rule 2
-            mine = _priority(state, me)
-            waiting = state.wait_list | state.redundancy_list
-            ahead = sum(1 for n in waiting if n != me and _priority(state, n) > mine)
-            if len(state.participants) + ahead >= ctx.settings.max_nodes:
-                if me not in state.wait_list:
-                    return _Action.ADD_TO_WAIT_LIST
-                return _Action.KEEP_ALIVE if _should_keep_alive(ctx) else _Action.SYNC
-        return join_op(ctx, deadline)
-
-    return join
-
-
-def _say_released(run_id: str) -> None:
-    """Write SPARE_RELEASED at exit: after the traceback torch's launcher prints, so it is the log's last line."""
-    def say() -> None:
-        print(f"{SPARE_RELEASED}: rendezvous {run_id} was closed while this agent waited as a hot spare "
-              f"(a participant ended); exit 1 is torch's", file=sys.stderr, flush=True)
-
-    atexit.register(say)
-
-
-def _round_complete(state: Any, settings: Any) -> None:
-    """In the state write that completes a round: remember who trained (rule 2) and, when the round is full, park
-    the agents left in the wait list as redundant (rule 1).
-
-    Parking them in their own join loop alone is too late: it runs up to a second after the round completed
-    (torch polls the state once a second), and the participants' agents, which poll ``num_nodes_waiting()``
-    every monitor interval, would see them waiting and restart first."""
-    if not state.complete:
-        return
-    if len(state.participants) >= settings.max_nodes and state.wait_list:
-        state.redundancy_list.update(state.wait_list)
-        state.wait_list.clear()
-    setattr(state, _LAST, set(state.participants))
-    _remember(state, sorted(state.participants, key=_priority_key(state)))
-    _remember(state, state.redundancy_list)
-    alive = set(state.last_heartbeats)
-    setattr(state, _ORDER, {n: i for n, i in getattr(state, _ORDER, {}).items() if n in alive})  # forget the dead
-
-
-def _priority_key(state: Any) -> Callable[[Any], tuple[float, str]]:
-    order = getattr(state, _ORDER, {})
-    return lambda node: (order.get(node, math.inf), repr(node))
-
-
-def take_over(state: Any, me: Any, pod: str, settings: Any) -> list[Any]:
-    """Rule 4, in the state write of an agent that enters the rendezvous or sends a heartbeat: record that ``me`` runs
-    in ``pod`` and take every other agent recorded for that pod out of the rendezvous (as torch's heartbeat expiry
-    takes out a dead one: the lists, the heartbeats, and a complete round left without participants is over),
-    whether or not its heartbeats expired already. Returns the agents taken out."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
-
-    # An agent stays recorded after its heartbeats expired: a frozen node's agent (a paused VM, a node cut off
-    # longer than the keep-alive expiry) is forgotten by torch, and woken after its pod was recreated elsewhere it
-    # would join as a newcomer and take its replacement's place. Recorded here, it is taken out like a dead one.
-    # One record per pod, so the map stays as small as the job.
-    pods = dict(getattr(state, _POD, {}))
-    gone = [n for n, p in pods.items() if p == pod and n != me]
-    left_participants = False
-    for node in gone:
-        del pods[node]
-        state.last_heartbeats.pop(node, None)
-        if node in state.participants:
-            del state.participants[node]
-            left_participants = True
-        state.wait_list.discard(node)
-        state.redundancy_list.discard(node)
-    pods[me] = pod
-    setattr(state, _POD, pods)
-    if gone:
-        setattr(state, _GONE, [*getattr(state, _GONE, []), *gone][-GONE_KEPT:])
-        log.warning("%s: the agent of pod %s took its predecessor's place: %s", BACKEND, pod,
-                    ", ".join(str(n) for n in gone))
-    if left_participants:
-        dr._remove_participant_epilogue(state, settings)
-    return gone
-
-
-def _round_completed(state: Any) -> None:
-    """Rule 5, in the state write that completes a round: when, and that no participant heard of it yet."""
-    setattr(state, _COMPLETED, (state.round, time.time()))
-    setattr(state, _READ, set())
-
-
-def _completed_at(state: Any) -> float | None:
-    """When the state's round completed (rule 5), or None while it is not complete or predates rule 5."""
-    completed = getattr(state, _COMPLETED, None)
-    if not state.complete or completed is None or completed[0] != state.round:
-        return None
-    return completed[1]
-
-
-def _heard(state: Any, me: Any) -> None:
-    """Rule 5, in a heartbeat's write: ``me``, a participant of the complete round, has heard of it."""
-    if _completed_at(state) is not None and me in state.participants:
-        read = getattr(state, _READ, set())
-        if me not in read:
-            setattr(state, _READ, read | {me})
 
 
 def kept_from_expiry(state: Any, me: Any, now: float) -> set[Any]:
@@ -319,34 +151,6 @@ def _guard_expiry(holder: Any, me: Any) -> bool:
 
     holder._sanitize = guarded
     return True
-
-
-class TakenOver(RuntimeError):
-    """This agent was taken out of the rendezvous by a newer agent of its pod (rule 4)."""
-
-    def __init__(self, node: Any, pod: str) -> None:
-        super().__init__(f"{BACKEND}: agent {node} was replaced by a newer agent of pod {pod} (its pod was recreated "
-                         f"or its container restarted); this one stops")
-
-
-def taken_over(state: Any, node: Any) -> bool:
-    """Rule 4: whether a newer agent of ``node``'s pod took it out of the rendezvous."""
-    return node in getattr(state, _GONE, ())
-
-
-def _not_taken_over(op: Callable[[Any, float], Any], joining: bool, pod: str) -> Callable[[Any, float], Any]:
-    """Rule 4 for the agent taken out: its join fails (it must not take the place back); its other operations
-    (heartbeats, leaving) have nothing left to do."""
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action
-
-    def checked(ctx: Any, deadline: float) -> Any:
-        if not taken_over(ctx.state, ctx.node):
-            return op(ctx, deadline)
-        if joining:
-            raise TakenOver(ctx.node, pod)
-        return _Action.FINISH
-
-    return checked
 
 
 @functools.cache
