@@ -49,7 +49,6 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -59,27 +58,22 @@ from pathlib import Path
 if not __package__:  # run as a script (python hack/kueue.py): hack.* from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hack import common, image  # noqa: E402
+# The release's paths, values and post-renderer (pure: hack/kueue_values.py); every name stays importable from here.
+from hack.kueue_values import (  # noqa: E402,F401
+    DDPJOB_FRAMEWORK, FEATURE_GATES, FRAMEWORKS, IMAGE_REPO, KueueError, build_dir, chart_dir, chart_manager_config,
+    image_ref, manager_config, post_render, values, version,
+)
 
 HACK = Path(__file__).resolve().parent
 DOCKERFILE = HACK / "kueue" / "Dockerfile"
 ACCESS = HACK.parent / "manifests" / "kueue" / "ddpjob-access.yaml"
-# The integrations Kueue runs here: batch/v1 Jobs (and DDPJobs, as an external framework). The chart's default
-# also has pod, deployment, statefulset and others, whose webhooks (failurePolicy Fail for pods) would sit in
-# the path of every pod created in the cluster, DDPJob pods included; leaving them out keeps a Kueue hiccup
-# from blocking pod creation anywhere.
-FRAMEWORKS = ["batch/job"]
 RELEASE = "kueue"
 NAMESPACE = "kueue-system"
-IMAGE_REPO = "localhost/kueue"
 CRD_GROUP = "kueue.x-k8s.io"
-# Kind.version.group of the DDPJob CRD (operator/ddp_operator/crd.py)
-DDPJOB_FRAMEWORK = "DDPJob.v1alpha1.ddp.dev"
 LOCK = common.CACHE / "kueue.lock"
 # The chart's labels on everything it creates (cluster-scoped leftovers are found by it in `down`).
 CHART_SELECTOR = f"app.kubernetes.io/name=kueue,app.kubernetes.io/instance={RELEASE}"
 HELM_TIMEOUT = "5m"
-# Off, with its APIServices dropped (see the module docstring): Kueue's on-demand visibility API.
-FEATURE_GATES = [{"name": "VisibilityOnDemand", "enabled": False}]
 WEBHOOK_TIMEOUT = 120.0
 # A throwaway object for the webhook probe: a server-side dry run goes through Kueue's mutating and
 # validating webhooks (and the API server's call to its Service) and stores nothing.
@@ -87,31 +81,11 @@ PROBE = {"apiVersion": f"{CRD_GROUP}/v1beta2", "kind": "ResourceFlavor",
          "metadata": {"name": "kueue-py-webhook-probe"}, "spec": {}}
 
 
-class KueueError(RuntimeError):
-    pass
-
-
 log = common.logger("kueue")
 
 
 # --------------------------------------------------------------------------------------------
 # where things are
-
-def version() -> str:
-    return common.versions()["KUEUE_VERSION"]
-
-
-def build_dir() -> Path:
-    return common.CACHE / f"kueue-{version()}"
-
-
-def chart_dir() -> Path:
-    return build_dir() / "chart"
-
-
-def image_ref() -> str:
-    return f"{IMAGE_REPO}:{version()}"
-
 
 def helm(kubeconfig: Path, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
     return common.run([common.binary("helm"), f"--kubeconfig={kubeconfig}", *args], check=check,
@@ -160,68 +134,6 @@ def ensure_image(kind_cluster: str | None = None, kind: str = "kind") -> str:
         return digest
     log(f"building {ref} from {DOCKERFILE.relative_to(common.REPO)} (context {build_dir()})")
     return image.build(DOCKERFILE, ref, build_dir())
-
-
-# --------------------------------------------------------------------------------------------
-# Helm values
-
-def chart_manager_config() -> str:
-    """The chart's default managerConfig.controllerManagerConfigYaml (a block scalar in its values.yaml)."""
-    lines = (chart_dir() / "values.yaml").read_text().splitlines()
-    start = lines.index("  controllerManagerConfigYaml: |-") + 1
-    block = []
-    for line in lines[start:]:
-        if line.strip() and not line.startswith("    "):
-            break
-        block.append(line[4:])
-    return "\n".join(block).rstrip() + "\n"
-
-
-def manager_config() -> str:
-    """The chart's manager configuration with DDPJob as an external framework and FRAMEWORKS as the
-    integrations. The chart parses this text (fromYaml), so editing the lines of its `integrations:` block
-    is enough; the Kueue manager validates the result when it starts."""
-    text = chart_manager_config()
-    lines = text.splitlines()
-    if (lines.count("integrations:") != 1 or lines.count("  frameworks:") != 1
-            or any(ln.lstrip().startswith("externalFrameworks:") for ln in lines)):
-        raise KueueError("the chart's manager configuration has no single `integrations:` block with one "
-                         f"`frameworks:` list (or already sets externalFrameworks): check {chart_dir() / 'values.yaml'}")
-    at = lines.index("  frameworks:") + 1
-    end = at
-    while end < len(lines) and re.match(r"^#?\s*- ", lines[end]):
-        end += 1
-    lines[at:end] = [f'  - "{f}"' for f in FRAMEWORKS]
-    at = lines.index("integrations:") + 1
-    lines[at:at] = ["  externalFrameworks:", f'  - "{DDPJOB_FRAMEWORK}"']
-    return "\n".join(lines) + "\n"
-
-
-def post_render(manifests: str) -> str:
-    """Helm's post-renderer: the rendered release without its APIService objects (module docstring)."""
-    docs = re.split(r"(?m)^---[ \t]*$", manifests)
-    return "---".join(d for d in docs if not re.search(r"(?m)^kind:[ \t]*APIService[ \t]*$", d))
-
-
-def values(image_digest: str) -> dict:
-    return {
-        "enableCertManager": False,  # Kueue's internal certificate management (the chart's default)
-        "enablePrometheus": False,
-        "enableKueueViz": False,
-        "enableVisibilityAPF": False,
-        "controllerManager": {
-            "replicas": 1,
-            "featureGates": FEATURE_GATES,
-            "manager": {
-                "image": {"repository": IMAGE_REPO, "tag": version(), "pullPolicy": "Never"},
-                # The tag stays the same across local rebuilds: the digest rolls the pod when it changed.
-                "podAnnotations": {"ddp.dev/kueue-image": image_digest},
-                "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
-                              "limits": {"cpu": "1", "memory": "512Mi"}},
-            },
-        },
-        "managerConfig": {"controllerManagerConfigYaml": manager_config()},
-    }
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,11 +1,10 @@
-"""hack/kueue.py's pure parts: the manager configuration it gives Kueue's chart and its Helm post-renderer."""
+"""hack/kueue.py's pure parts (hack/kueue_values.py): the manager configuration it gives Kueue's chart and its Helm
+post-renderer."""
 from __future__ import annotations
-
-import importlib.util
 
 import yaml
 
-from tests import tools
+from hack import kueue_values
 
 # A manager configuration shaped like the chart's default (an `integrations:` block with a `frameworks:` list,
 # commented entries among them, and a commented example after it).
@@ -27,25 +26,16 @@ integrations:
 """
 
 
-def _kueue():
-    spec = importlib.util.spec_from_file_location("hack_kueue", tools.REPO_ROOT / "hack" / "kueue.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_manager_config_adds_ddpjob_and_keeps_only_the_jobs_integration(monkeypatch):
-    kueue = _kueue()
-    monkeypatch.setattr(kueue, "chart_manager_config", lambda: CHART_CONFIG)
-    config = yaml.safe_load(kueue.manager_config())
+    monkeypatch.setattr(kueue_values, "chart_manager_config", lambda: CHART_CONFIG)
+    config = yaml.safe_load(kueue_values.manager_config())
     assert config["integrations"] == {"externalFrameworks": ["DDPJob.v1alpha1.ddp.dev"], "frameworks": ["batch/job"]}
     assert config["webhook"] == {"port": 9443}  # the rest of the chart's configuration stays
 
 
 def test_post_render_drops_only_the_api_services():
-    kueue = _kueue()
     rendered = ("---\napiVersion: v1\nkind: Service\nmetadata: {name: a}\n"
                 "---\napiVersion: apiregistration.k8s.io/v1\nkind: APIService\nmetadata: {name: v1beta2.visibility}\n"
                 "---\napiVersion: apps/v1\nkind: Deployment\nmetadata: {name: b}\n")
-    kinds = [d["kind"] for d in yaml.safe_load_all(kueue.post_render(rendered)) if d]
+    kinds = [d["kind"] for d in yaml.safe_load_all(kueue_values.post_render(rendered)) if d]
     assert kinds == ["Service", "Deployment"]
