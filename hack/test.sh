@@ -9,9 +9,8 @@
 #   4. a node lost on a kind cluster of its own (make kind-node-loss, KIND_CLUSTER_NAME=ddpjob-test)
 # Each pytest run writes JUnit XML under .test-results/; hack/test_times.py turns it into the per-directory table
 # of docs/testing.md.
-# Knobs (none of them under CI=true): PYTEST_ARGS (extra pytest arguments for every pytest run),
-# DDPJOB_SKIP_KIND=1 (stop after stage 3), DDPJOB_TEST_CLUSTER_ONLY=1 (stage 1 only builds: the cluster tiers again
-# after a fix elsewhere).
+# Knobs: PYTEST_ARGS (extra pytest arguments for every pytest run); not under CI=true: DDPJOB_SKIP_KIND=1 (stop
+# after stage 3), DDPJOB_TEST_CLUSTER_ONLY=1 (stage 1 only builds: the cluster tiers again after a fix elsewhere).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
