@@ -7,19 +7,16 @@ are the only operators acting on it."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
 
 import pytest
 
-from ddp_cluster import REPO, JobNamespace, wait_for
-from tests.support.processes import stop_process
+from ddp_cluster import JobNamespace, wait_for
+from tests.support.processes import OperatorProcess, stop_process
 
 LEASE = "ddp-operator-it"
 
@@ -36,15 +33,14 @@ def ns(api, request):
     core.delete_namespace(name)
 
 
-class Replica:
+class Replica(OperatorProcess):
+    """One operator replica with leader election on, standing by or leading (start() does not wait for it)."""
+
     def __init__(self, name, namespace, kubeconfig, log_path):
-        self.name, self.log_path = name, log_path
-        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_NAME": name,
-               "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), os.environ.get("PYTHONPATH", "")])}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ddp_operator", "--namespace", namespace, "--leader-elect",
-             "--lease-namespace", namespace, "--lease-name", LEASE, "--metrics-port", "0", "--liveness-port", "0"],
-            env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=REPO)
+        super().__init__(kubeconfig, namespace, log_path, ready_timeout=None, env={"POD_NAME": name},
+                         args=["--leader-elect", "--lease-namespace", namespace, "--lease-name", LEASE])
+        self.name = name
+        self.start()
 
     def log(self) -> str:
         return self.log_path.read_text()

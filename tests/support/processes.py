@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ddp_trainer.testing import free_port
@@ -30,14 +30,16 @@ class OperatorProcess:
     such as ddp-it-*) matches, its output appended to `log_path`; `env` is added to this process's environment.
 
     start() returns once its metrics endpoint answers (on a free port of 127.0.0.1), within `ready_timeout` seconds.
-    Used by tests/integration/ddp_cluster.py's Operator and by tests/e2e/harness.py's with DDPJOB_OPERATOR=subprocess.
+    Used by tests/integration/ddp_cluster.py's Operator, test_leader_election.py's replicas and tests/e2e/harness.py's with
+    DDPJOB_OPERATOR=subprocess.
     """
 
-    def __init__(self, kubeconfig: str | Path, namespace: str, log_path: Path, *, ready_timeout: float,
-                 env: Mapping[str, str] | None = None):
+    def __init__(self, kubeconfig: str | Path, namespace: str, log_path: Path, *, ready_timeout: float | None,
+                 env: Mapping[str, str] | None = None, args: Sequence[str] = ()):
         self.kubeconfig, self.namespace, self.log_path = str(kubeconfig), namespace, Path(log_path)
-        self.ready_timeout = ready_timeout
+        self.ready_timeout = ready_timeout  # None: start() does not wait (e.g. a standby replica)
         self.env = dict(env or {})
+        self.args = list(args)  # more of the operator's flags (e.g. leader election)
         self.proc: subprocess.Popen | None = None
         self.metrics_port = 0
 
@@ -48,10 +50,11 @@ class OperatorProcess:
         with open(self.log_path, "a") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ddp_operator", "--namespace", self.namespace,
-                 "--metrics-port", str(self.metrics_port), "--liveness-port", "0"],
+                 "--metrics-port", str(self.metrics_port), "--liveness-port", "0", *self.args],
                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        wait_for(lambda: self.metrics_text() is not None, self.ready_timeout, "the operator's metrics endpoint",
-                 interval=0.2)
+        if self.ready_timeout is not None:
+            wait_for(lambda: self.metrics_text() is not None, self.ready_timeout, "the operator's metrics endpoint",
+                     interval=0.2)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
