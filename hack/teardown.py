@@ -26,6 +26,13 @@ def _mounts_under(prefixes: list[str]) -> list[str]:
     return out
 
 
+def _ours(veth: Path) -> bool:
+    """A veth of the embedded cluster's pods: on its bridge, or on none once the bridge is gone. Another bridge's
+    (a kind cluster's nodes on Docker's network, say) is someone else's."""
+    master = veth / "master"
+    return not master.exists() or master.resolve().name == BRIDGE
+
+
 def _our_stray_processes() -> list[int]:
     """Shims, pause and container processes left once containerd is gone (found by /proc scan)."""
     pids = []
@@ -174,7 +181,7 @@ def leftovers() -> list[str]:
         found += [f"netns {p.name}" for p in Path("/run/netns").glob("cni-*")]
     if Path(f"/sys/class/net/{BRIDGE}").exists():
         found.append(f"interface {BRIDGE}")
-    found += [f"interface {p.name}" for p in Path("/sys/class/net").glob("veth*")]
+    found += [f"interface {p.name}" for p in Path("/sys/class/net").glob("veth*") if _ours(p)]
     for save in ("iptables-save", "ip6tables-save"):
         if shutil.which(save, path=path_env()):
             chains = re.findall(r"^:((?:KUBE|CNI)-\S+)", run([save], check=False).stdout, re.M)
