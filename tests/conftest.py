@@ -43,7 +43,7 @@ from tests.support.kube import (
     foreign_operators_paused_in,
     not_the_tests,
 )
-from tests.support.suite import IN_CI, forbid_skip_in_ci, tier_timeout
+from tests.support.suite import IN_CI, Teardowns, forbid_skip_in_ci, tier_timeout
 from tests.support.waiting import wait_for
 
 
@@ -84,19 +84,24 @@ def foreign_operators_paused(kubectl):
         yield paused
 
 
+# The shared operator and Kueue are removed before a test that restarts the cluster, not after it.
+SHARED = Teardowns()
+
+
 @pytest.fixture(scope="session")
 def shared_operator(cluster, kubectl, request):
     """The one operator of the e2e tests and the cluster benchmarks (tests/e2e/harness.py, DDPJOB_OPERATOR), started
     at its first use and stopped when the session ends: a chart installed here is uninstalled then. One install per
     session, not one per module. The integration and chart tiers, which run operators of their own, are collected
-    before the tiers that use it; the cluster-restart tests, after them, leave it running."""
+    before the tiers that use it; a cluster-restart test (run last) has it removed first."""
     from tests.e2e import harness
     if harness.operator_mode() == "subprocess":  # helm mode reuses an installed release instead
         request.getfixturevalue("foreign_operators_paused")
     harness.ensure_images(cluster)
     op = harness.Operator(cluster, kubectl).start()
+    SHARED.push(op.stop)
     yield op
-    op.stop()
+    SHARED.run(op.stop)
 
 
 @pytest.fixture(scope="session")
@@ -109,11 +114,22 @@ def kueue_operator(shared_operator, cluster):
     was_there = mod.release(cluster.kubeconfig) is not None
     harness.log(f"kueue up: {mod.up(cluster.kubeconfig, kind_cluster=cluster.kind_name)}")
     kueue_before = shared_operator.kueue
+
+    def teardown():
+        if not was_there:
+            if not shared_operator.installed_here:  # someone else's release: as it was found
+                shared_operator.set_kueue(kueue_before)
+            mod.down(cluster.kubeconfig)
+    SHARED.push(teardown)
     yield shared_operator.set_kueue(True)
-    if not was_there:
-        if not shared_operator.installed_here:  # someone else's release: as it was found
-            shared_operator.set_kueue(kueue_before)
-        mod.down(cluster.kubeconfig)
+    SHARED.run(teardown)
+
+
+
+@pytest.fixture(autouse=True)
+def _shared_removed_before_a_restart(request):
+    if request.node.get_closest_marker("cluster_restart") is not None:
+        SHARED.run_all()
 
 
 @pytest.fixture(name="wait_for")

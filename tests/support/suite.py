@@ -43,3 +43,26 @@ def forbid_skip_in_ci(rep, in_ci: bool = IN_CI) -> None:
         rep.outcome = "failed"
         rep.longrepr = (f"skipped under CI=true: {reason!r}; only skips starting with {CI_ALLOWED_SKIPS} are "
                         "allowed in CI (tests/support/suite.py CI_ALLOWED_SKIPS)")
+
+
+class Teardowns:
+    """Teardowns of session-wide things (the shared operator, Kueue), each run once: when the session ends, or
+    earlier, all of them, before a test that restarts the cluster (after it they would meet a cluster that lost
+    them). Run last-in, first-out, like pytest's own."""
+
+    def __init__(self) -> None:
+        self._fns: list = []
+
+    def push(self, fn):
+        self._fns.append(fn)
+        return fn
+
+    def run(self, fn) -> None:
+        """`fn` now, unless it already ran."""
+        if fn in self._fns:
+            self._fns.remove(fn)
+            fn()
+
+    def run_all(self) -> None:
+        while self._fns:
+            self._fns.pop()()

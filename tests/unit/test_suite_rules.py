@@ -31,3 +31,14 @@ def test_each_tier_has_its_own_time_limit():
     assert tier_timeout(REPO / "tests/unit/test_spec.py") == 60
     assert tier_timeout(REPO / "tests/e2e/test_e2e_training.py") == 600
     assert tier_timeout(REPO / "tests/integration/test_operator.py") == 300
+
+
+def test_session_teardowns_run_once_last_in_first_out():
+    from tests.support.suite import Teardowns
+    ran = []
+    t = Teardowns()
+    operator, kueue = t.push(lambda: ran.append("operator")), t.push(lambda: ran.append("kueue"))
+    t.run_all()  # before a cluster restart
+    t.run(kueue)  # the fixtures' own teardowns at the session's end: nothing left to do
+    t.run(operator)
+    assert ran == ["kueue", "operator"]
