@@ -23,15 +23,20 @@ read -r -a extra <<<"${PYTEST_ARGS:-}"
 STAGES=()
 STARTED=$SECONDS
 record() { STAGES+=("$(printf '%-52s %5d s' "$1" "$2")"); }
+kill_tree() { # pid: it and everything it started (a background job still running when the run stops)
+  local child
+  for child in $(pgrep -P "$1"); do kill_tree "$child"; done
+  kill "$1" 2>/dev/null || true
+}
 summary() { # exit status
   local rc=$1
+  local pid
+  for pid in "${BG_PIDS[@]}"; do kill_tree "$pid"; done
   if [[ -f $TMP/engine-started ]]; then  # the run started the Docker engine: stop it (and a kind cluster left)
     local kind="${DDPJOB_CACHE:-$HOME/.cache/ddpjob}/kind-$KIND_VERSION/kind"
     [[ -x $kind ]] && { "$kind" delete cluster --name "$KIND_NAME" >/dev/null 2>&1 || true; }
     python3 hack/docker.py down >/dev/null 2>&1 || true
   fi
-  local pid
-  for pid in "${BG_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   rm -rf "$TMP"
   log "stage times:"
   printf '  %s\n' "${STAGES[@]}" >&2
