@@ -3,10 +3,11 @@
 #   1. side by side: the tests that need no cluster (unit, bootstrap, trainer, gpu, the loopback benchmarks) in
 #      front, and behind them, at a lower CPU priority so that they only take what the tests leave, the embedded
 #      cluster's Go binaries and both images (downloads, mostly, on a cold machine: the Debian base and torch)
-#   2. the embedded cluster up (seconds once its binaries exist); behind it, at low priority, what only later tests
-#      need: the Kueue manager, and kind's binaries and Docker engine package for stage 4
+#   2. the embedded cluster up (seconds once its binaries exist); behind stage 3, at low priority, what only later
+#      tests need: the Kueue manager, kind's binaries, Docker's package and the whole kind cluster of stage 4
+#      (KIND_PREPARE=1 hack/kind-e2e.sh: engine, node image, nodes, images, chart, warm-up)
 #   3. pytest over the tiers that use the cluster (cluster, integration, chart, e2e, benchmark smoke)
-#   4. a node lost on a kind cluster of its own (make kind-node-loss, KIND_CLUSTER_NAME=ddpjob-test)
+#   4. a node lost on that kind cluster (make kind-node-loss, KIND_CLUSTER_NAME=ddpjob-test), deleted afterwards
 # Each pytest run writes JUnit XML under .test-results/; hack/test_times.py turns it into the per-directory table
 # of docs/testing.md.
 # Knobs: PYTEST_ARGS (extra pytest arguments for every pytest run); not under CI=true: DDPJOB_SKIP_KIND=1 (stop

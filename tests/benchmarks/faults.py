@@ -388,8 +388,8 @@ class Bench:
             d["operator_acted"] = bool(st.get("attempts"))
             if st.get("lastRecovery") is not None:
                 d["lastRecovery"] = st["lastRecovery"]
-            if wrong_fault(fault, st):
-                d.setdefault("violations", []).append(wrong_fault(fault, st))
+            if wrong := wrong_fault(fault, st):
+                d.setdefault("violations", []).append(wrong)
             if phase != "Succeeded":
                 d["error"] = f"job {phase or 'still running'} {self.a.timeout:.0f} s after the injection" + \
                     (f": {st.get('reason')}: {st.get('message')}" if st.get("reason") else "")
