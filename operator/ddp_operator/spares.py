@@ -14,9 +14,11 @@ for the lost one becomes the spare (replenished). The operator cannot see the re
   training world (docs/contract.md); the hang rule judges only members, and at success the pods that are not
   members are stopped at once.
 - Release: when a participant closes the rendezvous at the end, a waiting spare's torchrun exits 1 (torch's
-  launcher fails on the missing run result); ddpjob-c10d makes SPARE_RELEASED_MARKER its last log line, which
-  reaches the operator in the termination message. Such an exit is recorded (reason SpareReleased), never
-  counted: the operator may see it before it sees the participants exit 0.
+  launcher fails on the missing run result); ddpjob-c10d makes SPARE_RELEASED_MARKER the start of its last log
+  line, which reaches the operator in the termination message. Such an exit is recorded (reason SpareReleased),
+  never counted: the operator may see it before it sees the participants exit 0. The marker is believed only
+  there (the last line) and only for a job with spares: anywhere else it is a log line like any other (a script
+  printing it, a traceback quoting it), and the failure it ends counts.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from ddp_operator.observed import PodState
 from ddp_operator.status import pod_counts, valid_members
 
 
-def released(message: str) -> bool:
-    """Whether a trainer's termination message says it ended as a spare released by a closed rendezvous."""
-    return names.SPARE_RELEASED_MARKER in (message or "")
+def released(message: str, *, spares: int) -> bool:
+    """Whether a trainer's termination message says it ended as a spare released by a closed rendezvous: a job
+    with spares (only their backend writes the marker), and the message's last line starts with the marker."""
+    lines = (message or "").rstrip().splitlines()
+    return bool(spares) and bool(lines) and lines[-1].startswith(names.SPARE_RELEASED_MARKER)
 
 
 def members(reports: Iterable[Mapping[str, Any] | None]) -> frozenset[int] | None:

@@ -237,3 +237,44 @@ def test_a_vanished_spare_pod_is_counted_like_a_missing_pod():
     p = plan(job, status, observed(rdzv(), trainer(0), trainer(1)), later(1))
     assert _acts(p) == [(CREATE, "mnist-2")]
     assert p.status["attempts"][-1]["reason"] == names.REASON_NODE_MISSING
+
+
+# --- the released marker is only believed where the trainer writes it ---------------------------------------------
+# ddpjob-c10d writes it as the log's last line (ddp_trainer.rendezvous_rules._say_released); anywhere else it is a
+# log line like any other (a script printing it, a traceback quoting it), and a real failure must still count.
+MARKER_IN_THE_MIDDLE = (f"{names.SPARE_RELEASED_MARKER}: rendezvous x-0 was closed while this agent waited\n"
+                        "Traceback (most recent call last):\nRuntimeError: CUDA error: an illegal memory access")
+
+
+@pytest.mark.parametrize("how", ["in-place", "ended"])
+def test_the_marker_in_the_middle_of_a_failure_is_still_a_counted_failure(how):
+    job, status = _running()
+    if how == "in-place":
+        pod = trainer(2, restart_count=1, last_exit_code=1, last_message=MARKER_IN_THE_MIDDLE)
+    else:
+        pod = trainer(2, phase="Failed", exit_code=1, message=MARKER_IN_THE_MIDDLE, restart_policy="Never")
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(1), pod), later(5))
+    assert p.status["restarts"] == 1 and p.status["attempts"][-1]["counted"] is True
+    assert p.status["attempts"][-1]["reason"] != names.REASON_SPARE_RELEASED
+
+
+@pytest.mark.parametrize("how", ["in-place", "ended"])
+def test_the_marker_as_last_line_in_a_job_without_spares_is_a_counted_failure(how):
+    job = make_job()
+    first = plan(job, {}, observed(service_exists=False), NOW)
+    status = plan(job, first.status, observed(rdzv(), ddp_builders.trainer(0), ddp_builders.trainer(1)), NOW).status
+    if how == "in-place":
+        pod = ddp_builders.trainer(1, restart_count=1, last_exit_code=1, last_message=RELEASED_LOG)
+    else:
+        pod = ddp_builders.trainer(1, phase="Failed", exit_code=1, message=RELEASED_LOG, restart_policy="Never")
+    p = plan(job, status, observed(rdzv(), ddp_builders.trainer(0), pod), later(5))
+    assert p.status["restarts"] == 1 and p.status["attempts"][-1]["counted"] is True
+    assert p.status["attempts"][-1]["reason"] != names.REASON_SPARE_RELEASED
+
+
+def test_the_marker_as_last_line_with_spares_is_not_counted_trailing_blank_lines_and_all():
+    job, status = _running()
+    spare = trainer(2, phase="Failed", exit_code=1, message=RELEASED_LOG + "\n\n", restart_policy="Never")
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(1), spare), later(5))
+    assert p.status["restarts"] == 0 and p.status["attempts"][-1]["reason"] == names.REASON_SPARE_RELEASED
+    assert p.status["attempts"][-1]["counted"] is False

@@ -86,7 +86,7 @@ def in_place_restarts(ctx: Pass) -> bool:
     store_down = not ctx.store_up()
     for p in sorted((p for p in ctx.trainers if ctx.current(p) and p.restarts > ctx.restarts_recorded(p)),
                     key=lambda p: (p.index, p.name)):
-        if sparesmod.released(p.restart_message):
+        if sparesmod.released(p.restart_message, spares=ctx.job.spec.spares):
             spare_released(ctx, p, restart=p.restarts)
             continue
         missed = p.restarts - ctx.restarts_recorded(p) - 1
@@ -115,7 +115,7 @@ def trainer_failures(ctx: Pass) -> bool:
     ended = sorted((p for p in ctx.trainers if ctx.current(p) and p.terminal and not p.succeeded
                     and not ctx.recorded(p)), key=lambda p: (p.index, p.name))
     for p in ended:
-        if sparesmod.released(p.message):
+        if sparesmod.released(p.message, spares=ctx.job.spec.spares):
             spare_released(ctx, p)
             ctx.delete(p)
             continue

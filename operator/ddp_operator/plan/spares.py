@@ -3,8 +3,8 @@
 The job keeps spec.nodes + spec.spares identical trainer pods; the rendezvous (of exactly spec.nodes, backend
 ddpjob-c10d) decides which ones train. Running needs spec.nodes running pods; status.nodes counts the first
 spec.nodes, status.spares the rest (NODES `2/2 +1`). A spare pod that fails, vanishes or restarts in place is
-handled like any trainer (recorded, counted, recreated); one whose termination message ends with
-names.SPARE_RELEASED_MARKER (its rendezvous was closed by a finishing participant) is recorded with reason
+handled like any trainer (recorded, counted, recreated); one whose termination message's last line starts
+with names.SPARE_RELEASED_MARKER (its rendezvous was closed by a finishing participant) is recorded with reason
 SpareReleased, never counted and no incident. Once a trainer exited 0 the running pods that are not members
 (rank 0's final report, else status.progress.members; without either, all of them once spec.nodes trainers
 exited 0) are stopped at once. The hang rule judges members only (from the hang reports, else status.progress;
