@@ -25,6 +25,10 @@ from typing import Any
 from . import env as envmod
 
 PATH = "/progress"
+# A connection that has not sent its request (or taken its answer) within this long is closed: a client that
+# connects and sends nothing would otherwise hold a server thread for as long as the pod lives. The operator's
+# probe gives up after 2 s anyway.
+REQUEST_TIMEOUT_SECONDS = 10.0
 
 
 def finite(value: Any) -> Any:
@@ -91,10 +95,12 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class ProgressServer:
-    """Serves a :class:`Progress` on all interfaces from a daemon thread."""
+    """Serves a :class:`Progress` on all interfaces from a daemon thread; each connection gets `timeout` seconds
+    per socket operation (BaseHTTPRequestHandler.timeout), then it is closed."""
 
-    def __init__(self, progress: Progress, port: int, host: str = "") -> None:
-        handler = type("Handler", (_Handler,), {"progress": progress})
+    def __init__(self, progress: Progress, port: int, host: str = "",
+                 timeout: float = REQUEST_TIMEOUT_SECONDS) -> None:
+        handler = type("Handler", (_Handler,), {"progress": progress, "timeout": timeout})
         ThreadingHTTPServer.allow_reuse_address = True
         self._server = ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
