@@ -12,17 +12,22 @@ job's passes.
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ddp_operator import metrics
+from ddp_operator.pod import render_trainer_pod
+from ddp_operator.rdzv import render_rdzv_pod
 from ddp_operator.spec import Job, SpecError, parse_job
 
 if TYPE_CHECKING:
     from ddp_operator.backoff import Refusal
     from ddp_operator.hang import Watch
+
+log = logging.getLogger("ddp_operator")
 
 Key = tuple[str, str]  # (namespace, name)
 
@@ -81,6 +86,24 @@ def _parse_source(body: Mapping[str, Any]) -> tuple:
             body.get("spec"))
 
 
+def _parse(key: Key, body: Mapping[str, Any]) -> Job | tuple[str, str]:
+    """parse_job(body) and a trial rendering of its pods, or the (field, message) of why the job cannot run.
+
+    Whatever either raises ends here, as the job's InvalidSpec (a SpecError names its field; anything else is
+    a defect or a value nobody foresaw, logged with its traceback): never an exception in every pass."""
+    try:
+        job = parse_job(body)
+        render_trainer_pod(job, 0, 0)  # a template the renderers cannot use is invalid now, not in a later pass
+        render_rdzv_pod(job, 0)
+        return job
+    except SpecError as e:
+        return e.field, e.message
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        log.exception("[%s/%s] the job's spec could not be read or rendered", *key)
+        return "spec.template", (f"could not be turned into pods ({type(e).__name__}: {e}); check the types of "
+                                 f"its fields against the Pod API (kubectl explain pod.spec)")
+
+
 class JobRegistry:
     """kopf's indexes, bound on the first handler call, and the records of every job the shell knows."""
 
@@ -137,11 +160,7 @@ class JobRegistry:
             obj = self._records.setdefault(key, JobRecord()).of(body["metadata"]["uid"])
             parsed = obj.parsed
         if parsed is None or parsed[0] != source:
-            try:
-                result: Job | tuple[str, str] = parse_job(body)
-            except SpecError as e:
-                result = (e.field, e.message)
-            parsed = (copy.deepcopy(source), result)
+            parsed = (copy.deepcopy(source), _parse(key, body))
             with self.guard:
                 obj.parsed = parsed
         if isinstance(parsed[1], Job):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ddp_operator import crd, names
+from ddp_operator.template import template_problem
 
 
 class SpecError(ValueError):
@@ -180,7 +181,10 @@ def _template(spec: Mapping) -> dict:
     containers = pod.get("containers")
     if not isinstance(containers, list) or not containers:
         raise SpecError("spec.template.spec.containers", "must list at least the 'trainer' container")
-    seen = [c.get("name") for c in containers if isinstance(c, Mapping)]
+    problem = template_problem(template)  # every field read below, and by the renderers, has its type
+    if problem is not None:
+        raise SpecError(*problem)
+    seen = [c["name"] for c in containers]
     if names.TRAINER_CONTAINER not in seen:
         raise SpecError("spec.template.spec.containers",
                         "must contain a container named 'trainer' (the one that runs torchrun)")
@@ -214,14 +218,13 @@ def reserved_env(name: Any) -> bool:
 def _operator_owned(pod: Mapping) -> None:
     """The template may not set what the operator owns: torchrun's PET_* variables (they would silently replace
     the rendezvous settings) and the names of the volumes it adds (they would replace spec.checkpoint/spec.shm)."""
-    trainer = next(c for c in pod["containers"] if isinstance(c, Mapping) and c.get("name") == names.TRAINER_CONTAINER)
-    env = trainer.get("env") or []
-    owned = [e.get("name") for e in env if isinstance(e, Mapping) and reserved_env(e.get("name"))]
+    trainer = next(c for c in pod["containers"] if c["name"] == names.TRAINER_CONTAINER)
+    owned = [e["name"] for e in trainer.get("env") or [] if reserved_env(e["name"])]
     if owned:
         raise SpecError("spec.template.spec.containers[trainer].env",
                         f"sets {', '.join(owned)}: torchrun options the operator owns; use the matching spec "
                         f"field (nodes, minNodes/maxNodes, nprocPerNode, torchrun.*) instead")
-    volumes = [v.get("name") for v in pod.get("volumes") or [] if isinstance(v, Mapping)]
+    volumes = [v["name"] for v in pod.get("volumes") or []]
     taken = [v for v in volumes if v in names.OPERATOR_VOLUMES]
     if taken:
         raise SpecError("spec.template.spec.volumes",
@@ -366,7 +369,10 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
     medium = s.get("medium", d["shm"]["medium"])
     if medium not in ("Memory", ""):
         raise SpecError("spec.shm.medium", f'must be "Memory" or "", got {medium!r}')
-    shm = Shm(medium=medium, size_limit=s.get("sizeLimit"))
+    size_limit = s.get("sizeLimit")
+    if size_limit is not None and (isinstance(size_limit, bool) or not isinstance(size_limit, (str, int))):
+        raise SpecError("spec.shm.sizeLimit", f'must be a quantity such as "8Gi", got {size_limit!r}')
+    shm = Shm(medium=medium, size_limit=size_limit)
 
     checkpoint = None
     if spec.get("checkpoint") is not None:
