@@ -10,7 +10,9 @@ API writes are kept minimal (the bench-api goal): no finalizers (no kopf timers/
 an in-process ticker), kopf's handler state lives in two annotations under ddp.dev (handlers.py), pod-count-only
 status changes are coalesced for STATUS_COALESCE_SECONDS, and progress polling (poller.py) writes at most once per
 spec.progressPeriodSeconds, only when the step moved forward. A child that cannot be created is retried on its own
-schedule (backoff.py) while the rest of the pass goes on; a refused NetworkPolicy holds back the pods it protects.
+schedule (backoff.py) while the rest of the pass goes on. The plan holds every pod back until the job's own
+NetworkPolicy exists: a pass creates a missing policy first and plans again on the outcome, so a fresh job still
+gets its policy and its pods in one pass (one status write), and a refused or foreign policy is reported at once.
 Node states for the node-loss rule are read for the pods plan.node_lost_candidates names, each node at most once
 per NODE_CACHE_SECONDS.
 
@@ -25,7 +27,7 @@ import copy
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any, Callable, Mapping
 
@@ -259,6 +261,13 @@ class Reconciler:
                             hang_reports=hang_reports, refusals=refusals, nodes=nodes,
                             **(self._observe_kueue(key, uid, job.priority_class) if job.queue_name else {}))
         result = plan(job, prev, observed, now, self.config.network_policy)
+        if self._policy_first(key, result):
+            policies = self._network_policies(key, uid)
+            conflicts, refusals = self.backoff.observed(key)
+            observed = replace(observed, network_policy_exists=bool(policies),
+                               network_policy_uid=policies[0] if policies else None,
+                               conflicts=conflicts, refusals=refusals)
+            result = plan(job, prev, observed, now, self.config.network_policy)
         # Status first: a failure is on record (by pod UID) before the pod is deleted, so a crash between
         # the two never counts it twice.
         # A pass with Events is never coalesced: the next pass would post them again from the same old status.
@@ -305,30 +314,34 @@ class Reconciler:
         for event in result.events:
             self.api.post_event(body, event.type, event.reason, event.message, COMPONENT)
 
+    def _policy_first(self, key: Key, result: Plan) -> bool:
+        """Create the NetworkPolicy the plan asks for (it then holds every pod back) ahead of the pass's writes; True
+        if the API server was asked, so the pass plans again on what it answered."""
+        policy = next((a for a in result.actions if a.verb == CREATE and a.kind == "NetworkPolicy"), None)
+        return policy is not None and self._create(key, policy)
+
+    def _create(self, key: Key, action: Any) -> bool:
+        """Create a child unless its conflict or refusal is not due for a retry; True if the API server was asked."""
+        if self.backoff.conflicting(key, action.name) or self.backoff.backing_off(key, action.name):
+            return False
+        try:
+            created = self.api.create(action.body)
+        except ChildConflict as e:
+            self.backoff.conflict(key, action.name, str(e))
+            return True
+        except ApiException as e:
+            self.backoff.refused(key, action, e)
+            return True
+        self.backoff.created(key, action)
+        if created is not None:
+            self._created(key, action, created)
+        return True
+
     def _execute(self, namespace: str, key: Key, body: Mapping, result: Plan) -> None:
         self.backoff.forget_stale(key, {a.name for a in result.actions if a.verb == CREATE})
-        policy_missing = False  # pods are never created before the NetworkPolicy that protects them
         for action in result.actions:
             if action.verb == CREATE:
-                if action.kind == "Pod" and policy_missing:
-                    continue
-                if self.backoff.conflicting(key, action.name):
-                    continue
-                if self.backoff.backing_off(key, action.name):
-                    policy_missing = policy_missing or action.kind == "NetworkPolicy"
-                    continue
-                try:
-                    created = self.api.create(action.body)
-                except ChildConflict as e:
-                    self.backoff.conflict(key, action.name, str(e))
-                    continue
-                except ApiException as e:
-                    self.backoff.refused(key, action, e)
-                    policy_missing = policy_missing or action.kind == "NetworkPolicy"
-                    continue
-                self.backoff.created(key, action)
-                if created is not None:
-                    self._created(key, action, created)
+                self._create(key, action)
             elif action.kind == names.WORKLOAD_KIND:
                 self._workload_write(namespace, key, action)
             elif action.verb == DELETE and action.kind == "NetworkPolicy":

@@ -2,6 +2,8 @@
 
 - The job's NetworkPolicy (netpol.py) exists while the job is active exactly when it is wanted
   (spec.networkPolicy.enabled, else the operator's default): created before any pod, deleted when disabled.
+  While it is wanted and the job's own policy is not there (not created yet, refused, or a foreign policy holds
+  its name), no pod is created: a pod without it would be open to anyone (startup.py says why in ReplicaFailure).
 - The headless Service, the rendezvous store pod and spec.nodes + spec.spares trainer pods are created when
   missing, placed as Kueue admitted them (kueue.py).
 - Pods of an older group (or with a group label that is not a number), or with an index >= spec.nodes +
@@ -51,11 +53,20 @@ def network_policy(ctx: Pass) -> None:
         ctx.actions.append(Action(DELETE, "NetworkPolicy", ctx.job.name, uid=obs.network_policy_uid))
 
 
+def policy_missing(ctx: Pass) -> bool:
+    """True while the job wants a NetworkPolicy and its own is not there: its pods are held back."""
+    return wanted(ctx.job, ctx.network_policy_config) and not ctx.observed.network_policy_exists
+
+
 def create_missing(ctx: Pass) -> None:
     job = ctx.job
     network_policy(ctx)
     if not ctx.observed.service_exists:
         ctx.actions.append(Action(CREATE, "Service", job.name, render_service(job)))
+    if ctx.start_time is None:
+        ctx.start_time = ctx.now
+    if policy_missing(ctx):
+        return
     occupied = {p.name for p in ctx.live}
     rdzv = render_rdzv_pod(job, ctx.group)
     if rdzv["metadata"]["name"] not in occupied:
@@ -67,8 +78,6 @@ def create_missing(ctx: Pass) -> None:
             continue
         pod = kueuemod.place(pod, ctx.placements.get(names.POD_SET_TRAINER))
         ctx.actions.append(Action(CREATE, "Pod", pod["metadata"]["name"], pod))
-    if ctx.start_time is None:
-        ctx.start_time = ctx.now
     if not get_condition(ctx.conditions, names.COND_CREATED):
         spares = f" and {job.spec.spares} spare(s)" if job.spec.spares else ""
         ctx.cond(names.COND_CREATED, True, names.REASON_CREATED,

@@ -1,8 +1,9 @@
 """Children that cannot be created and pods that cannot start (failurePolicy.startupTimeoutSeconds).
 
-- A child name held by an object the job does not own (a foreign `<job>-0` pod or `<job>` Service) sets
-  condition ReplicaFailure=True, reason ChildConflict, naming the object; the job waits (its create is retried)
-  until the object is removed, then the condition turns False.
+- A child name held by an object the job does not own (a foreign `<job>-0` pod, `<job>` Service or `<job>`
+  NetworkPolicy) sets condition ReplicaFailure=True, reason ChildConflict, naming the object; the job waits (its
+  create is retried) until the object is removed, then the condition turns False. While the job's own
+  NetworkPolicy is missing (foreign, refused) its pods are held back (children.py), and the message says so.
 - A current pod the kubelet cannot start (image pull, container config) sets condition PodsNotStarting=True with
   the kubelet's reason and message (an Unschedulable pod does not: an autoscaler may add room; the startup
   timeout's message names it); a child the API server refuses (Observed.refusals, the shell backs off its
@@ -18,6 +19,7 @@ from datetime import timedelta
 
 from ddp_operator import names
 from ddp_operator.observed import PodState
+from ddp_operator.plan.children import policy_missing
 from ddp_operator.plan.state import Pass
 from ddp_operator.plan.types import CREATE
 from ddp_operator.status import Event, get_condition
@@ -26,11 +28,18 @@ from ddp_operator.status import Event, get_condition
 REFUSALS_SHOWN = 3
 
 
+def held(ctx: Pass, text: str) -> str:
+    """`text`, plus why no pod exists while the job's own NetworkPolicy is missing."""
+    if not policy_missing(ctx):
+        return text
+    return f"{text}; the job's pods are held back until the job's own NetworkPolicy {ctx.job.name} exists"
+
+
 def child_conflicts(ctx: Pass) -> None:
     """Report children that cannot be created because a foreign object holds their name."""
     conflicts = ctx.observed.conflicts
     if conflicts:
-        message = "; ".join(conflicts[name] for name in sorted(conflicts))
+        message = held(ctx, "; ".join(conflicts[name] for name in sorted(conflicts)))
         ctx.cond(names.COND_REPLICA_FAILURE, True, names.REASON_CHILD_CONFLICT, message)
         ctx.reason, ctx.message = names.REASON_CHILD_CONFLICT, f"{ctx.message}; {message}"
     elif not ctx.observed.refusals and \
@@ -53,6 +62,7 @@ def create_refusals(ctx: Pass) -> None:
         text = "; ".join(refusals[n] for n in shown)
         if len(refusals) > len(shown):
             text += f"; and {len(refusals) - len(shown)} more"
+        text = held(ctx, text)
         if was_refused:
             ctx.extra_events += [Event("Warning", names.REASON_CREATE_FAILED, refusals[n]) for n in shown
                                  if refusals[n] not in (prev.get("message") or "")]
