@@ -372,8 +372,11 @@ def _spec_schema() -> dict:
                     "at start) are recorded and never counted: they cannot run without it.",
                     minimum=0, maximum=MAXIMA["incidentWindowSeconds"], default=f["incidentWindowSeconds"]),
                 "stuckTerminatingTimeoutSeconds": _int(
-                    "A pod still Terminating this long after its grace period, on a node that is NotReady or "
-                    "gone, is force-deleted so its replacement can start.",
+                    "A pod still Terminating this long after its grace period is force-deleted so its replacement "
+                    "can start, on any node: NotReady or gone, or Ready with a pod the kubelet cannot kill (its "
+                    "processes frozen or stuck on a hung mount). Recorded (Warning Event StuckPodForceDeleted; the "
+                    "pod's attempt says so) and replaced; the old pod's agent, should it still run, cannot rejoin "
+                    "the rendezvous beside its replacement.",
                     minimum=1, maximum=MAXIMA["stuckTerminatingTimeoutSeconds"], default=f["stuckTerminatingTimeoutSeconds"]),
                 "hangTimeoutSeconds": _int(
                     "Hang detection; 0 turns it off. While the job is Running with every pod running, if global "

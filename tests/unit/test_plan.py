@@ -378,8 +378,9 @@ def test_stuck_terminating_pod_on_not_ready_node_is_force_deleted():
     late = plan(job, status, observed(rdzv(), trainer(0), stuck, node_ready={"node-2": False}), later(121))
     assert (FORCE_DELETE, "mnist-1") in _acts(late)
     assert names.REASON_FORCE_DELETED in [e.reason for e in late.events]
+    # on a Ready node too: a pod the kubelet cannot kill (tests/unit/test_stuck_terminating.py)
     healthy = plan(job, status, observed(rdzv(), trainer(0), stuck, node_ready={"node-2": True}), later(121))
-    assert FORCE_DELETE not in [a.verb for a in healthy.actions]
+    assert (FORCE_DELETE, "mnist-1") in _acts(healthy)
 
 
 def test_deleted_running_pod_tombstone_counts():
@@ -453,12 +454,12 @@ def test_gracefully_deleted_pod_is_recreated_on_its_deleted_event():
     assert gone.status["nodes"]["failed"] == 0
 
 
-def test_pod_terminating_on_a_ready_or_unknown_node_is_waited_for():
+def test_pod_terminating_on_a_ready_or_unknown_node_is_waited_for_until_the_timeout():
     job, status = _running(failurePolicy={"startupTimeoutSeconds": 0})  # no startup-timeout wake-up either
     stuck = trainer(1, deleting_since=later(0), node="node-2")
     for ready in (True, None):  # None: Nodes may not be read (namespace-scoped RBAC)
-        p = plan(job, status, observed(rdzv(), trainer(0), stuck, node_ready={"node-2": ready}), later(121))
-        assert p.actions == () and p.requeue_after is None, ready
+        p = plan(job, status, observed(rdzv(), trainer(0), stuck, node_ready={"node-2": ready}), later(119))
+        assert p.actions == () and p.requeue_after == 1, ready
 
 
 def test_final_report_with_nan_still_succeeds_and_status_is_valid_json():

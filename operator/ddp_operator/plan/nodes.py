@@ -1,7 +1,15 @@
 """Pods on lost nodes: pods stuck Terminating, and node loss (failurePolicy.nodeLostTimeoutSeconds).
 
-- A pod Terminating past failurePolicy.stuckTerminatingTimeoutSeconds on a node known to be NotReady is
-  force-deleted (a Warning Event); the shell reads the nodes of the pods `stuck_pods` names.
+- A pod still Terminating failurePolicy.stuckTerminatingTimeoutSeconds after its grace period (deletionTimestamp,
+  which includes it) is force-deleted on any node, Ready or not: a pod the kubelet cannot kill (every process frozen,
+  or in uninterruptible sleep on a hung mount) stays Terminating on a Ready node forever, and the job with it. A
+  Warning Event says so once; a pod nobody recorded yet is recorded as ended (reason StuckPodForceDeleted) and
+  replaced by the failure rules, a recorded one (e.g. deleted by the hang rule) gets the force deletion added to its
+  attempt's message. The shell reads the nodes of the pods `stuck_pods` names, for the message only. The replacement
+  (same name and DDPJOB_POD_INDEX) never trains beside the old pod's agent, should that one wake: its agent takes
+  every older agent of its pod out of the rendezvous in the very write that enters it, and an agent taken out can
+  neither join again nor go on training: its next look at the rendezvous stops it (ddp_trainer.rendezvous, rule 4).
+  On a Ready node the kubelet also keeps killing the old containers: frozen processes die as they thaw.
 - Node loss: a live current trainer or store pod on a node NotReady (Ready False or Unknown) for
   failurePolicy.nodeLostTimeoutSeconds, or on a node that no longer exists, is force-deleted and handled as a
   disruption (reason NodeLost) by the ordinary failure rules; nodes of unknown state (no RBAC) are left alone. The
@@ -35,24 +43,54 @@ def node_lost_candidates(pods: tuple[PodState, ...]) -> list[PodState]:
 
 
 def stuck(ctx: Pass) -> None:
-    """Force-delete a pod Terminating past the timeout only on a node known to be NotReady or gone.
+    """Force-delete a pod Terminating past its grace period plus the timeout, on whatever node (module doc).
 
-    On a Ready node (or one whose state is unknown) the kubelet finishes the deletion and the pod's DELETED
-    event triggers the pass that recreates it: nothing to do. The one wake-up kept, at the timeout, is for
-    looking at the node then; recreation never waits for it.
-    """
-    timeout = timedelta(seconds=ctx.job.spec.failure_policy.stuck_terminating_timeout_seconds)
-    for p in ctx.live:
-        if not (p.deleting and p.node and p.deletion_time):
+    Before that the kubelet is given its chance: a wake-up is kept for the due time."""
+    timeout = ctx.job.spec.failure_policy.stuck_terminating_timeout_seconds
+    pods = []
+    for p in ctx.observed.pods:
+        if p.gone or not (p.deleting and p.node and p.deletion_time):
+            pods.append(p)
             continue
-        due = p.deletion_time + timeout
+        due = p.deletion_time + timedelta(seconds=timeout)
         if ctx.now < due:
             ctx.due_in(due)
-        elif ctx.observed.node_ready.get(p.node) is False:
-            ctx.actions.append(Action(FORCE_DELETE, "Pod", p.name, uid=p.uid))
-            ctx.extra_events.append(Event("Warning", names.REASON_FORCE_DELETED,
-                                          f"pod {p.name} stuck Terminating on NotReady node {p.node}; "
-                                          f"force-deleted"))
+            pods.append(p)
+            continue
+        ctx.actions.append(Action(FORCE_DELETE, "Pod", p.name, uid=p.uid))
+        node = {True: "Ready node", False: "NotReady node"}.get(ctx.observed.node_ready.get(p.node), "node")
+        message = (f"still Terminating on {node} {p.node} {timeout} s after its grace period "
+                   f"(spec.failurePolicy.stuckTerminatingTimeoutSeconds={timeout}): {_FORCE_DELETED}")
+        if ctx.current(p) and not ctx.recorded(p):
+            # ended as of this pass: the failure rules record it (once) and replace it; a store pod is the
+            # store-loss rule's (recreated once gone), a stale one is only deleted
+            ctx.extra_events.append(Event("Warning", names.REASON_FORCE_DELETED, f"pod {p.name} {message}"))
+            pods.append(replace(p, phase="Failed", reason=names.REASON_FORCE_DELETED, message=message))
+            continue
+        if _note_forced(ctx, p, message):
+            ctx.extra_events.append(Event("Warning", names.REASON_FORCE_DELETED, f"pod {p.name} {message}"))
+        pods.append(p)
+    ctx.observed = replace(ctx.observed, pods=tuple(pods))
+
+
+# The words that mark an attempt as having force-deleted its pod.
+_FORCE_DELETED = "force-deleted, to be replaced"
+MESSAGE_TAIL = 200  # what status.attempt keeps of a message
+
+
+def _note_forced(ctx: Pass, p: PodState, message: str) -> bool:
+    """Add the force deletion to the message of `p`'s attempt, if it has one without it; True unless it was there
+    already (a repeated pass: the DELETED event not seen yet), so that the Event is posted once."""
+    for i in range(len(ctx.attempts) - 1, -1, -1):
+        a = ctx.attempts[i]
+        if a.get("uid") != p.uid or a.get("restartCount"):
+            continue
+        if _FORCE_DELETED in a.get("message", ""):
+            return False
+        amended = f"{a['message']}; {message}" if a.get("message") else message
+        ctx.attempts[i] = {**a, "message": amended[-MESSAGE_TAIL:]}
+        return True
+    return True
 
 
 def node_lost(ctx: Pass) -> None:
