@@ -20,6 +20,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from ddp_operator import k8s, names
+from ddp_operator.kueue import indexed_workload
 from ddp_operator.reconciler import RETRY_SECONDS, Config, Reconciler
 
 
@@ -141,7 +142,9 @@ WORKLOADS = (names.KUEUE_GROUP, names.KUEUE_VERSION, names.WORKLOAD_PLURAL)
 
 
 def workloads_by_job(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, labels[names.LABEL_JOB_NAME]): copy.deepcopy(dict(body))}
+    """A Workload being deleted leaves the index (kueue.indexed_workload): it is no job's Workload any more."""
+    kept = indexed_workload(body)
+    return {} if kept is None else {(namespace, labels[names.LABEL_JOB_NAME]): kept}
 
 
 def on_workload(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any) -> None:

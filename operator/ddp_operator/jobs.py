@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ddp_operator import metrics
+from ddp_operator.kueue import kept_queue, observe_workload
 from ddp_operator.pod import render_trainer_pod
 from ddp_operator.rdzv import render_rdzv_pod
 from ddp_operator.spec import Job, SpecError, parse_job
@@ -154,7 +155,8 @@ class JobRegistry:
             return self._records.setdefault(key, JobRecord())
 
     def job(self, key: Key, body: Mapping[str, Any]) -> Job:
-        """parse_job(body), parsed once per change of what it reads; raises SpecError."""
+        """parse_job(body), parsed once per change of what it reads, in the queue of the Workload it still has
+        when its queue label was removed (kueue.kept_queue); raises SpecError."""
         source = _parse_source(body)
         with self.guard:
             obj = self._records.setdefault(key, JobRecord()).of(body["metadata"]["uid"])
@@ -163,9 +165,14 @@ class JobRegistry:
             parsed = (copy.deepcopy(source), _parse(key, body))
             with self.guard:
                 obj.parsed = parsed
-        if isinstance(parsed[1], Job):
-            return parsed[1]
-        raise SpecError(*parsed[1])
+        if not isinstance(parsed[1], Job):
+            raise SpecError(*parsed[1])
+        job = parsed[1]
+        if job.queue_name is None:  # a job that has a Workload stays gated by it, whatever its labels say now
+            workloads = [w for w in self.values("workloads_by_job", key) if owned_by(w, job.uid)]
+            if workloads:
+                job = kept_queue(job, observe_workload(workloads[0]))
+        return job
 
     def tombstone(self, key: Key, pod: Mapping[str, Any]) -> None:
         """A pod of the job was deleted: the next pass sees it once more, as gone."""

@@ -32,13 +32,17 @@ Rules (the contract of Kueue's external job integrations, as its own job framewo
   deactivated by anyone else stays inactive: the job waits, saying so.
 - When the job Succeeds or Fails the Workload is marked Finished (reason Succeeded/Failed): Kueue frees its
   quota. A deleted Workload of a job that has not finished is created again (the job is held meanwhile).
+- A job that has a Workload stays gated by it whatever its labels say now: removing the queue label neither starts
+  a queued job nor frees an admitted one from eviction (`kept_queue`; the condition and a Warning Event
+  QueueLabelRemoved say so). Deleting the Workload takes such a job out of Kueue. A Workload being deleted
+  (deletionTimestamp set) is never the job's Workload (`indexed_workload`).
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from ddp_operator import names
@@ -177,6 +181,38 @@ def observe_workload(body: Mapping[str, Any]) -> WorkloadState:
     )
 
 
+def indexed_workload(body: Mapping[str, Any]) -> dict | None:
+    """What the operator keeps of a Workload it watches: what observe_workload and the owner check read (not the
+    pod templates, not managedFields); None for one being deleted, which gates nothing any more."""
+    meta, spec = body.get("metadata") or {}, body.get("spec") or {}
+    if meta.get("deletionTimestamp"):
+        return None
+    suspended = (meta.get("annotations") or {}).get(names.WORKLOAD_SUSPENDED_ANNOTATION)
+    kept_meta = {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "generation", "labels",
+                                      "ownerReferences") if k in meta}
+    if suspended is not None:
+        kept_meta["annotations"] = {names.WORKLOAD_SUSPENDED_ANNOTATION: suspended}
+    kept_spec = {k: spec[k] for k in ("active", "queueName") if k in spec}
+    kept_spec["podSets"] = [{k: p[k] for k in ("name", "count") if k in p}
+                            for p in spec.get("podSets") or [] if isinstance(p, Mapping)]
+    status = body.get("status") or {}
+    return {"metadata": kept_meta, "spec": kept_spec,
+            "status": {k: copy.deepcopy(status[k]) for k in ("conditions", "admission") if k in status}}
+
+
+def label_removed(ws: WorkloadState) -> str:
+    return (f"metadata.labels[{names.LABEL_QUEUE_NAME}] was removed, but the job keeps its Kueue workload {ws.name} "
+            f"(LocalQueue {ws.queue_name}): Kueue still decides when it runs; delete the workload to take the job "
+            f"out of Kueue")
+
+
+def kept_queue(job: Job, ws: WorkloadState) -> Job:
+    """A job without the queue label that still has a Workload: gated by it, in the Workload's queue."""
+    if job.queue_name:
+        return job
+    return replace(job, queue_name=ws.queue_name or ws.name, queue_label_removed=True)
+
+
 def placements(ws: WorkloadState, flavors: Mapping[str, Mapping[str, Any] | None]) -> dict[str, Placement] | str:
     """Each pod set's Placement from its assigned flavors (`flavors`: name -> ResourceFlavor spec, None if not
     found); a message naming the first flavor that is missing."""
@@ -281,7 +317,19 @@ def gate(job: Job, ws: WorkloadState | None, *, group: int, pods_live: bool, now
         return Gate(hold=True, reason=names.REASON_QUEUED,
                     message=f"waiting in LocalQueue {job.queue_name} for Kueue to admit workload {workload_name(job)}",
                     create=render_workload(job, group, priority))
+    g = _gate(job, ws, pods_live=pods_live, now=now, flavors=flavors)
+    if not job.queue_label_removed:
+        return g
+    return replace(g, message=f"{g.message}; {label_removed(ws)}")
+
+
+def _gate(job: Job, ws: WorkloadState, *, pods_live: bool, now: str,
+          flavors: Mapping[str, Mapping[str, Any] | None]) -> Gate:
+    """gate() for a job that has a Workload."""
     resized = _resized(job, ws)
+    if resized is not None and job.queue_label_removed:  # a new Workload could not be queued: the old one stays
+        return Gate(hold=True, reason=names.REASON_QUEUED,
+                    message=f"{resized}, but without the label no new workload can be queued: put the label back")
     if resized is not None:
         return Gate(hold=True, reason=names.REASON_QUEUED, message=resized, delete=ws.uid)
     patch: dict[str, Any] = {}

@@ -230,3 +230,5 @@ REASON_QUEUED = "Queued"
 REASON_ADMITTED = "Admitted"
 REASON_EVICTED = "Evicted"
 REASON_QUEUE_DISABLED = "KueueIntegrationDisabled"
+# Warning Event: the queue label of a job that still has a Workload was removed (kueue.kept_queue).
+REASON_QUEUE_LABEL_REMOVED = "QueueLabelRemoved"

@@ -120,6 +120,8 @@ class Job:
     # metadata.labels[kueue.x-k8s.io/queue-name] and [.../priority-class]: the job runs behind Kueue (kueue.py).
     queue_name: str | None = None
     priority_class: str | None = None
+    # The label was removed, and queue_name is the queue of the Workload the job still has (kueue.kept_queue).
+    queue_label_removed: bool = False
 
 
 # --- helpers --------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import logging
 import pytest
 
 from ddp_operator import jobs, names
+from ddp_operator.pod import render_trainer_pod
+from ddp_operator.rdzv import render_rdzv_pod
 from ddp_operator.reconciler import Reconciler
 from ddp_operator.spec import SpecError, parse_job
 
@@ -141,8 +143,12 @@ def test_a_valid_template_with_every_checked_field_still_parses_and_renders():
         resources={"limits": {"cpu": 2, "memory": "1Gi", "nvidia.com/gpu": "1"}, "requests": {"cpu": "500m"}},
         securityContext={"runAsUser": 1000, "capabilities": {"drop": ["ALL"]}}, command=["torchrun"], args=[])
     api, result = _reconcile(body)
-    assert api.patches[-1]["phase"] == names.PHASE_PENDING
-    assert {a.kind for a in result.actions} >= {"Pod", "Service"}
+    assert api.patches[-1]["phase"] == names.PHASE_PENDING and all(e[0] == "Normal" for e in api.events)
+    assert result.actions
+    job = parse_job(body)
+    assert render_trainer_pod(job, 0, 0)["spec"]["containers"][0]["env"][-1]["name"] == "B"
+    assert render_rdzv_pod(job, 0)["spec"]["containers"][0]["securityContext"] == {"runAsUser": 1000,
+                                                                                   "capabilities": {"drop": ["ALL"]}}
 
 
 def test_an_unforeseen_error_in_parse_or_render_is_invalid_spec_with_a_traceback(monkeypatch, caplog):

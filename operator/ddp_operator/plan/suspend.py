@@ -4,7 +4,8 @@ A suspended job has no pods (phase Suspended, condition Suspended); its deadline
 batch/v1 Jobs. Kueue (kueue.py states its rules): a job with the label kueue.x-k8s.io/queue-name runs only while
 Kueue admits its Workload; until then, and after an eviction, it is held like a suspended job (phase Suspended,
 condition Suspended reason Queued or Evicted; an eviction is a disruption). Its pods get the admitted flavors'
-node labels and tolerations. A finished job marks its Workload Finished.
+node labels and tolerations. A finished job marks its Workload Finished. A job whose queue label was removed while
+it has a Workload is gated by that Workload still (its condition says so; one Warning Event QueueLabelRemoved).
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ def queued(ctx: Pass) -> bool:
         return False
     before = get_condition(ctx.conditions, names.COND_SUSPENDED) or {}
     held_before = before.get("status") == "True"
+    if ws is not None and job.queue_label_removed and kueuemod.label_removed(ws) not in (before.get("message") or ""):
+        # Once: the condition's message carries it from now on.
+        ctx.extra_events.append(Event("Warning", names.REASON_QUEUE_LABEL_REMOVED, kueuemod.label_removed(ws)))
     if g.hold:
         if g.evicted and not (held_before and before.get("reason") == names.REASON_EVICTED):
             # A disruption: never counted against backoffLimit; status.progress stays. The condition's Event
@@ -83,6 +87,8 @@ def queued(ctx: Pass) -> bool:
         ctx.cond(names.COND_SUSPENDED, False, names.REASON_ADMITTED, g.message)
         if not held_before:  # no condition Event for a condition that appears False
             ctx.extra_events.append(Event("Normal", names.REASON_ADMITTED, g.message))
+    elif before.get("message") != g.message:  # still admitted, e.g. its queue label was removed: said so
+        ctx.cond(names.COND_SUSPENDED, False, names.REASON_ADMITTED, g.message)
     return False
 
 
