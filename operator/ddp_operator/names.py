@@ -169,6 +169,9 @@ REASON_STARTUP_TIMEOUT = "StartupTimeoutExceeded"
 # and the Event of its force-deletion).
 REASON_NODE_LOST = "NodeLost"
 REASON_SPARE_RELEASED = "SpareReleased"
+# A trainer report (termination message, progress endpoint) with fields of the wrong type or out of range: they
+# are dropped, the rest used (status.valid_report).
+REASON_INVALID_REPORT = "InvalidReport"
 
 # Why a pod that exists cannot start. Container waiting reasons set by the kubelet (CrashLoopBackOff is not
 # one: that container did start), and the scheduler's PodScheduled=False reason.

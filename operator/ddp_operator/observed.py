@@ -17,9 +17,11 @@ from datetime import datetime, timezone
 from typing import Any, Mapping
 
 from ddp_operator import names
+from ddp_operator.report import valid_report
 
-# torchrun's failure summary: "  exitcode  : 3 (pid: 812)"
-_WORKER_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
+# torchrun's failure summary: "  exitcode  : 3 (pid: 812)" (an exit code, or minus a signal number: a few digits)
+_WORKER_EXIT = re.compile(r"exitcode\s*:\s*(-?\d{1,9})(?!\d)")
+_INDEX = re.compile(r"[0-9]{1,9}")
 MESSAGE_TAIL = 512
 STALE_GROUP = -1
 
@@ -51,7 +53,7 @@ class PodState:
     reason: str
     message: str
     disruption: str | None         # disruption reason (eviction, preemption, node loss), or None
-    final_report: Mapping[str, Any] | None  # rank 0's termination-log JSON, when present
+    final_report: Mapping[str, Any] | None  # rank 0's termination-log JSON, when present: its valid fields
     finished_at: datetime | None = None     # when the main container terminated
     # Why the pod cannot start, while it cannot: (reason, message) of a container the kubelet cannot create or
     # pull (names.STARTUP_WAITING_REASONS), or of the scheduler's PodScheduled=False. None otherwise.
@@ -73,6 +75,8 @@ class PodState:
     restarting: bool = False
     # The number of training nodes the pod was told (names.NODES_ANNOTATION; jobs with spares), or None.
     nodes_annotation: str | None = None
+    # The fields of the termination-log report that were invalid and dropped (status.valid_report).
+    report_invalid: tuple[str, ...] = ()
 
     @property
     def terminal(self) -> bool:
@@ -109,12 +113,20 @@ def _main_container_status(pod: Mapping, container_name: str) -> Mapping:
     return {}
 
 
-def _final_report(message: str) -> Mapping[str, Any] | None:
+def _final_report(message: str) -> tuple[Mapping[str, Any] | None, tuple[str, ...]]:
+    """The termination message as the trainer's final report (its valid fields) and the invalid fields dropped.
+    A message that is not a JSON object with `final` (a log tail) is no report; nothing in it raises (JSON nested
+    thousands deep, numbers no float holds)."""
+    if not message.startswith("{") or '"final"' not in message:
+        return None, ()
     try:
         report = json.loads(message)
-    except (TypeError, ValueError):
-        return None
-    return report if isinstance(report, dict) and report.get("final") else None
+    except (TypeError, ValueError, RecursionError):
+        return None, ()
+    if not isinstance(report, dict) or "final" not in report:
+        return None, ()
+    clean, invalid = valid_report(report)
+    return (clean if clean is not None and clean.get("final") is True else None), invalid
 
 
 def _disruption(pod: Mapping) -> str | None:
@@ -194,11 +206,13 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
         phase = "Gone" if phase not in ("Succeeded", "Failed") else phase
         reason = reason or "Deleted"
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    final_report, report_invalid = _final_report(message)
+    nodes_annotation = (meta.get("annotations") or {}).get(names.NODES_ANNOTATION)
     return PodState(
         name=meta.get("name", ""),
         uid=meta.get("uid", ""),
         role=role,
-        index=int(index) if index is not None and str(index).isdigit() else None,
+        index=int(index) if isinstance(index, str) and _INDEX.fullmatch(index) else None,
         group=_group(labels.get(names.LABEL_GROUP)),
         phase=phase,
         deleting=deleting,
@@ -210,7 +224,7 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
         reason=reason,
         message=message[-MESSAGE_TAIL:],
         disruption=_disruption(pod),
-        final_report=_final_report(message),
+        final_report=final_report,
         finished_at=parse_time(terminated.get("finishedAt")),
         startup_error=None if gone or phase not in ("Pending", "Running") else _startup_error(pod),
         gone=gone,
@@ -222,7 +236,9 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
         restart_message=last_message[-MESSAGE_TAIL:],
         restart_finished_at=parse_time(last.get("finishedAt")),
         restarting=restarting and role == names.ROLE_TRAINER,
-        nodes_annotation=(meta.get("annotations") or {}).get(names.NODES_ANNOTATION),
+        nodes_annotation=nodes_annotation if isinstance(nodes_annotation, str) and len(nodes_annotation) <= 16
+        else None,
+        report_invalid=report_invalid,
     )
 
 

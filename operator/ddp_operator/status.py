@@ -2,9 +2,8 @@
 pod counts, the bounded attempts history, the set of recorded pod UIDs and the progress summary. Pure functions
 of their arguments.
 
-Progress reports come from the job's own pods, so nothing in them is trusted: numbers that are not finite
-(NaN, Infinity, which JSON cannot carry and the API server rejects) are dropped, and a report never replaces a
-newer one already shown (see `newer_progress`).
+Progress reports come from the job's own pods, so nothing in them is trusted: only their valid fields are used
+(report.valid_report), and a report never replaces a newer one already shown (see `newer_progress`).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from typing import Any, Iterable, Mapping
 
 from ddp_operator import names
 from ddp_operator.observed import PodState, format_time, parse_time
+from ddp_operator.report import real, shown, valid_members, valid_report  # noqa: F401 (valid_members: spares.py)
 
 WARNING_CONDITIONS = {names.COND_FAILED, names.COND_RESTARTING, names.COND_REPLICA_FAILURE, names.COND_PODS_NOT_STARTING}
 
@@ -138,24 +138,17 @@ def record_pod(recorded: Iterable[str], key: str, existing: Iterable[str]) -> li
     return ([u for u in recorded if keep(u)] + [key])[-names.MAX_RECORDED_PODS:]
 
 
-def finite(value: Any) -> Any:
-    """`value` without numbers JSON cannot carry: NaN/Infinity are dropped from objects, None in lists."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Mapping):
-        out = {}
-        for k, v in value.items():
-            v = finite(v)
-            if v is not None or value[k] is None:
-                out[str(k)] = v
-        return out
-    if isinstance(value, (list, tuple)):
-        return [finite(v) for v in value]
-    return value
-
-
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return real(value) is not None
+
+
+def invalid_report_event(pod: str, fields: Iterable[str], source: str) -> Event:
+    """The Warning Event for a report with invalid fields (they were dropped, the rest used)."""
+    fields = list(fields)
+    listed = ", ".join(fields[:10]) + (f" and {len(fields) - 10} more" if len(fields) > 10 else "")
+    return Event("Warning", names.REASON_INVALID_REPORT,
+                 f"pod {pod}: the trainer's {source} has invalid field(s) {listed}: ignored (docs/contract.md "
+                 "says what each may hold)")
 
 
 def newer_progress(stored: Mapping[str, Any] | None, report: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
@@ -176,17 +169,17 @@ def newer_progress(stored: Mapping[str, Any] | None, report: Mapping[str, Any] |
 
 
 def progress_summary(report: Mapping[str, Any]) -> str:
+    """The one-line form of a report (valid_report's: every field checked)."""
     parts = []
-    if _number(report.get("step")):
+    if "step" in report:
         parts.append(f"step {report['step']}")
-    if _number(report.get("epoch")):
+    if "epoch" in report:
         parts.append(f"epoch {report['epoch']}")
-    if _number(report.get("loss")):
+    if "loss" in report:
         parts.append(f"loss {report['loss']:.4g}")
-    metrics = report.get("metrics") or {}
-    for key, value in list(metrics.items())[:2]:
+    for key, value in list((report.get("metrics") or {}).items())[:2]:
         if _number(value):
-            parts.append(f"{key} {value:.4g}")
+            parts.append(f"{shown(key)} {value:.4g}")
     if report.get("final"):
         parts.append("final")
     return " ".join(parts)
@@ -197,31 +190,14 @@ _PROGRESS_KEYS = ("step", "epoch", "loss", "samplesPerSecond", "lastCheckpointSt
                   "members")
 
 
-def valid_members(value: Any) -> tuple[int, ...] | None:
-    """A report's `members` (pod indices of the training world) if well formed: a short list of indices."""
-    if (not isinstance(value, list) or len(value) > names.MAX_NODES + names.MAX_SPARES
-            or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < names.MAX_NODES for i in value)):
-        return None
-    return tuple(sorted(set(value)))
-
-
 def progress_status(report: Mapping[str, Any]) -> dict:
-    """The subset of a progress report the status schema keeps, plus its one-line summary."""
-    out: dict[str, Any] = {}
-    for key in _PROGRESS_KEYS:
-        value = report.get(key)
-        if key in ("step", "epoch", "worldSize", "lastCheckpointStep", "workerRestarts", "snapshotEvery",
-                   "lastSnapshotStep") and _number(value):
-            out[key] = int(value)
-        elif key in ("loss", "samplesPerSecond", "time") and _number(value):
-            out[key] = float(value)
-        elif key == "metrics" and isinstance(value, dict):
-            out[key] = finite(value)
-        elif key in ("final", "snapshotResident") and isinstance(value, bool):
-            out[key] = value
-        elif key == "members" and valid_members(value) is not None:
-            out[key] = list(valid_members(value))
-    out["summary"] = progress_summary(report)
+    """The subset of a progress report the status schema keeps (its valid fields), plus its one-line summary."""
+    clean = valid_report({k: v for k, v in report.items() if k != "rank"})[0] or {}
+    out: dict[str, Any] = {k: clean[k] for k in _PROGRESS_KEYS if k in clean}
+    for key in ("loss", "samplesPerSecond", "time"):
+        if key in out:
+            out[key] = float(out[key])
+    out["summary"] = progress_summary(clean)
     return out
 
 
@@ -256,14 +232,16 @@ def last_recovery(prev: Mapping[str, Any] | None, incident: Mapping[str, Any] | 
     otherwise the fault is WorkerRestart when rank 0's torchrun restarted its workers, else Unknown. Level-based:
     the same status and report always give the same value.
     """
-    rec = (report or {}).get("recovery")
+    checked = valid_report({k: v for k, v in report.items() if k != "rank"})[0] if isinstance(report, Mapping) \
+        else None
+    rec = (checked or {}).get("recovery")
     if not isinstance(rec, Mapping):
         return prev
     at, seconds = rec.get("at"), rec.get("seconds")
     resumed = rec.get("resumedFrom")
     if not _number(at) or resumed not in names.RESUMED_FROM:
         return prev
-    seconds = float(seconds) if _number(seconds) and seconds >= 0 else None
+    seconds = float(seconds) if _number(seconds) and 0 <= seconds <= at else None
     last_step = at - seconds if seconds is not None else None
     fault, started = None, None
     t = parse_time((incident or {}).get("time"))
@@ -273,7 +251,7 @@ def last_recovery(prev: Mapping[str, Any] | None, incident: Mapping[str, Any] | 
                                                          ts >= last_step - RECOVERY_MATCH_SLACK_SECONDS):
             fault, started = str(incident["reason"]), format_time(t)  # type: ignore[index]
     if fault is None:
-        restarts = (report or {}).get("workerRestarts")
+        restarts = (checked or {}).get("workerRestarts")
         fault = names.FAULT_WORKER_RESTART if _number(restarts) and restarts > 0 else names.FAULT_UNKNOWN
         started = _unix(last_step) if last_step is not None else None
     lost = rec.get("stepsLost")

@@ -26,7 +26,7 @@ from ddp_operator import spares as sparesmod
 from ddp_operator.observed import PodState
 from ddp_operator.plan.spares import spare_released
 from ddp_operator.plan.state import Pass
-from ddp_operator.status import Event
+from ddp_operator.status import Event, invalid_report_event
 
 
 # --- the failure budget (failurePolicy.backoffLimit, incidentWindowSeconds) -------------------------
@@ -132,6 +132,8 @@ def trainer_failures(ctx: Pass) -> bool:
         ctx.incident_reason = (names.REASON_NODE_LOST if p.disruption == names.REASON_NODE_LOST
                                else names.REASON_NODE_DISRUPTED if p.disruption else names.REASON_NODE_FAILED)
         ctx.incident_message = f"{what}; replacing it" + ("" if counts else " (not counted)")
+        if p.report_invalid:  # once: the pod's end is on record now
+            ctx.extra_events.append(invalid_report_event(p.name, p.report_invalid, "termination message"))
         ctx.delete(p)
     return True
 

@@ -5,6 +5,8 @@
   spares.py).
 - status.progress never goes back: a report (polled, or the final one) from a step before the one shown is not
   taken (status.newer_progress).
+- A final report (termination message) with invalid fields (report.valid_report: they were dropped, the rest
+  used) gets an InvalidReport Warning Event, once: in the pass that finishes the job.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from datetime import timedelta
 from ddp_operator import names
 from ddp_operator.plan.spares import spares_left
 from ddp_operator.plan.state import Pass
-from ddp_operator.status import newer_progress, progress_status
+from ddp_operator.status import invalid_report_event, newer_progress, progress_status
 
 
 def success(ctx: Pass) -> bool:
@@ -53,5 +55,7 @@ def success(ctx: Pass) -> bool:
                        f"({', '.join(p.name for p in still_running)})")
         return True
     done = next(p for p in current if p.succeeded)
+    ctx.extra_events.extend(invalid_report_event(p.name, p.report_invalid, "termination message")
+                            for p in current if p.report_invalid)
     ctx.finish(names.PHASE_SUCCEEDED, names.REASON_SUCCEEDED, f"training completed ({done.name} exited 0)")
     return True
