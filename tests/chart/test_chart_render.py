@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -58,7 +59,8 @@ def test_every_value_is_commented():
 def test_defaults_render_hardened_operator(render):
     objs = render()
     kinds = sorted(o["kind"] for o in objs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount",
+                     "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     dep = one(objs, "Deployment")
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
@@ -151,7 +153,12 @@ def test_all_options_render(render):
     objs = render("--values", str(VALUES_ALL))
     kinds = sorted(o["kind"] for o in objs)
     assert kinds == ["Deployment", "Role", "Role", "Role", "RoleBinding", "RoleBinding", "RoleBinding",
-                     "Service", "ServiceAccount", "ServiceMonitor"]
+                     "Service", "ServiceAccount", "ServiceMonitor", "ValidatingAdmissionPolicy",
+                     "ValidatingAdmissionPolicyBinding"]
+    policy, binding = _admission(objs)
+    assert '"ci-runner@example.com"' in policy["spec"]["matchConditions"][0]["expression"]
+    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0]["values"] == [
+        "team-a", "team-b"]
     sm = one(objs, "ServiceMonitor")
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
     assert sm["metadata"]["labels"]["release"] == "prometheus"
@@ -249,3 +256,51 @@ def test_kueue_rbac_only_when_enabled(render):
     assert rbac_needs.granted(kueue_role["rules"]) == kueue_cluster
     off = render()
     assert not any(r[0] == "kueue.x-k8s.io" for r in rbac_needs.granted(one(off, "ClusterRole")["rules"]))
+
+
+# --- the admission policy: only the operator puts the job labels on a pod ----------------------------------------
+def _admission(objs):
+    return one(objs, "ValidatingAdmissionPolicy"), one(objs, "ValidatingAdmissionPolicyBinding")
+
+
+def test_admission_policy_guards_the_job_labels_by_default(render):
+    """On by default: pods that carry the job labels (every label the job's NetworkPolicy and the operator select
+    on, names.py) are refused on create, and on an update that adds or changes one, unless the chart's own
+    ServiceAccount (or system:masters, who bypass authorization anyway) asks; failurePolicy Fail."""
+    from ddp_operator import names
+    policy, binding = _admission(render(release="ddp-operator", namespace="ddp-system"))
+    assert policy["apiVersion"] == binding["apiVersion"] == "admissionregistration.k8s.io/v1"
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    (rule,) = spec["matchConstraints"]["resourceRules"]
+    assert (rule["apiGroups"], rule["resources"], sorted(rule["operations"])) == ([""], ["pods"], ["CREATE", "UPDATE"])
+    (allowed,) = spec["matchConditions"]
+    assert '"system:serviceaccount:ddp-system:ddp-operator"' in allowed["expression"]
+    assert '"system:masters"' in allowed["expression"]
+    guarded = re.findall(r"'(ddp\.dev/[a-z-]+)'", spec["variables"][0]["expression"])
+    assert sorted(guarded) == sorted([names.LABEL_JOB_NAME, names.LABEL_NODE_INDEX, names.LABEL_ROLE,
+                                      names.LABEL_GROUP])
+    (check,) = spec["validations"]
+    assert check["expression"] == "size(variables.set) == 0" and check["reason"] == "Forbidden"
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+
+
+def test_admission_policy_values_are_respected(render):
+    objs = render("--set", "serviceAccount.name=op", "--set", "admissionPolicy.allowedUsers={alice,system:admin}",
+                  "--set", "admissionPolicy.allowedGroups=null", "--set", "watch.namespaces={team-a,team-b}",
+                  release="r", namespace="ops")
+    policy, binding = _admission(objs)
+    (allowed,) = policy["spec"]["matchConditions"]
+    assert '["system:serviceaccount:ops:op","alice","system:admin"]' in allowed["expression"]
+    assert "groups" not in allowed["expression"]
+    # Only the watched namespaces are guarded: another release may run beside this one elsewhere.
+    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"] == [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "team-b"]}]
+    assert not by_kind(render("--set", "admissionPolicy.enabled=false"), "ValidatingAdmissionPolicy")
+    assert not by_kind(render("--set", "admissionPolicy.enabled=false"), "ValidatingAdmissionPolicyBinding")
+
+
+def test_admission_policy_needs_kubernetes_1_30(helm_bin):
+    proc = run([helm_bin, "template", "x", str(CHART), "--kube-version", "1.29.5"], check=False)
+    assert proc.returncode != 0 and "admissionPolicy.enabled=false" in proc.stderr, proc.stderr
+    run([helm_bin, "template", "x", str(CHART), "--kube-version", "1.29.5", "--set", "admissionPolicy.enabled=false"])

@@ -15,11 +15,18 @@ def test_kustomize_renders_the_whole_install(kustomize):
     objs = kustomize(MANIFESTS)
     kinds = sorted(o["kind"] for o in objs)
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment",
-                     "Namespace", "Service", "ServiceAccount"]
+                     "Namespace", "Service", "ServiceAccount", "ValidatingAdmissionPolicy",
+                     "ValidatingAdmissionPolicyBinding"]
     for o in objs:
-        if o["kind"] not in {"Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"}:
+        if o["kind"] not in {"Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding",
+                             *ADMISSION_KINDS}:
             assert o["metadata"]["namespace"] == "ddp-system", o["metadata"]
     assert one(objs, "CustomResourceDefinition")["metadata"]["name"] == "ddpjobs.ddp.dev"
+
+
+# Cluster-scoped, but not in the schema kustomize knows: its `namespace:` sets one on them, which the API server
+# drops (metadata.namespace of a cluster-scoped object is cleared on create).
+ADMISSION_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 
 
 def _strip(obj):
@@ -42,6 +49,11 @@ def test_base_matches_the_chart_defaults(kustomize, render):
     assert _strip(base_pod) == _strip(chart_pod)
     assert one(base, "Deployment")["spec"]["strategy"] == one(chart, "Deployment")["spec"]["strategy"]
     assert _strip(one(base, "Service")["spec"]) == _strip(one(chart, "Service")["spec"])
+    # The admission policy that keeps the job labels to the operator: the same rule, for the same ServiceAccount.
+    for kind in ADMISSION_KINDS:
+        ours = one(base, kind)
+        ours["metadata"].pop("namespace", None)
+        assert _strip(ours) == _strip(one(chart, kind)), kind
 
 
 def test_chart_crd_is_the_generated_one():
