@@ -17,7 +17,8 @@ save point, and the small non-tensor rest is the pickled meta. Its validity foll
 - the optimizer step pre-hook (:meth:`ResidentState.begin_update`) zeroes the leading generation: while the
   optimizer rewrites the tensors in place the slot is invalid;
 - the save point after the step (:meth:`ResidentState.commit`) writes the meta and the copied tensors, then seals
-  the slot with a new generation: valid, labelled with the completed step.
+  the slot with a new generation and a fingerprint of the data (``slot.fingerprint``): valid, labelled with the
+  completed step.
 
 A rank killed inside that window (SIGKILL, OOM, a crash inside ``optimizer.step()``) leaves its slot invalid, never
 half-updated and valid. Every rank keeps its own file (``resident-<local rank>.bin``), so after any failure that
@@ -28,6 +29,20 @@ while that step can finish (but waits at most ``HOLD_GRACE_S`` once the step ret
 save point, e.g. in a collective of its own, exits without sealing). Only a failure that catches every rank inside the window (in practice a single-process
 job whose process dies in ``optimizer.step()``) needs the copies, which the pod's local rank 0 still writes every K
 steps (``snapshot.py``): they bound what such a failure loses.
+
+Two things besides the optimizer step touch the file, and neither may leave it labelled with a step it does not hold:
+
+- *readers*. The SIGTERM checkpoint reads the file while the training loop may go on (when the watcher gave up
+  waiting for a save point): it reads it only under the update lock (:meth:`ResidentState.read_for_exit`), so no
+  optimizer step starts during the copy, and every reader re-checks both generations after its copy
+  (``slot.load_slot``), so a copy that raced a writer is read again, never returned;
+- *weights changed in place between save points* (an EMA helper's ``copy_to``/``restore`` around evaluation,
+  ``model.load_state_dict(best)``): the parameters are the file, so such a change rewrites a sealed file. The guarded
+  way is :meth:`ResidentState.begin_update` before the change and a commit after it (``SavePoints.weights_swapped``,
+  ``with run.weights_swapped():``); an unguarded change is caught by the fingerprint, which no longer matches: the
+  restore rejects the file (``event=resident_state_modified``) and resumes from the copies or a checkpoint. The
+  fingerprint samples a few words per tensor, so it catches a change of the whole tensor (new weights), not a
+  change of a few elements.
 
 Only CPU tensors can live in ``/dev/shm``; with CUDA tensors resident state is off and the copies (side stream,
 pinned memory) are what a pod holds. Space is reserved with ``posix_fallocate`` when the file is laid out, so a
@@ -54,9 +69,11 @@ from .slot import (
     begin_header,
     data_specs,
     data_views,
+    fingerprint,
+    fingerprint_index,
     invalidate,
+    load_slot,
     pack_meta,
-    read_slot,
     seal,
 )
 from .state import flatten
@@ -138,12 +155,17 @@ class ResidentState:
         self._specs: list[tuple] = []
         self._data_off = 0
         self._data_len = 0
+        self._words = torch.empty(0, dtype=torch.int32)  # the file as int32 words, and the ones the fingerprint samples
+        self._sampled = torch.empty(0, dtype=torch.int64)
         self._generation = time.time_ns()
         # Held from the optimizer step pre-hook to the save point's seal, and by the SIGTERM watcher once it
         # decided to exit: a rank never exits half-way through an update it can finish.
         self._lock = threading.Lock()
         self._updating = False
+        self._held = False  # the SIGTERM watcher took the lock for good (hold, read_for_exit): the process exits next
         self._stepped_at: float | None = None  # when the optimizer step of the update in progress returned
+        self.rejected: str | None = None  # why the last read found no state ("modified", "changing", ...)
+        self.rejected_step: int | None = None  # the step the rejected file's header claimed
         self.last_step: int | None = None
         self.resident_bytes = 0  # bytes the optimizer updates in the file (no copy)
         self.copied_bytes = 0  # bytes copied into it at each save point
@@ -159,6 +181,18 @@ class ResidentState:
         self._stepped_at = None
         if self._mm is not None:
             invalidate(self._mm)
+
+    def abandon_update(self) -> None:
+        """End an update without sealing (a weight swap that raised): the file stays invalid until the next commit."""
+        if self._updating:
+            self._updating = False
+            self._stepped_at = None
+            self._lock.release()
+
+    @property
+    def laid_out(self) -> bool:
+        """Whether the file exists (the first commit lays it out)."""
+        return self._mm is not None
 
     def end_update(self) -> None:
         """The optimizer step returned (its post-hook): the tensors are whole again, sealed at the save point."""
@@ -190,7 +224,7 @@ class ResidentState:
                 with torch.no_grad():
                     torch._foreach_copy_(copy_to, [t for t, r in zip(tensors, self._resident, strict=True) if not r])
             self._generation += 1
-            seal(mm, self._data_off, self._data_len, self._generation)
+            seal(mm, self._data_off, self._data_len, self._generation, fingerprint(self._words, self._sampled))
             self.last_step = step
         finally:
             self._updating = False
@@ -242,6 +276,7 @@ class ResidentState:
         # The old mapping is not closed: tensors of the caller's (the state dict being committed) may still view it.
         self._mm, self._views, self._resident = mm, views, resident
         self._specs, self._data_off, self._data_len = specs, data_off, data_len
+        self._words, self._sampled = torch.frombuffer(mm, dtype=torch.int32), fingerprint_index(data_off, specs)
         self._layout = tuple((t.dtype, t.shape) for t in tensors)
         self.resident_bytes = sum(n for (_, _, _, n), r in zip(specs, resident, strict=True) if r)
         self.copied_bytes = sum(n for (_, _, _, n), r in zip(specs, resident, strict=True) if not r)
@@ -252,17 +287,34 @@ class ResidentState:
         """For the SIGTERM watcher: wait until no update is in progress and keep the lock (the process exits
         next), so the file is valid when the process goes. False if the update was not sealed within ``timeout``,
         or within ``grace`` of its optimizer step's return."""
+        if self._held:
+            return True
         deadline = time.monotonic() + timeout
         while not self._lock.acquire(timeout=0.05):
             now, stepped = time.monotonic(), self._stepped_at
             if now >= deadline or (stepped is not None and now - stepped > grace):
                 return False
+        self._held = True
         return True
+
+    def read_for_exit(self, timeout: float = HOLD_GRACE_S) -> Snapshot | None:
+        """For the SIGTERM watcher: the sealed state, read under the lock, which it keeps (the process exits next, as
+        after :meth:`hold`), so no optimizer step rewrites the file during the copy. None if an update in progress
+        is not sealed within ``timeout`` (the watcher already waited in :meth:`hold`)."""
+        if not self._held:
+            if not self._lock.acquire(timeout=timeout):
+                self.rejected, self.rejected_step = "updating", self.last_step
+                return None
+            self._held = True
+        return self.read()
 
     # -- reading -----------------------------------------------------------------------------------------
     def read(self) -> Snapshot | None:
-        """The state sealed in this rank's file, or None (no file, another run, or invalid)."""
-        return read_slot(self.path, self.run_key)
+        """The state sealed in this rank's file, or None (no file, another run, invalid, or its data changed since
+        the seal: :attr:`rejected` says which)."""
+        got = load_slot(self.path, self.run_key)
+        self.rejected, self.rejected_step = got.reason if got.snapshot is None else None, got.step
+        return got.snapshot
 
     def close(self, *, remove: bool = False) -> None:
         """Forget the file; with ``remove`` delete it. The mapping is not closed: the model's tensors still use
@@ -271,6 +323,7 @@ class ResidentState:
         self._views = []
         self._resident = []
         self._layout = None
+        self._words, self._sampled = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64)
         if remove:
             for path in (self.path, self.path + ".new"):
                 try:

@@ -12,13 +12,21 @@ each pod decides its own K, logs it (``event=snapshot_interval``) and rank 0 rep
 also keeps its parameters and optimizer state *resident* in its pod's snapshot directory (``resident.py``): the
 optimizer updates them there and every save point seals them (the epoch's last step included), without a copy, so
 a failure that leaves one rank outside its optimizer step loses at most one step (``snapshotResident``).
+
+The resident state assumes that only the optimizer step changes the parameters between save points. A training loop
+that swaps weights in place between them (an EMA's ``copy_to``/``restore`` around evaluation, loading the best
+weights) says so with :meth:`SavePoints.weights_swapped` (``with run.weights_swapped():``): the copy in flight has
+read the live tensors first, the resident file is invalid during the swap and sealed again after it. A swap without
+it is caught at restore by the file's fingerprint (``event=resident_state_modified``; the copies or a checkpoint are
+used instead).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -83,9 +91,17 @@ class SavePoints:
             self.session.on_terminate(self._hold_resident)
 
     # -- reading ---------------------------------------------------------------------------------------------
-    def newest_local(self, copies: Snapshot | None) -> Snapshot | None:
-        """The newer of this pod's copies and this rank's resident state."""
-        mine = self.resident.read() if self.resident is not None else None
+    def newest_local(self, copies: Snapshot | None, *, exiting: bool = False) -> Snapshot | None:
+        """The newer of this pod's copies and this rank's resident state (``exiting``: read by the SIGTERM watcher
+        while the training loop may go on, under the resident state's lock)."""
+        res = self.resident
+        mine = None
+        if res is not None:
+            mine = res.read_for_exit() if exiting else res.read()
+            if mine is None and res.rejected == "modified":
+                self._warn("resident_state_modified", step=res.rejected_step, path=res.path,
+                           reason="the parameters changed in place after the save point sealed them (a weight swap "
+                                  "outside run.weights_swapped()): the copies or a checkpoint hold the state")
         if mine is None or (copies is not None and copies.step > mine.step):
             return copies
         return mine
@@ -144,6 +160,34 @@ class SavePoints:
     def _after_optimizer_step(self, *_: Any) -> None:
         if self.resident is not None:
             self.resident.end_update()
+
+    @contextmanager
+    def weights_swapped(self, position: Position) -> Iterator[None]:
+        """Around an in-place change of the weights between save points (``position``: the last one's), e.g. an
+        EMA's ``copy_to`` for evaluation and its ``restore``: the copy in flight first reads the live tensors, the
+        resident file is invalid inside (a kill there resumes from the copies; SIGTERM waits for the block, as for
+        an optimizer step) and is sealed again at the end with the weights then live. If the block raises, the file
+        stays invalid until the next save point."""
+        if self.writes_snapshots and self.snapshots is not None:
+            self.snapshots.wait_sources()
+        res = self.resident
+        if res is None:
+            yield
+            return
+        res.begin_update()
+        try:
+            yield
+        except BaseException:
+            res.abandon_update()
+            raise
+        if not res.laid_out:  # nothing was sealed before the swap (no optimizer step yet): nothing to seal after
+            res.abandon_update()
+            return
+        try:
+            res.commit(position.step, self.components.state_dict(position), self.components.optimizer)
+        except OSError as exc:
+            self._warn("resident_state_unavailable", dir=os.path.dirname(res.path), error=str(exc))
+            self._resident_off()
 
     def _stable_tensors(self) -> set[int]:
         """Tensors only the optimizer step changes: the snapshot thread may read them live."""
@@ -208,7 +252,7 @@ class SavePoints:
     def _checkpoint_on_terminate(self) -> None:
         # Runs on the SIGTERM thread while the main thread may be mid-step: use the last save point.
         assert self.snapshots is not None and self.checkpoints is not None
-        snap = self.newest_local(self.snapshots.read_latest())
+        snap = self.newest_local(self.snapshots.read_latest(), exiting=True)
         last = self.checkpoints.last_saved_step
         if snap is not None and (last is None or snap.step > last):
             self.checkpoints.save(snap.step, snap.state)
