@@ -28,26 +28,40 @@ while True:
 
 # Fields copied from the training template: scheduling ones so the store lands where trainers can reach it and
 # can pull the same image, and isolation ones so a hardened template (PodSecurity "restricted", gVisor, user
-# namespaces, no API token) yields a hardened store pod too.
+# namespaces) yields a store pod at least as hardened (store_security_context hardens it further, whatever the
+# template says).
 _COPIED_POD_FIELDS = ("imagePullSecrets", "nodeSelector", "tolerations", "priorityClassName", "schedulerName",
-                      "securityContext", "serviceAccountName", "dnsPolicy", "dnsConfig",
-                      "automountServiceAccountToken", "runtimeClassName", "hostUsers")
+                      "securityContext", "serviceAccountName", "dnsPolicy", "dnsConfig", "runtimeClassName",
+                      "hostUsers")
 
 
 # Container securityContext keys that only restrict; what grants (privileged, capabilities.add, procMount) is
 # for the trainer's devices and is not copied to the store, which needs nothing but a TCP port.
-_RESTRICTING_KEYS = ("runAsUser", "runAsGroup", "runAsNonRoot", "allowPrivilegeEscalation",
-                     "readOnlyRootFilesystem", "seccompProfile", "appArmorProfile", "seLinuxOptions")
+_RESTRICTING_KEYS = ("runAsUser", "runAsGroup", "readOnlyRootFilesystem", "seccompProfile", "appArmorProfile",
+                     "seLinuxOptions")
+# The store's user when the template names no non-root one: the trainer image's own (trainer/Dockerfile, USER
+# 1000:1000). Numeric, so the kubelet can check runAsNonRoot, and it works with any image whose Python is
+# world-readable (the store writes nothing): an image that runs as root still runs the store as 1000.
+STORE_RUN_AS_USER = 1000
+_CONFINING_SECCOMP = ("RuntimeDefault", "Localhost")
 
 
-def store_security_context(trainer_security: dict | None) -> dict:
-    """The trainer container's securityContext, restricting parts only."""
-    trainer_security = trainer_security or {}
+def store_security_context(trainer_security: dict | None, pod_security: dict | None = None) -> dict:
+    """The store container's securityContext: the trainer container's restricting parts, hardened whatever the
+    template says (PodSecurity "restricted"): no capabilities, no privilege escalation, a non-root user (the
+    template's, else STORE_RUN_AS_USER), seccomp RuntimeDefault unless the template's effective profile is
+    RuntimeDefault or Localhost already (a pod-level one is inherited)."""
+    trainer_security, pod_security = trainer_security or {}, pod_security or {}
     out = {k: trainer_security[k] for k in _RESTRICTING_KEYS if k in trainer_security}
-    drop = (trainer_security.get("capabilities") or {}).get("drop")
-    if drop:
-        out["capabilities"] = {"drop": list(drop)}
-    return out
+    out["allowPrivilegeEscalation"] = False
+    out["capabilities"] = {"drop": ["ALL"]}
+    out["runAsNonRoot"] = True
+    if not out.get("runAsUser") and (out.get("runAsUser") == 0 or not pod_security.get("runAsUser")):
+        out["runAsUser"] = STORE_RUN_AS_USER
+    seccomp = out.get("seccompProfile") or pod_security.get("seccompProfile") or {}
+    if seccomp.get("type") not in _CONFINING_SECCOMP:
+        out["seccompProfile"] = {"type": "RuntimeDefault"}
+    return dict(sorted(out.items()))
 
 
 def rdzv_pod_name(job: Job) -> str:
@@ -71,12 +85,11 @@ def render_rdzv_pod(job: Job, group: int) -> dict:
     }
     if trainer.get("imagePullPolicy"):
         container["imagePullPolicy"] = trainer["imagePullPolicy"]
-    security = store_security_context(trainer.get("securityContext"))
-    if security:
-        container["securityContext"] = security
+    container["securityContext"] = store_security_context(trainer.get("securityContext"),
+                                                          template_spec.get("securityContext"))
     name = rdzv_pod_name(job)
     spec = {k: template_spec[k] for k in _COPIED_POD_FIELDS if k in template_spec}
-    spec.setdefault("automountServiceAccountToken", False)  # the store never calls the API
+    spec["automountServiceAccountToken"] = False  # the store never calls the API, whatever the trainers need
     spec.update({
         "hostname": name,
         "subdomain": job.name,

@@ -117,7 +117,8 @@ def test_pods_get_no_api_token_unless_the_template_asks():
     body["spec"]["template"]["spec"]["automountServiceAccountToken"] = True
     job = parse_job(body)
     assert render_trainer_pod(job, 0, 0)["spec"]["automountServiceAccountToken"] is True
-    assert render_rdzv_pod(job, 0)["spec"]["automountServiceAccountToken"] is True
+    # the store never calls the API: no token whatever the trainers need (tests/unit/test_rdzv_hardening.py)
+    assert render_rdzv_pod(job, 0)["spec"]["automountServiceAccountToken"] is False
 
 
 def test_hardened_template_yields_a_hardened_store_pod():
@@ -133,4 +134,4 @@ def test_hardened_template_yields_a_hardened_store_pod():
     assert store["securityContext"] == spec["securityContext"]
     # Restrictions are copied, grants (capabilities.add for RDMA and the like) are not: the store needs none.
     assert store["containers"][0]["securityContext"] == {
-        "allowPrivilegeEscalation": False, "runAsUser": 1000, "capabilities": {"drop": ["ALL"]}}
+        "allowPrivilegeEscalation": False, "runAsUser": 1000, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True}
