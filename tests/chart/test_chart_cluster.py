@@ -128,7 +128,8 @@ def _wait_phase(kubectl, namespace: str, name: str, phase: str, timeout: float) 
 def _release_objects(kubectl, release: str, namespace: str) -> list[str]:
     sel = f"app.kubernetes.io/instance={release}"
     found = kubectl("get", "deploy,rs,pods,svc,sa,role,rolebinding", "-n", namespace, "-l", sel, "-o", "name").stdout.split()
-    found += kubectl("get", "clusterrole,clusterrolebinding", "-l", sel, "-o", "name").stdout.split()
+    found += kubectl("get", "clusterrole,clusterrolebinding,validatingadmissionpolicy,validatingadmissionpolicybinding",
+                     "-l", sel, "-o", "name").stdout.split()
     return found
 
 

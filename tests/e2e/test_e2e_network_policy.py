@@ -5,6 +5,10 @@ open and the probe works; then the policy is switched on and the very same probe
 keeps training, survives a killed pod and Succeeds. Probes are plain TCP connects from small pods in the
 trainer image: one in another namespace, one (not part of the job) in the job's own namespace.
 
+The way in around the policy is closed too (one small job): a NetworkPolicy `<job>` made by hand holds every pod
+of the job back (ChildConflict, in `kubectl describe`) until it is deleted, and the chart's admission policy
+refuses a pod that an ordinary user labels as the job's, at creation or afterwards (docs/security.md).
+
 This needs a CNI that enforces NetworkPolicies (the embedded cluster runs kube-router's firewall for it);
 on a cluster without one the test fails, it does not skip.
 """
@@ -113,3 +117,62 @@ def test_policy_keeps_outsiders_out_while_the_job_trains_and_recovers(kubectl, n
         print(f"kill at step {prog['step']}: {rec}")
     finally:
         h.delete_namespace(kubectl, outside)
+
+
+# An ordinary user who may create pods in the test namespace (ClusterRole edit), as the tests impersonate them.
+INTRUDER = "ddp-e2e-intruder"
+HELD = "held"
+
+
+def _intruder_pod(name: str, labels: dict[str, str]) -> dict:
+    """A pod that never runs (no node matches), compliant with the restricted Pod Security profile."""
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+            "spec": {"nodeSelector": {"ddp.dev/test-node": "nowhere"},
+                     "securityContext": {"runAsNonRoot": True, "runAsUser": 1000,
+                                         "seccompProfile": {"type": "RuntimeDefault"}},
+                     "containers": [{"name": "c", "image": h.TRAINER_IMAGE, "command": ["sleep", "3600"],
+                                     "securityContext": {"allowPrivilegeEscalation": False,
+                                                         "capabilities": {"drop": ["ALL"]}}}]}}
+
+
+def _replica_failure(kubectl, ns: str) -> dict | None:
+    conds = h.status(kubectl, ns, HELD).get("conditions") or []
+    return next((c for c in conds if c["type"] == "ReplicaFailure" and c["status"] == "True"), None)
+
+
+def test_a_foreign_policy_holds_the_pods_and_only_the_operator_labels_pods(kubectl, ns, operator):
+    # A policy named like the job, made by hand before it, that admits everyone: the job must not run under it.
+    h.apply(kubectl, ns, {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": HELD},
+                          "spec": {"podSelector": {}, "ingress": [{}]}})
+    h.apply(kubectl, ns, h.digits_job(HELD, nodes=1, epochs=1))
+    cond = h.wait_for(lambda: _replica_failure(kubectl, ns), 60, "ReplicaFailure=True for the foreign policy")
+    assert cond["reason"] == "ChildConflict" and f"networkpolicy {ns}/{HELD} already exists" in cond["message"], cond
+    assert "held back" in cond["message"], cond
+    assert kubectl.json("get", "pods", "-n", ns, "-l", f"{h.LABEL_JOB}={HELD}")["items"] == []
+    described = kubectl("describe", "ddpj", HELD, "-n", ns).stdout
+    assert "ChildConflict" in described and "held back" in described, described
+
+    # While it waits: an ordinary user cannot make a pod of the job, neither at creation nor by relabelling.
+    if operator.mode != "subprocess":  # the chart's admission policy (a subprocess operator comes without it)
+        policies = [p["metadata"]["name"] for p in kubectl.json(
+            "get", "validatingadmissionpolicies", "-l", "app.kubernetes.io/name=ddp-operator")["items"]]
+        assert policies, "the chart installed no ValidatingAdmissionPolicy"
+        kubectl("create", "rolebinding", "intruder-edit", "--clusterrole=edit", f"--user={INTRUDER}", "-n", ns)
+        labels = {h.LABEL_JOB: HELD, h.LABEL_ROLE: "rdzv"}
+        refused = kubectl("create", "-n", ns, "--as", INTRUDER, "-f", "-", check=False,
+                          input=json.dumps(_intruder_pod(f"{HELD}-rdzv", labels)))
+        assert refused.returncode != 0, refused.stdout
+        assert any(f"ValidatingAdmissionPolicy '{p}'" in refused.stderr for p in policies), refused.stderr
+        assert "ddp.dev/job-name" in refused.stderr and INTRUDER in refused.stderr, refused.stderr
+        kubectl("create", "-n", ns, "--as", INTRUDER, "-f", "-", input=json.dumps(_intruder_pod("plain", {})))
+        relabel = kubectl("label", "pod", "plain", "-n", ns, "--as", INTRUDER, f"{h.LABEL_JOB}={HELD}", check=False)
+        assert relabel.returncode != 0 and "denied request" in relabel.stderr, relabel.stderr
+        assert h.LABEL_JOB not in kubectl.pod(ns, "plain")["metadata"].get("labels", {})
+
+    # The foreign policy goes: the operator's own policy and its pods follow, and the job runs.
+    kubectl("delete", "networkpolicy", HELD, "-n", ns)
+    h.wait_for_or_raise(lambda: h.status(kubectl, ns, HELD).get("phase") in ("Running", "Succeeded"), 150,
+                        f"{HELD} running after the foreign policy went", h.PhaseError)
+    policy = kubectl.json("get", "networkpolicy", HELD, "-n", ns)
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == h.job(kubectl, ns, HELD)["metadata"]["uid"]
+    assert _replica_failure(kubectl, ns) is None
