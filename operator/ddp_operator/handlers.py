@@ -20,6 +20,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from ddp_operator import k8s, names
+from ddp_operator.jobs import kept_job, kept_pod
 from ddp_operator.kueue import indexed_workload
 from ddp_operator.reconciler import RETRY_SECONDS, Config, Reconciler
 
@@ -78,14 +79,16 @@ def _pass(r: Reconciler, namespace: str, name: str) -> None:
         pass  # logged, and a wake-up is scheduled
 
 
+# The indexes hold every job and every labelled pod of every watched namespace: only what the operator reads of
+# them (jobs.kept_job, jobs.kept_pod), never their bulk.
 @kopf.index(*JOBS)
 def ddpjobs_by_key(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, name): copy.deepcopy(dict(body))}
+    return {(namespace, name): kept_job(body)}
 
 
 @kopf.index("v1", "pods", labels=OWNED)
 def pods_by_job(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, labels[names.LABEL_JOB_NAME]): copy.deepcopy(dict(body))}
+    return {(namespace, labels[names.LABEL_JOB_NAME]): kept_pod(body)}
 
 
 @kopf.index("v1", "services", labels=OWNED)

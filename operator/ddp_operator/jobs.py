@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ddp_operator import metrics
+from ddp_operator import metrics, names
 from ddp_operator.kueue import kept_queue, observe_workload
 from ddp_operator.pod import render_trainer_pod
 from ddp_operator.rdzv import render_rdzv_pod
@@ -34,6 +34,37 @@ Key = tuple[str, str]  # (namespace, name)
 
 # kopf's indexes (handlers.py) the shell reads.
 INDEXES = ("ddpjobs_by_key", "pods_by_job", "services_by_job", "network_policies_by_job", "workloads_by_job")
+
+
+# What the indexes and tombstones keep of a pod: the fields observe_pod, the poller and the owner check read. Every
+# pod with the job label in every watched namespace is held in memory, so its bulk (annotations, managedFields,
+# the containers' spec) must not be: a flood of such pods would otherwise OOM-kill the operator.
+_POD_METADATA = ("name", "namespace", "uid", "resourceVersion", "labels", "ownerReferences", "deletionTimestamp")
+_POD_ANNOTATIONS = (names.NODES_ANNOTATION,)
+_POD_SPEC = ("nodeName", "restartPolicy")
+_POD_STATUS = ("phase", "reason", "message", "podIP", "conditions", "containerStatuses", "initContainerStatuses")
+# A job's metadata the shell never reads: the server's field bookkeeping and the annotations (kubectl's
+# last-applied configuration and kopf's own copy of the spec).
+_JOB_DROPPED_METADATA = ("managedFields", "annotations")
+
+
+def kept_pod(pod: Mapping[str, Any]) -> dict:
+    """A private copy of what the operator reads of a pod (tests/unit/test_jobs_memory.py holds it to that)."""
+    meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
+    kept_meta = {k: copy.deepcopy(meta[k]) for k in _POD_METADATA if k in meta}
+    annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k in _POD_ANNOTATIONS}
+    if annotations:
+        kept_meta["annotations"] = annotations
+    return {"metadata": kept_meta, "spec": {k: spec[k] for k in _POD_SPEC if k in spec},
+            "status": {k: copy.deepcopy(status[k]) for k in _POD_STATUS if k in status}}
+
+
+def kept_job(body: Mapping[str, Any]) -> dict:
+    """A private copy of a DDPJob without what the shell never reads of it (_JOB_DROPPED_METADATA)."""
+    kept = {k: copy.deepcopy(v) for k, v in body.items() if k != "metadata"}
+    kept["metadata"] = {k: copy.deepcopy(v) for k, v in (body.get("metadata") or {}).items()
+                        if k not in _JOB_DROPPED_METADATA}
+    return kept
 
 
 def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
@@ -179,7 +210,7 @@ class JobRegistry:
         if not self.exists(key):
             return  # the garbage collector removing a deleted job's pods: nothing will read the tombstone
         with self.guard:
-            self._records.setdefault(key, JobRecord()).tombstones[pod["metadata"]["uid"]] = copy.deepcopy(dict(pod))
+            self._records.setdefault(key, JobRecord()).tombstones[pod["metadata"]["uid"]] = kept_pod(pod)
 
     def wake(self, key: Key, after: float) -> None:
         """Ask for a pass of the job `after` seconds from now (the earliest of those asked for wins)."""

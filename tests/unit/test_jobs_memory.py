@@ -1,0 +1,178 @@
+"""What the operator holds in memory of every labelled pod and every job (kopf's indexes, the tombstones): only what
+it reads. A pod read through the index means exactly what the pod means (observe_pod, the poller's filter), and
+its bulk (annotations, managedFields, the containers' spec) is gone."""
+
+import copy
+import json
+
+import kopf
+import pytest
+
+from ddp_operator import handlers, names
+from ddp_operator.jobs import JobRegistry, _parse_source
+from ddp_operator.observed import observe_pod
+from ddp_operator.pod import render_trainer_pod
+from ddp_operator.rdzv import render_rdzv_pod
+from ddp_operator.spec import parse_job
+
+from ddp_builders import NOW, job_body, later, make_job, pod
+
+BLOB = "x" * 64 * 1024
+KEY = ("ml", "mnist")
+
+# The builders' pods, one per kind of state observe_pod tells apart.
+STATES = [
+    dict(), dict(phase="Pending", ready=False), dict(phase="Pending", waiting="ImagePullBackOff", ready=False),
+    dict(exit_code=0, phase="Succeeded"), dict(exit_code=1, phase="Failed", message='{"final": true, "step": 7}'),
+    dict(exit_code=137, reason="OOMKilled", finished_at=NOW), dict(restart_count=2, last_exit_code=1,
+                                                                  last_message="worker exit 3", waiting="Error"),
+    dict(deleting_since=later(3)), dict(disruption="PreemptionByScheduler"), dict(status_reason="Evicted"),
+    dict(annotations={names.NODES_ANNOTATION: "3"}), dict(role="rdzv"), dict(group=4, index=1),
+    dict(restart_policy="Never", exit_code=2, phase="Running"),
+]
+
+
+def _api_pod(state, render=True):
+    """A pod as the API server returns it: the rendered template's spec and bulk the operator never reads."""
+    base = pod(f"mnist-{state.get('index', 0)}", **{"index": 0, **state})
+    if render:
+        job = make_job()
+        full = render_rdzv_pod(job, 0) if state.get("role") == "rdzv" else render_trainer_pod(job, 0, 0)
+        full["metadata"]["labels"].update(base["metadata"]["labels"])
+        full["metadata"].update({k: v for k, v in base["metadata"].items() if k != "labels"})
+        full["spec"].update(base["spec"])
+        base = {**full, "status": base["status"]}
+    meta = base["metadata"]
+    meta.setdefault("ownerReferences", [{"apiVersion": names.API_VERSION, "kind": names.KIND, "name": "mnist",
+                                         "uid": "0b5c-uid", "controller": True}])
+    meta.update(namespace="ml", resourceVersion="123", creationTimestamp="2025-01-01T00:00:00Z",
+                managedFields=[{"manager": "kubelet", "fieldsV1": {"f:status": {"f:" + str(i): {}}}}
+                               for i in range(200)])
+    meta["annotations"] = {**meta.get("annotations", {}), "bench.ddp.dev/blob": BLOB,
+                           "kubectl.kubernetes.io/last-applied-configuration": BLOB}
+    base["status"].update(hostIP="10.0.0.1", podIP="10.1.0.7", podIPs=[{"ip": "10.1.0.7"}], qosClass="Burstable",
+                          startTime="2025-01-01T00:00:01Z")
+    for cs in base["status"].get("containerStatuses") or []:
+        cs.update(image="localhost/ddp-trainer:0.1.0", imageID="sha256:" + "a" * 64, containerID="containerd://b")
+    return base
+
+
+PODS = [_api_pod(s) for s in STATES] + [_api_pod(s, render=False) for s in STATES]
+
+
+def _indexed(p):
+    [value] = handlers.pods_by_job("ml", p["metadata"]["labels"], kopf.Body(p)).values()
+    return value
+
+
+def _running_trainer(p, uid="0b5c-uid"):
+    """The poller's filter (poller._running_trainers), on one pod."""
+    s = p.get("status") or {}
+    return (s.get("phase") == "Running" and bool(s.get("podIP")) and not p["metadata"].get("deletionTimestamp")
+            and p["metadata"].get("labels", {}).get(names.LABEL_ROLE) == names.ROLE_TRAINER
+            and any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or []),
+            s.get("podIP"), p["metadata"].get("name"))
+
+
+@pytest.mark.parametrize("p", PODS, ids=[f"{i}" for i in range(len(PODS))])
+def test_a_pod_in_the_index_means_what_the_pod_means_without_its_bulk(p):
+    kept = _indexed(p)
+    assert observe_pod(kept) == observe_pod(p)
+    assert observe_pod(kept, gone=True) == observe_pod(p, gone=True)
+    assert _running_trainer(kept) == _running_trainer(p)
+    assert kept["metadata"]["uid"] == p["metadata"]["uid"]
+    assert kept["metadata"]["ownerReferences"] == p["metadata"]["ownerReferences"]
+    # The bulk is gone: today every byte of the pod is kept.
+    assert "managedFields" not in kept["metadata"]
+    assert set(kept["metadata"].get("annotations", {})) <= {names.NODES_ANNOTATION}
+    assert set(kept["spec"]) <= {"nodeName", "restartPolicy"}
+    assert len(json.dumps(kept)) < 4096, len(json.dumps(kept))
+
+
+def _leaves(obj, path=()):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, path + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, path + (i,))
+    else:
+        yield path, obj
+
+
+def _mutated(p, path, value):
+    m = copy.deepcopy(p)
+    target = m
+    for k in path[:-1]:
+        target = target[k]
+    if value is _DELETE:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return m
+
+
+_DELETE = object()
+
+
+def _variants(value):
+    if isinstance(value, bool):
+        return [not value, _DELETE]
+    if isinstance(value, int):
+        return [value + 1, 0, _DELETE]
+    return ["zz-changed", "", _DELETE]
+
+
+def _meaning(p, gone):
+    """What observe_pod makes of p; the exception's type where it raises (a malformed timestamp does)."""
+    try:
+        return observe_pod(p, gone=gone)
+    except ValueError as e:
+        return type(e).__name__
+
+
+def test_no_field_observe_pod_or_the_poller_reads_is_dropped():
+    """Every leaf of every fixture pod changed or removed in turn: whenever that changes what observe_pod or the
+    poller makes of the pod, the index still carries the change (a field they read is never dropped)."""
+    checked = 0
+    for p in PODS[: len(STATES)]:
+        p = copy.deepcopy(p)
+        p["metadata"]["managedFields"] = p["metadata"]["managedFields"][:1]
+        p["metadata"]["annotations"] = {k: "x" for k in p["metadata"]["annotations"]}
+        for path, value in _leaves(p):
+            if path == ("metadata", "labels", names.LABEL_JOB_NAME):  # the index's key (kopf's filter)
+                continue
+            for variant in _variants(value):
+                m = _mutated(p, path, variant)
+                kept = _indexed(m)
+                for gone in (False, True):
+                    assert _meaning(kept, gone) == _meaning(m, gone), (path, variant)
+                assert _running_trainer(kept) == _running_trainer(m), (path, variant)
+                checked += 1
+    assert checked > 1000
+
+
+def test_a_tombstone_keeps_only_what_observe_pod_reads():
+    registry = JobRegistry()
+    p = PODS[4]
+    registry.tombstone(KEY, p)
+    [kept] = registry.record(KEY).tombstones.values()
+    assert observe_pod(kept, gone=True) == observe_pod(p, gone=True)
+    assert "managedFields" not in kept["metadata"] and len(json.dumps(kept)) < 4096
+
+
+def test_a_job_in_the_index_parses_the_same_without_its_bulk():
+    body = job_body()
+    body["metadata"].update(
+        resourceVersion="9", labels={names.LABEL_QUEUE_NAME: "team-a"},
+        managedFields=[{"manager": "kubectl", "fieldsV1": {"f:spec": {}}}] * 100,
+        annotations={"kubectl.kubernetes.io/last-applied-configuration": BLOB,
+                     f"{names.GROUP}/last-handled-configuration": BLOB})
+    body["status"] = {"phase": "Running", "progress": {"step": 3}}
+    [kept] = handlers.ddpjobs_by_key("ml", "mnist", kopf.Body(body)).values()
+    assert parse_job(kept) == parse_job(body) and _parse_source(kept) == _parse_source(body)
+    assert kept["status"] == body["status"]
+    assert {k: kept["metadata"][k] for k in ("name", "namespace", "uid", "generation", "resourceVersion")} == \
+        {k: body["metadata"][k] for k in ("name", "namespace", "uid", "generation", "resourceVersion")}
+    assert "managedFields" not in kept["metadata"] and "annotations" not in kept["metadata"]
+    assert len(json.dumps(kept)) < 4096
