@@ -2,15 +2,18 @@
 
 A DDP job hangs when one worker stops making progress inside (or before) a collective: every other rank
 waits in its all-reduce, nothing fails, and torch's default collective timeout is 30 minutes. The operator
-sees it in the progress channel: global rank 0's step stops changing. The shell (poller.py) probes rank 0
-every `poll_interval`, keeps a `Watch` of the last (step, workerRestarts) it saw and since when, and once
-`due` asks every trainer pod (each pod's local rank 0 answers for itself, docs/contract.md) and hands the
-answers to the planner, which deletes the pods `stuck_pods` names. Deleting one pod breaks the blocked
-collective; the others restore from peer snapshots.
+sees it in the progress channel: the training's step stops changing. The shell (poller.py) asks every trainer
+pod at once every `poll_interval` (each pod's local rank 0 answers for itself, docs/contract.md; each probe has
+its own deadline), keeps a `Watch` of rank 0's last (step, workerRestarts), the newest (workerRestarts, step) any
+pod reported and since when, and once `due` hands the pods' answers to the planner (keyed by pod UID: a
+replacement under the same name is another pod), which deletes the pods `stuck_pods` names. Deleting one pod
+breaks the blocked collective; the others restore from peer snapshots.
 
 The clock only runs once the trainer has reported after the last (re)start (the set of running trainer pods,
 the *incarnation*, changed): a pod that is still starting, or a script that reports nothing, is never hung.
-A rank-0 probe that fails does not move the clock ("not advanced").
+It is reset by a change of rank 0's report and by a newer step (or worker restart) reported by ANY pod: rank 0
+the operator cannot reach while its peers train on is not hung. A probe that fails, a step already seen or an
+older one (a pod that flaps between answering and not) does not move it.
 """
 
 from __future__ import annotations
@@ -37,11 +40,13 @@ def poll_interval(period: float | None, hang_timeout: float | None) -> float | N
 
 @dataclass(frozen=True)
 class Watch:
-    """What rank 0 last reported in this incarnation, and since when (monotonic seconds)."""
+    """What rank 0 last reported in this incarnation (`key`: its step and workerRestarts), the newest progress
+    any pod reported (`newest`: (workerRestarts, step)), and since when either last moved (monotonic seconds)."""
 
     incarnation: tuple[str, ...]
     key: tuple[Any, Any]
     since: float
+    newest: tuple[int, float] | None = None
 
 
 def incarnation(pods: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
@@ -49,15 +54,36 @@ def incarnation(pods: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
     return tuple(sorted(p["metadata"]["uid"] for p in pods))
 
 
-def watch(prev: Watch | None, current: tuple[str, ...], report: Mapping[str, Any] | None, now: float) -> Watch | None:
-    """The watch after a probe of rank 0 (`report` None: it did not answer, which changes nothing)."""
+def _progress(report: Mapping[str, Any] | None) -> tuple[int, float] | None:
+    """How far a pod's report says training got: (workerRestarts, step); None without a valid step."""
+    step = _step(report)
+    if step is None:
+        return None
+    restarts = (report or {}).get("workerRestarts")
+    ok = isinstance(restarts, int) and not isinstance(restarts, bool) and 0 <= restarts < 2 ** 31
+    return (restarts if ok else 0, step)
+
+
+def watch(prev: Watch | None, current: tuple[str, ...], report: Mapping[str, Any] | None, now: float,
+          others: Iterable[Mapping[str, Any] | None] = ()) -> Watch | None:
+    """The watch after a probe: `report` is rank 0's (None: it did not answer), `others` the other pods'.
+
+    The clock restarts when rank 0's (step, workerRestarts) changed, or when any pod reports progress newer than
+    any seen in this incarnation (a later step, or a later worker restart); nothing answering changes nothing."""
     if prev is not None and prev.incarnation != current:
         prev = None  # (re)started: the clock waits for the first report
-    if report is None:
+    seen = [m for m in map(_progress, (report, *others)) if m is not None]
+    top = max(seen, default=None)
+    if report is None and top is None:
         return prev
-    key = (report.get("step"), report.get("workerRestarts"))
+    key = (report.get("step"), report.get("workerRestarts")) if report is not None else \
+        (prev.key if prev is not None else (None, None))
     if prev is None or prev.key != key:
-        return Watch(current, key, now)
+        return Watch(current, key, now, top if prev is None or top is not None else prev.newest)
+    if top is not None and prev.newest is None:
+        return Watch(current, key, prev.since, top)  # the first progress known besides rank 0's key: a baseline
+    if top is not None and top > prev.newest:  # type: ignore[operator]
+        return Watch(current, key, now, top)
     return prev
 
 
@@ -76,7 +102,7 @@ def _step(report: Mapping[str, Any] | None) -> float | None:
 
 
 def stuck_pods(pods: Iterable[tuple[str, int, Mapping[str, Any] | None]]) -> list[str]:
-    """Which of the (name, index, report or None) trainer pods to delete for a hang.
+    """Which of the (pod id, index, report or None) trainer pods to delete for a hang (their ids).
 
     The pods whose progress endpoint did not answer; else those reporting the lowest step; a tie (every pod at
     the same step: all blocked in the same collective) takes the highest index alone. Non-answering pods only

@@ -3,23 +3,29 @@
 The ticker offers every job to `schedule` each tick; a job whose poll is due (Running or Restarting, and its poll
 interval up or a hang check due) is handed to a small thread pool, one poll per job at a time, each probe with one
 overall deadline (progress.py), so the ticker that serves every job's wake-ups never waits on a pod. An error in one
-job's poll is logged and that job is polled again next interval.
+job's poll, or in deciding whether it is due, is logged and that job is polled again next interval: it never stops
+the other jobs' polls.
 
-A poll asks global rank 0 for its report and writes status.progress (only when the step moved forward, at most once
-per spec.progressPeriodSeconds) and status.lastRecovery (when rank 0's recovery report changes it). Hang detection
-(failurePolicy.hangTimeoutSeconds) rides on it: rank 0 is probed more often while it is on (every hangTimeout/10,
-1-5 s), the poll keeps a watch of rank 0's last step (hang.Watch, in the job's record), and once it has not changed
-for the timeout the same pool thread asks every trainer pod in parallel and runs a pass with their answers (the
-`reconcile` callable), which deletes the stuck pod(s). The ticker schedules that check at its due time, so it acts
-within the timeout + the poll interval + two probe deadlines.
+A poll asks every trainer pod at once (each probe with its own deadline: a pod that never answers costs one
+deadline and hides no other), takes global rank 0's report and writes status.progress (only when the step moved
+forward, at most once per spec.progressPeriodSeconds) and status.lastRecovery (when rank 0's recovery report
+changes it). Only a report's valid fields are used (report.valid_report); one with invalid fields gets an
+InvalidReport Warning Event, once per pod and set of fields. Hang detection (failurePolicy.hangTimeoutSeconds)
+rides on it: the pods are polled more often while it is on (every hangTimeout/10, 1-5 s), the poll keeps a watch
+of the training's progress (hang.Watch, in the job's record: reset by rank 0's report changing or by a newer step
+from any pod), and once it has not moved for the timeout the same pool thread runs a pass with every pod's answer
+(the `reconcile` callable, the answers keyed by pod UID), which deletes the stuck pod(s). The ticker schedules that
+check at its due time, so it acts within the timeout + the poll interval + one probe deadline.
 
 The spec's values are the parsed job's (spec.parse_job, cached in the record), never read from the raw spec again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
@@ -27,11 +33,15 @@ from ddp_operator import hang, metrics, names, progress
 from ddp_operator.jobs import JobRecord, JobRegistry, Key, owned_by
 from ddp_operator.k8s import describe_error
 from ddp_operator.spec import Job, SpecError
-from ddp_operator.status import last_recovery, newer_progress, progress_status
+from ddp_operator.report import valid_report
+from ddp_operator.status import invalid_report_event, last_recovery, newer_progress, progress_status
 
 log = logging.getLogger("ddp_operator")
 
 PROBE_WORKERS = 8
+# InvalidReport Events already posted, (job uid, pod uid, fields): the most recent this many are remembered.
+INVALID_REPORTS_REMEMBERED = 1024
+COMPONENT = "ddp-operator"  # the Events' source, as the reconciler's (reconciler.COMPONENT; a test checks)
 
 
 def _poll_interval(job: Job) -> float | None:
@@ -47,6 +57,7 @@ class ProgressPoller:
         self.api = api
         self.reconcile = reconcile
         self._pool = ThreadPoolExecutor(max_workers=PROBE_WORKERS, thread_name_prefix="ddp-progress")
+        self._invalid_reported: OrderedDict[tuple[str, str, tuple[str, ...]], None] = OrderedDict()
 
     def stop(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -80,7 +91,14 @@ class ProgressPoller:
         return body, job, status
 
     def schedule(self, key: Key) -> None:
-        """Hand a job's due progress poll to the pool unless one is still running for it."""
+        """Hand a job's due progress poll to the pool unless one is still running for it. Never raises: the
+        ticker offers every job in turn, and one job's trouble must not stop the others' polls."""
+        try:
+            self._schedule(key)
+        except Exception as e:  # noqa: BLE001 - this job only; it is offered again next tick
+            log.warning("[%s/%s] could not schedule its progress poll: %s", *key, describe_error(e))
+
+    def _schedule(self, key: Key) -> None:
         if self.due(key) is None:
             return
         record = self.jobs.record(key)
@@ -116,19 +134,41 @@ class ProgressPoller:
             obj.progress_at = time.monotonic()
             progress_ip = obj.progress_ip
         trainers = self._running_trainers(key, uid)
-        found = progress.probe([p["status"]["podIP"] for p in trainers], progress_ip)
-        report = None
-        if found is not None:
-            progress_ip, report = found
+        answers = progress.probe_each({p["metadata"]["uid"]: p["status"]["podIP"] for p in trainers})
+        reports = {pod: self._checked(key, body, trainers, pod, answer) for pod, answer in answers.items()}
+        ips = {p["metadata"]["uid"]: p["status"]["podIP"] for p in trainers}
+        preferred = next((pod for pod, ip in ips.items() if ip == progress_ip), None)
+        found = progress.rank0(reports, preferred)
+        report = found[1] if found is not None else None
         current = hang.incarnation(trainers)
         with self.jobs.guard:
             if found is not None:
-                obj.progress_ip = progress_ip
-            obj.hang_watch = hang.watch(obj.hang_watch, current, report, time.monotonic())
+                obj.progress_ip = ips[found[0]]
+            others = [r for pod, r in reports.items() if found is None or pod != found[0]]
+            obj.hang_watch = hang.watch(obj.hang_watch, current, report, time.monotonic(), others)
         if report is not None:
             self._write_progress(key, job, status, report)
         if self.hang_check_due(key, body, time.monotonic()):
-            self._hang_check(key, uid, trainers)
+            self._hang_check(key, uid, trainers, reports)
+
+    def _checked(self, key: Key, body: Mapping[str, Any], trainers: list[Mapping[str, Any]], pod: str,
+                 answer: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+        """A pod's answer with its valid fields alone; invalid ones get an InvalidReport Event, once."""
+        report, invalid = valid_report(answer)
+        if invalid:
+            seen = (body["metadata"].get("uid", ""), pod, invalid)
+            with self.jobs.guard:
+                new = seen not in self._invalid_reported
+                self._invalid_reported[seen] = None
+                self._invalid_reported.move_to_end(seen)
+                while len(self._invalid_reported) > INVALID_REPORTS_REMEMBERED:
+                    self._invalid_reported.popitem(last=False)
+            if new:
+                name = next((p["metadata"]["name"] for p in trainers if p["metadata"]["uid"] == pod), pod)
+                event = invalid_report_event(name, invalid, "progress report")
+                log.warning("[%s/%s] %s", *key, event.message)
+                self.api.post_event(body, event.type, event.reason, event.message, COMPONENT)
+        return report
 
     def _running_trainers(self, key: Key, uid: str) -> list[Mapping[str, Any]]:
         """The job's running trainer pods with an IP (only pods it owns: labels alone can be put on any pod)."""
@@ -185,8 +225,9 @@ class ProgressPoller:
         left = hang.due_in(w, w.incarnation, job.spec.failure_policy.hang_timeout_seconds, now)
         return left is not None and left <= 0
 
-    def _hang_check(self, key: Key, uid: str, trainers: list[Mapping[str, Any]]) -> None:
-        """Rank 0's step has not changed for the timeout: ask every trainer pod, then a pass decides."""
+    def _hang_check(self, key: Key, uid: str, trainers: list[Mapping[str, Any]],
+                    reports: Mapping[str, Mapping[str, Any] | None]) -> None:
+        """The training's step has not moved for the timeout: a pass decides with every pod's answer (by UID)."""
         current = hang.incarnation(trainers)
         record = self.jobs.record(key)
         with self.jobs.guard:
@@ -194,9 +235,9 @@ class ProgressPoller:
             w = obj.hang_watch
             if w is None or w.incarnation != current:
                 return  # the pods changed since: the clock starts again with the next report
-            # Checked now: the next check is one timeout later, unless the pods or rank 0's step change first.
-            obj.hang_watch = hang.Watch(w.incarnation, w.key, time.monotonic())
-        reports = progress.probe_each({p["metadata"]["name"]: p["status"]["podIP"] for p in trainers})
-        steps = {name: (r or {}).get("step") for name, r in reports.items()}
-        log.warning("[%s/%s] rank 0's step has not changed for the hang timeout; pods report %s", *key, steps)
+            # Checked now: the next check is one timeout later, unless the pods or the training's step change first.
+            obj.hang_watch = dataclasses.replace(w, since=time.monotonic())
+        names_ = {p["metadata"]["uid"]: p["metadata"]["name"] for p in trainers}
+        steps = {names_.get(pod, pod): (r or {}).get("step") for pod, r in reports.items()}
+        log.warning("[%s/%s] the training's step has not changed for the hang timeout; pods report %s", *key, steps)
         self.reconcile(*key, hang_reports=reports)

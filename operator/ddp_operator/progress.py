@@ -1,8 +1,9 @@
 """The trainer's progress channel (docs/contract.md): probe GET :29401/progress on the job's pods.
 
-Every pod's local rank 0 answers for itself, naming its global `rank`; `probe` looks for global rank 0's report
-(a report without `rank`, from a trainer that serves on rank 0 alone, is rank 0's), `probe_each` asks every pod
-at once (hang detection: which pod is stuck).
+Every pod's local rank 0 answers for itself, naming its global `rank`. `probe_each` asks every pod at once, each
+probe with its own deadline (one pod that never answers costs one deadline, never hides the others); `rank0`
+picks global rank 0's report from the answers (a report without `rank`, from a trainer that serves on rank 0
+alone, is rank 0's); `probe` is the two together.
 
 What a pod answers is untrusted, and the operator serves every job from one process, so a probe is bounded in
 every way: one overall deadline per probe (not per socket operation: a pod that trickles a byte at a time
@@ -73,28 +74,29 @@ def is_rank0(report: Mapping[str, Any]) -> bool:
     return rank is None or (isinstance(rank, int) and not isinstance(rank, bool) and rank == 0)
 
 
+def rank0(answers: Mapping[str, Mapping[str, Any] | None],
+          preferred: str | None = None) -> tuple[str, Mapping[str, Any]] | None:
+    """(key, report) of global rank 0's report among `answers` (key -> report or None): `preferred`'s (the pod
+    that answered as rank 0 last time) if it still does, else the first in key order; None if none does."""
+    ordered = sorted(answers, key=lambda k: (k != preferred, k))
+    return next(((k, answers[k]) for k in ordered  # type: ignore[misc]
+                 if answers[k] is not None and is_rank0(answers[k])), None)  # type: ignore[arg-type]
+
+
 def probe(ips: Iterable[str], preferred: str | None = None,
           timeout: float = DEADLINE_SECONDS) -> tuple[str, Mapping[str, Any]] | None:
-    """Global rank 0's report: ask the pods, the one that answered as rank 0 last time first.
-
-    `timeout` bounds the whole probe, however many pods are asked."""
-    deadline = time.monotonic() + timeout
-    ordered = sorted(set(ips), key=lambda ip: ip != preferred)
-    for ip in ordered:
-        if time.monotonic() >= deadline:
-            break
-        report = fetch(ip, deadline=deadline)
-        if report is not None and is_rank0(report):
-            return ip, report
-    return None
+    """(ip, report) of global rank 0: every pod asked at once, so `timeout` bounds the whole probe."""
+    ips = sorted(set(ips))
+    return rank0(probe_each({ip: ip for ip in ips}, timeout), preferred)
 
 
 MAX_PARALLEL_PROBES = 32
 
 
 def probe_each(targets: Mapping[str, str], timeout: float = DEADLINE_SECONDS) -> dict[str, Mapping[str, Any] | None]:
-    """Every pod's own report (pod name -> report, None when it did not answer), asked in parallel, each
-    with its own deadline: a stuck pod costs one deadline, not one per pod after it."""
+    """Every pod's own report (key, e.g. the pod's UID, -> report, None when it did not answer), asked in
+    parallel, each with its own deadline: a stuck pod costs one deadline, not one per pod after it. More pods
+    than MAX_PARALLEL_PROBES take a deadline per batch."""
     if not targets:
         return {}
     names_ = list(targets)

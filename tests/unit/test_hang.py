@@ -61,7 +61,7 @@ def _running(**failure_policy):
 
 def test_a_hang_deletes_the_stuck_pod_records_an_attempt_and_restarts():
     job, status = _running()
-    reports = {"mnist-0": {"rank": 0, "step": 41}, "mnist-1": None}
+    reports = {"uid-mnist-0-0": {"rank": 0, "step": 41}, "uid-mnist-1-0": None}
     p = plan(job, status, observed(rdzv(), trainer(0), trainer(1), hang_reports=reports), later(30))
     assert [(a.verb, a.name) for a in p.actions] == [(DELETE, "mnist-1")]
     # a stopped process cannot act on SIGTERM: the pod is not given its whole grace period
@@ -88,7 +88,7 @@ def test_a_hang_deletes_the_stuck_pod_records_an_attempt_and_restarts():
 
 def test_no_hang_action_unless_running_with_every_pod_running_and_detection_on():
     job, status = _running()
-    reports = {"mnist-0": {"rank": 0, "step": 41}, "mnist-1": None}
+    reports = {"uid-mnist-0-0": {"rank": 0, "step": 41}, "uid-mnist-1-0": None}
     one_pending = observed(rdzv(), trainer(0), trainer(1, phase="Pending"), hang_reports=reports)
     assert plan(job, status, one_pending, later(30)).actions == ()
     restarting = {**status, "phase": names.PHASE_RESTARTING}
@@ -103,7 +103,7 @@ def test_no_hang_action_unless_running_with_every_pod_running_and_detection_on()
 
 def test_a_hang_over_the_budget_fails_the_job():
     job, status = _running(backoffLimit=0)
-    reports = {"mnist-0": {"rank": 0, "step": 41}, "mnist-1": {"rank": 1, "step": 40}}
+    reports = {"uid-mnist-0-0": {"rank": 0, "step": 41}, "uid-mnist-1-0": {"rank": 1, "step": 40}}
     p = plan(job, status, observed(rdzv(), trainer(0), trainer(1), hang_reports=reports), later(30))
     assert p.status["phase"] == names.PHASE_FAILED and p.status["reason"] == names.REASON_BACKOFF_LIMIT
     assert p.status["attempts"][-1]["reason"] == names.REASON_HANG
@@ -131,3 +131,32 @@ def test_last_recovery_from_rank0s_final_report_and_left_out_for_plain_scripts()
     # a plain script that reports nothing: no lastRecovery at all
     plain = observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0), trainer(1, phase="Succeeded", exit_code=0))
     assert "lastRecovery" not in plan(job, status, plain, later(200)).status
+
+
+# --- a newer step from any pod; reports keyed by pod UID -----------------------------------------------------------
+def test_a_newer_step_from_any_pod_resets_the_clock_and_nothing_else_does():
+    w = hang.watch(None, PODS, {"rank": 0, "step": 40}, now=100.0, others=[{"rank": 1, "step": 40}])
+    # rank 0 unreachable from the operator, pod 1 trained on: not hung
+    moved = hang.watch(w, PODS, None, now=115.0, others=[None, {"rank": 1, "step": 41}])
+    assert moved.since == 115.0 and hang.due_in(moved, PODS, 20, 121.0) > 0
+    # the same step again, a lower one, a pod that flaps between answering and not: the clock keeps running
+    for others in ([{"rank": 1, "step": 41}], [{"rank": 1, "step": 39}], [None], []):
+        assert hang.watch(moved, PODS, None, now=130.0, others=others).since == 115.0
+    # a worker restart anywhere (resuming from an earlier step) is a change too
+    assert hang.watch(moved, PODS, None, now=131.0, others=[{"rank": 1, "step": 30, "workerRestarts": 1}]).since == 131.0
+    # hostile steps are no step at all
+    for junk in ("42", [42], float("nan"), float("inf"), True):
+        assert hang.watch(moved, PODS, None, now=132.0, others=[{"rank": 1, "step": junk}]).since == 115.0
+    # nothing at all answered: nothing changes (and before any report there is no clock)
+    assert hang.watch(None, PODS, None, now=1.0, others=[None]) is None
+
+
+def test_hang_reports_are_keyed_by_pod_uid_a_replacement_never_inherits_them():
+    job, status = _running()
+    reports = {"uid-mnist-0-0": {"rank": 0, "step": 41}, "uid-mnist-1-0": None}
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(1), hang_reports=reports), later(30))
+    assert [(a.verb, a.name) for a in p.actions] == [(DELETE, "mnist-1")]
+    # mnist-1 was replaced (same name, new UID) between the probes and the pass: the reports are of other pods
+    p = plan(job, status, observed(rdzv(), trainer(0), trainer(1, uid="replacement"), hang_reports=reports),
+             later(30))
+    assert p.actions == () and p.status["restarts"] == 0

@@ -205,16 +205,16 @@ def test_hang_judges_only_members():
     job, status = _running(failurePolicy={"hangTimeoutSeconds": 20})
     pods = (rdzv(), trainer(0), trainer(1), trainer(2))
     # mnist-1 is the spare: silent (no worker). Members 0 and 2 both at step 41: the tie takes the highest member.
-    reports = {"mnist-0": {"rank": 0, "step": 41, "members": [0, 2]}, "mnist-1": None,
-               "mnist-2": {"rank": 1, "step": 41, "members": [0, 2]}}
+    reports = {"uid-mnist-0-0": {"rank": 0, "step": 41, "members": [0, 2]}, "uid-mnist-1-0": None,
+               "uid-mnist-2-0": {"rank": 1, "step": 41, "members": [0, 2]}}
     p = plan(job, status, observed(*pods, hang_reports=reports), later(30))
     assert [(a.verb, a.name) for a in p.actions] == [(DELETE, "mnist-2")]
     # a silent member is the stuck one; the silent spare is left alone
-    reports = {"mnist-0": {"rank": 0, "step": 41, "members": [0, 1]}, "mnist-1": None, "mnist-2": None}
+    reports = {"uid-mnist-0-0": {"rank": 0, "step": 41, "members": [0, 1]}, "uid-mnist-1-0": None, "uid-mnist-2-0": None}
     p = plan(job, status, observed(*pods, hang_reports=reports), later(30))
     assert [(a.verb, a.name) for a in p.actions] == [(DELETE, "mnist-1")]
     # nothing names the members: only pods that answered are judged, never a silent one
-    reports = {"mnist-0": {"rank": 0, "step": 41}, "mnist-1": None, "mnist-2": {"rank": 1, "step": 40}}
+    reports = {"uid-mnist-0-0": {"rank": 0, "step": 41}, "uid-mnist-1-0": None, "uid-mnist-2-0": {"rank": 1, "step": 40}}
     p = plan(job, status, observed(*pods, hang_reports=reports), later(30))
     assert [(a.verb, a.name) for a in p.actions] == [(DELETE, "mnist-2")]
 

@@ -1,8 +1,9 @@
 """Hang (failurePolicy.hangTimeoutSeconds; ddp_operator/hang.py finds the stuck pods).
 
-When the shell found rank 0's step unchanged for the timeout and hands in every trainer pod's report
-(Observed.hang_reports), the stuck pod(s) are recorded with reason Hang, deleted and replaced; the job is
-Restarting with reason Hang.
+When the shell found the training's step unchanged for the timeout and hands in every trainer pod's report
+(Observed.hang_reports, keyed by pod UID: a pod replaced under the same name since the probe is another pod, and
+the reports are then of another set of pods), the stuck pod(s) are recorded with reason Hang, deleted and
+replaced; the job is Restarting with reason Hang.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ def hang(ctx: Pass) -> bool:
         current = hang_candidates(ctx, current, reports)
     if len(current) < ctx.job.spec.nodes or not all(p.running for p in current):
         return True
-    if any(p.name not in reports for p in current):
+    if any(p.uid not in reports for p in current):
         return True  # the reports are of another set of pods
-    stuck = set(hangmod.stuck_pods((p.name, p.index or 0, reports[p.name]) for p in current))
+    stuck = set(hangmod.stuck_pods((p.uid, p.index or 0, reports[p.uid]) for p in current))
     timeout = ctx.job.spec.failure_policy.hang_timeout_seconds
     deleting = []
-    for p in sorted((p for p in current if p.name in stuck), key=lambda p: p.index or 0):
-        answer = reports[p.name]
+    for p in sorted((p for p in current if p.uid in stuck), key=lambda p: p.index or 0):
+        answer = reports[p.uid]
         why = ("its progress endpoint did not answer" if answer is None
                else f"it reports step {answer.get('step')}")
         what = (f"pod {p.name}: global rank 0's step did not change for spec.failurePolicy.hangTimeoutSeconds="

@@ -47,13 +47,13 @@ def spares_left(ctx: Pass, current: list[PodState], running: list[PodState]) -> 
 def hang_candidates(ctx: Pass, pods: list[PodState],
                     reports: Mapping[str, Mapping[str, Any] | None]) -> list[PodState]:
     """With spares only the training members can be hung: a spare runs no worker and never answers. The
-    members come from the reports (rank 0's first), else status.progress; when nothing names them, only pods
+    members come from the reports (keyed by pod UID; rank 0's first), else status.progress; when nothing names them, only pods
     that answered are judged (a silent pod may be a spare)."""
     ordered = sorted(reports.values(), key=lambda r: not isinstance(r, Mapping) or r.get("rank") not in (None, 0))
     known = sparesmod.members([*ordered, ctx.progress])
     if known is not None:
         return [p for p in pods if p.index in known]
-    answered = [p for p in pods if reports.get(p.name) is not None]
+    answered = [p for p in pods if reports.get(p.uid) is not None]
     return answered if len(answered) >= ctx.job.spec.nodes else []
 
 

@@ -1,0 +1,183 @@
+"""poller.ProgressPoller with real HTTP servers on loopback: every pod is probed at once (each with its own
+deadline), a newer step from any pod resets the hang clock, a malformed report is an Event once, and one job's
+failure to schedule never stops the others' probes."""
+
+import copy
+import dataclasses
+import socket
+import threading
+import time
+
+from ddp_operator import names, progress
+from ddp_operator.reconciler import Reconciler
+from ddp_trainer.testing import free_port
+
+from ddp_builders import ProgressServer, job_body
+
+
+class FakeApi:
+    def __init__(self, index):
+        self.index = index
+        self.patches, self.events, self.deleted = [], [], []
+        self.n = 0
+
+    def create(self, body):
+        self.n += 1
+        obj = copy.deepcopy(dict(body))
+        obj["metadata"]["uid"] = f"pod-uid-{self.n}"
+        key = (obj["metadata"]["namespace"], obj["metadata"]["labels"].get(names.LABEL_JOB_NAME, obj["metadata"]["name"]))
+        if body["kind"] == "Pod":
+            self.index["pods_by_job"].setdefault(key, []).append(obj)
+        else:
+            self.index["services_by_job"].setdefault(key, []).append(True)
+        return obj
+
+    def delete_pod(self, namespace, name, uid, force=False, grace_seconds=None):
+        self.deleted.append(name)
+
+    def delete_job(self, namespace, name, uid):
+        pass
+
+    def patch_status(self, namespace, name, status):
+        self.patches.append(((namespace, name), copy.deepcopy(dict(status))))
+        for body in self.index["ddpjobs_by_key"].get((namespace, name), []):
+            body.setdefault("status", {}).update(copy.deepcopy(dict(status)))
+
+    def post_event(self, job, type_, reason, message, component):
+        self.events.append((job["metadata"]["name"], type_, reason, message))
+
+    def node_ready(self, name):
+        return True
+
+
+def _reconciler():
+    index = {"ddpjobs_by_key": {}, "pods_by_job": {}, "services_by_job": {}}
+    r = Reconciler(FakeApi(index))
+    r.indexes = index
+    return r
+
+
+def _running_job(r, name, **spec):
+    """A job whose trainer pod i runs on 127.0.0.<i + 2>."""
+    body = job_body(name=name, **spec)
+    body["metadata"]["uid"] = f"uid-{name}"
+    key = ("ml", name)
+    r.indexes["ddpjobs_by_key"][key] = [body]
+    r.reconcile(*key)
+    trainers = sorted((p for p in r.indexes["pods_by_job"][key]
+                       if p["metadata"]["labels"][names.LABEL_ROLE] == names.ROLE_TRAINER),
+                      key=lambda p: p["metadata"]["name"])
+    for p in r.indexes["pods_by_job"][key]:
+        p["status"] = {"phase": "Running", "podIP": "127.0.0.9", "conditions": [{"type": "Ready", "status": "True"}]}
+    for i, p in enumerate(trainers):
+        p["status"]["podIP"] = f"127.0.0.{i + 2}"
+    r.reconcile(*key)
+    obj = r.jobs.get(key).objects[body["metadata"]["uid"]]
+    assert obj.written["phase"] == names.PHASE_RUNNING
+    return key, body, obj
+
+
+class Silent:
+    """A pod whose process is stopped: the kernel accepts the connection, nobody ever answers."""
+
+    def __init__(self, ip, port):
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((ip, port))
+        self.sock.listen(16)
+
+    def close(self):
+        self.sock.close()
+
+
+def test_an_unreachable_rank0_is_not_hung_while_another_pod_reports_a_newer_step(monkeypatch):
+    port = free_port()
+    monkeypatch.setattr(names, "PROGRESS_PORT", port)
+    r = _reconciler()
+    key, body, obj = _running_job(r, "hung", failurePolicy={"hangTimeoutSeconds": 20})
+    servers = [ProgressServer("127.0.0.2", port, {"rank": 0, "step": 40}),
+               ProgressServer("127.0.0.3", port, {"rank": 1, "step": 40})]
+    try:
+        r.poller.poll(key)
+    finally:
+        for s in servers:
+            s.close()
+    w = obj.hang_watch
+    assert w is not None and w.key == (40, None)
+    # the timeout is up; rank 0 no longer answers the operator (accepts and hangs), pod 1 trained on
+    obj.hang_watch = dataclasses.replace(w, since=time.monotonic() - 21)
+    assert r.poller.hang_check_due(key, body, time.monotonic())
+    servers = [Silent("127.0.0.2", port), ProgressServer("127.0.0.3", port, {"rank": 1, "step": 41})]
+    try:
+        started = time.monotonic()
+        r.poller.poll(key)
+        took = time.monotonic() - started
+    finally:
+        for s in servers:
+            s.close()
+    assert r.api.deleted == [], "a healthy rank 0 was deleted as hung"
+    assert not r.poller.hang_check_due(key, body, time.monotonic())  # the newer step reset the clock
+    # the pods were asked at once, each with its own deadline: one deadline, not one after the other
+    assert took < progress.DEADLINE_SECONDS + 0.75, took
+
+
+def test_the_pods_are_probed_at_once_and_a_silent_one_costs_one_deadline(monkeypatch):
+    port = free_port()
+    monkeypatch.setattr(names, "PROGRESS_PORT", port)
+    r = _reconciler()
+    key, body, obj = _running_job(r, "wide", nodes=3, failurePolicy={"hangTimeoutSeconds": 20})
+    # pods 0 and 1 stopped, pod 2 answers as global rank 0 (after a re-rendezvous ranks need not follow indices)
+    servers = [Silent("127.0.0.2", port), Silent("127.0.0.3", port),
+               ProgressServer("127.0.0.4", port, {"rank": 0, "step": 12})]
+    try:
+        started = time.monotonic()
+        r.poller.poll(key)
+        took = time.monotonic() - started
+    finally:
+        for s in servers:
+            s.close()
+    assert obj.written["progress"]["step"] == 12
+    assert took < progress.DEADLINE_SECONDS + 0.75, took
+
+
+def test_a_malformed_report_is_one_event_and_its_valid_fields_are_kept(monkeypatch):
+    port = free_port()
+    monkeypatch.setattr(names, "PROGRESS_PORT", port)
+    r = _reconciler()
+    key, body, obj = _running_job(r, "odd", progressPeriodSeconds=1)
+    report = {"rank": 0, "step": 7, "metrics": [1], "recovery": {"at": 1e300, "resumedFrom": "peer"}}
+    server = ProgressServer("127.0.0.2", port, report)
+    try:
+        for _ in range(3):
+            obj.progress_at = 0.0
+            r.poller.poll(key)
+    finally:
+        server.close()
+    assert obj.written["progress"]["step"] == 7 and "metrics" not in obj.written["progress"]
+    events = [e for e in r.api.events if e[2] == names.REASON_INVALID_REPORT]
+    assert len(events) == 1 and events[0][1] == "Warning"
+    assert "odd-0" in events[0][3] and "metrics" in events[0][3] and "recovery.at" in events[0][3]
+
+
+def test_one_job_that_cannot_be_scheduled_never_stops_the_others_probes(monkeypatch, caplog):
+    r = _reconciler()
+    a, _, _ = _running_job(r, "a", progressPeriodSeconds=1)
+    b, _, _ = _running_job(r, "b", progressPeriodSeconds=1)
+    polled = threading.Event()
+    real_due = r.poller.due
+
+    def due(key):
+        if key == a:
+            raise ValueError("a job the poller cannot read")
+        return real_due(key)
+    monkeypatch.setattr(r.poller, "due", due)
+    monkeypatch.setattr(r.poller, "poll", lambda key: polled.set() if key == b else None)
+    r.tick()  # must not raise
+    assert polled.wait(5), "job b's probe was never scheduled"
+    assert "cannot read" in caplog.text
+    r.stop()
+
+
+def test_the_pollers_events_come_from_the_same_component_as_the_passes():
+    from ddp_operator import poller, reconciler
+    assert poller.COMPONENT == reconciler.COMPONENT
