@@ -30,7 +30,8 @@ def test_a_hung_pod_the_kubelet_cannot_kill_is_force_deleted_on_a_ready_node_and
     Terminating on a Ready node; deletionTimestamp already includes the grace period."""
     job, status = _running()
     hung = plan(job, status, observed(rdzv(), trainer(0), trainer(1),
-                                      hang_reports={"mnist-0": {"rank": 0, "step": 41}, "mnist-1": None}), later(30))
+                                      hang_reports={"uid-mnist-0-0": {"rank": 0, "step": 41},
+                                                    "uid-mnist-1-0": None}), later(30))
     assert _acts(hung) == [(DELETE, "mnist-1")]
     stuck = trainer(1, deleting_since=later(31), node="node-2")  # now + HANG_DELETE_GRACE_SECONDS
     ready = {"node-2": True}

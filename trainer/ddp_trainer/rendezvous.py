@@ -80,6 +80,16 @@ This backend is the c10d handler with these rules added:
    applies wherever this module's executor runs: ``ddpjob-c10d``, and plain ``c10d`` in a DDPJob pod under
    ``ddp_trainer.launch``.
 
+6. A waiting agent reads the state every ``poll_interval(N)`` (``rendezvous_rules``): ``min(0.1 s * max(1, N / 8), 2 s)``
+   for a round of N nodes (``DDPJOB_RDZV_POLL_SECONDS`` instead of 0.1 s where set), less a jitter of up to a fifth
+   drawn per agent. torch's state holder serves a cached state for 1 s whatever the join loop's delay
+   (``ddp_trainer.launch`` turns it every 0.1 s), so a waiting agent saw a round complete up to a second late (on
+   loopback, 4 agents: 0.55-1.0 s), and every agent read the whole state, O(N) bytes, once a second whatever N: O(N^2)
+   bytes a second. Now jobs of up to 8 nodes see a round's completion within a tenth of a second, and the reads of all
+   agents stay at most 80 a second from 8 to 160 nodes (N/2 past it). A training agent's look
+   (``num_nodes_waiting()``, every monitor interval: 0.1 s) keeps torch's 1 s cache, or the longer interval of a large
+   job, so training costs no more reads than before. Rule 6 applies wherever this module's executor runs.
+
 Everything else (heartbeats, admitting a redundant
 agent when a participant drops out, closing at the end) is torch's. A redundant agent still ends when a
 participant closes the rendezvous at the end of the training: torch raises RendezvousGracefulExitError there,
@@ -99,11 +109,13 @@ torch's operation executor, state holder and handler (and keeps rule 5's judgmen
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import random
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from . import env as envmod
 # The rules' decisions and state writes; every name stays importable from here (torchrun's entry point, the
@@ -111,7 +123,7 @@ from . import env as envmod
 from .rendezvous_rules import (  # noqa: F401
     BACKEND, GONE_KEPT, SPARE_RELEASED, _COMPLETED, _GONE, _LAST, _ORDER, _POD, _READ, TakenOver, _completed_at, _heard,
     _not_taken_over, _priority, _priority_key, _remember, _round_complete, _round_completed, _say_released, _Size,
-    _spare_aware, take_over, taken_over, wanted_nodes,
+    _spare_aware, POLL_BASE_S, poll_interval, take_over, taken_over, wanted_nodes,
 )
 
 log = logging.getLogger(__name__)
@@ -153,6 +165,24 @@ def _guard_expiry(holder: Any, me: Any) -> bool:
     return True
 
 
+# torch's state holder caches the state this long (its default); a training agent's look keeps it (rule 6).
+TORCH_CACHE_S = 1.0
+
+
+@contextlib.contextmanager
+def _paced(holder: Any, seconds: float) -> Iterator[None]:
+    """Rule 6 on torch's state holder: within the block (a join) it reads the store at most every ``seconds``;
+    after it, at most every TORCH_CACHE_S or ``seconds``, the longer. Nothing where the holder is not torch's."""
+    if not hasattr(holder, "_cache_duration"):
+        yield
+        return
+    holder._cache_duration = seconds
+    try:
+        yield
+    finally:
+        holder._cache_duration = max(TORCH_CACHE_S, seconds)
+
+
 @functools.cache
 def _executor_class(spares: bool = True) -> type:
     """torch's operation executor with this backend's rules: 1-3 (hot spares, ddpjob-c10d) when ``spares``, rule 4
@@ -170,6 +200,9 @@ def _executor_class(spares: bool = True) -> type:
             def __init__(self, node: Any, state_holder: Any, settings: Any) -> None:
                 super().__init__(node, state_holder, settings)
                 _guard_expiry(state_holder, node)  # rule 5
+                # rule 6: the base, and a jitter drawn once so that agents started together do not read in lockstep
+                self.poll_base = envmod.get_float(envmod.RDZV_POLL, POLL_BASE_S, minimum=0.0)
+                self.poll_jitter = random.random()
 
             def run(self, state_handler: Any, deadline: float, update_deadline: Any = None) -> None:
                 joining = isinstance(state_handler, dr._RendezvousJoinOp)
@@ -177,7 +210,13 @@ def _executor_class(spares: bool = True) -> type:
                     state_handler = _spare_aware(state_handler, self.size)
                 if self.pod is not None:
                     state_handler = _not_taken_over(state_handler, joining, self.pod)
-                super().run(state_handler, deadline, update_deadline)
+                if not joining:
+                    super().run(state_handler, deadline, update_deadline)
+                    return
+                # rule 6, with the round size in force (rule 3 may change it between joins)
+                with _paced(self._state_holder, poll_interval(self._settings.max_nodes, self.poll_base,
+                                                              self.poll_jitter)):
+                    super().run(state_handler, deadline, update_deadline)
 
             def _keep_alive(self) -> None:
                 # every write that enters a list or sends a heartbeat ends here (torch's add operations call it)

@@ -1,7 +1,7 @@
 """The rules of the ``ddpjob-c10d`` rendezvous backend (numbered in ``ddp_trainer.rendezvous``'s docstring) as
 decisions and writes on torch's shared rendezvous state: who may join and where it waits (rules 1 and 2), the group
-size that follows the job (rule 3), the take-over of a recreated pod's predecessor (rule 4) and the round-start
-records (rule 5). ``ddp_trainer.rendezvous`` wires them into torch's operation executor and handler; torch's own
+size that follows the job (rule 3), the take-over of a recreated pod's predecessor (rule 4), the round-start
+records (rule 5) and how often a waiting agent reads the state (rule 6). ``ddp_trainer.rendezvous`` wires them into torch's operation executor and handler; torch's own
 classes are imported only where a rule needs them (torch is imported lazily).
 """
 
@@ -192,6 +192,25 @@ def _heard(state: Any, me: Any) -> None:
         read = getattr(state, _READ, set())
         if me not in read:
             setattr(state, _READ, read | {me})
+
+
+# How often a waiting agent reads the rendezvous state (rule 6): the base (DDPJOB_RDZV_POLL_SECONDS, ddp_trainer.launch's
+# join-loop delay) up to POLL_NODES_PER_BASE nodes, growing in proportion past it, at most POLL_MAX_S; jitter takes up to
+# POLL_JITTER of it off, never adds (a small job's interval stays within the join loop's turn, so every turn reads).
+POLL_BASE_S = 0.1
+POLL_NODES_PER_BASE = 8
+POLL_MAX_S = 2.0
+POLL_JITTER = 0.2
+
+
+def poll_interval(nodes: int, base: float = POLL_BASE_S, jitter: float = 0.0) -> float:
+    """Rule 6: seconds between a waiting agent's reads of the state, ``min(base * max(1, nodes / 8), 2 s)`` less a
+    ``jitter`` share (a number in [0, 1) the caller draws once per agent) of up to a fifth. Each read is the whole
+    state, O(N) bytes, so N agents reading every ``base`` cost O(N^2) bytes a second; this way the reads of all agents
+    stay at most 80 a second from 8 to 160 nodes (N/2 past it), and jobs of up to 8 nodes see a round's completion
+    within ``base``. A ``base`` above the cap is kept."""
+    interval = min(base * max(1.0, nodes / POLL_NODES_PER_BASE), max(POLL_MAX_S, base))
+    return interval * (1.0 - POLL_JITTER * jitter)
 
 
 class TakenOver(RuntimeError):
