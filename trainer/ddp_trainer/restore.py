@@ -4,6 +4,11 @@ On (re)start every rank reports the newest snapshot step it can read (its pod's 
 and rank 0 the newest disk checkpoint; the newest wins. A snapshot newer than the disk is broadcast from the lowest
 rank holding it to every rank (a replaced pod has none), so losing a non-rank-0 pod costs at most K steps (the
 snapshot interval in force) and no storage reads; the resume line says which K bounded the loss.
+
+A restore holds no more than the state it restores: the ranks agree on the newest step from the slots' headers alone
+(``slot_load.read_header``), only the rank that loads a slot reads its data, straight into the live tensors
+(``slot_load.load``), and a peer's state crosses tensor by tensor into the receivers' live tensors rather than as one
+pickle (which held the state twice more on each side).
 """
 
 from __future__ import annotations
@@ -12,11 +17,13 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .checkpoint import CheckpointStore
 from .session import Session
-from .slot import Snapshot
+from .slot_load import SlotHeader, destinations, load
+from .state import flatten, unflatten
 
 
 @dataclass(frozen=True)
@@ -32,12 +39,15 @@ class Restored:
 
 
 def newest_state(
-    session: Session, local: Snapshot | None, checkpoints: CheckpointStore | None, mark: Any, pod_index: int | None
+    session: Session, local: SlotHeader | None, checkpoints: CheckpointStore | None, mark: Any, pod_index: int | None,
+    live: Any = None,
 ) -> Restored:
     """The newest state any rank can reach, on every rank. Collective: every rank calls it, once.
 
-    ``local``: the newest snapshot this rank can read; ``checkpoints``: global rank 0's store (None elsewhere);
-    ``mark`` and ``pod_index``: what this rank adds to the others' recovery record and members."""
+    ``local``: the header of the newest slot this rank can read (its data is read only if it is chosen);
+    ``checkpoints``: global rank 0's store (None elsewhere); ``mark`` and ``pod_index``: what this rank adds to the
+    others' recovery record and members; ``live``: the run's live state dict, whose tensors a snapshot is read into
+    where they fit (``slot_load.destinations``)."""
     s = session
     local_step = local.step if local is not None else -1
     local_every = local.every if local is not None else None
@@ -68,13 +78,37 @@ def newest_state(
         src_rank = holders[0]
         if len(holders) == s.world_size:
             assert local is not None
-            state, source = local.state, "local"
+            state, source = load(local, live), "local"
         else:
-            payload = [local.state if s.rank == src_rank and local is not None else None]
-            dist.broadcast_object_list(payload, src=src_rank)
-            state = local.state if local is not None and local_step == best_snap else payload[0]
-            source = "peer"
+            mine = load(local, live) if local is not None and local_step == best_snap else None
+            state, source = broadcast_state(s, mine, src_rank, live), "peer"
         bound = gathered[src_rank][2]
     pod = gathered[src_rank][4] if source in ("peer", "local") and src_rank is not None else None
     return Restored(state=state, source=source, src_rank=src_rank, bound=bound, pod=pod, disk_step=disk_step,
                     marks=[g[3] for g in gathered], pod_indices=[g[5] for g in gathered])
+
+
+def broadcast_state(session: Session, state: dict[str, Any] | None, src: int, live: Any = None) -> dict[str, Any]:
+    """``src``'s ``state`` on every rank: its skeleton as an object, then each tensor by itself, received into the
+    receiver's live tensor where it fits (``live``, as in ``slot_load.destinations``). Collective. A rank that holds
+    the same step itself (``state`` not None) receives into its own tensors: replicas are equal, nothing is allocated."""
+    mine = session.rank == src
+    skeleton, tensors = flatten(state) if state is not None else (None, [])
+    head: list[Any] = [(skeleton, [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors])]
+    dist.broadcast_object_list(head, src=src)
+    skeleton, specs = head[0]
+    if not mine and [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors] != specs:
+        tensors = destinations(skeleton, specs, live)
+    # gloo sends CPU tensors; nccl device tensors: each one crosses through the session's device when it must
+    device = session.device if session.backend == "nccl" else torch.device("cpu")
+    for t in tensors:
+        if t.device == device and t.is_contiguous():
+            dist.broadcast(t, src=src)
+            continue
+        buf = t.to(device, memory_format=torch.contiguous_format) if mine else torch.empty(t.shape, dtype=t.dtype,
+                                                                                           device=device)
+        dist.broadcast(buf, src=src)
+        if not mine:
+            with torch.no_grad():
+                t.copy_(buf)
+    return unflatten(skeleton, tensors)

@@ -9,7 +9,8 @@
         for x, y in run.batches(loader):       # skips consumed batches, reseeds RNGs per step
             ...forward/backward/optimizer.step()...
             run.step_done(loss=loss, samples=len(x))
-        run.epoch_done(metrics={"valAccuracy": acc})
+        run.epoch_done(metrics={"valAccuracy": acc})  # after validation; also reached with no batch, once, by a
+                                                       # run restored after the epoch's last batch
     run.finish(metrics={"testAccuracy": test_acc})
 
 At every *save point*, after a step, the state is kept where a failure cannot take it with the process: a peer
@@ -39,6 +40,7 @@ from .restore import newest_state
 from .sampler import ResumableDistributedSampler
 from .savepoints import SavePoints
 from .session import Session
+from .slot_load import probe
 from .snapshot import PeerSnapshots
 from .state import Components, Position
 
@@ -112,6 +114,12 @@ class Run:
         return self.position.epoch
 
     @property
+    def batch(self) -> int:
+        """Batches of the current epoch consumed (after the batch loop: the epoch's length, also when it resumed
+        there and the loop had none to give)."""
+        return self.position.batch
+
+    @property
     def extra(self) -> dict[str, Any]:
         """User state saved with every snapshot/checkpoint (best metric, patience counter, ...)."""
         return self.components.extra
@@ -150,11 +158,19 @@ class Run:
         s = self.session
         t0 = time.perf_counter()
         saves = self.saves
-        copies = saves.snapshots.read_latest() if saves.snapshots is not None else None
-        local = saves.newest_local(copies)
+        # Headers only: the data of the one slot chosen is read later, straight into the live tensors (restore.py).
+        copies = saves.snapshots.latest_header() if saves.snapshots is not None else None
+        mine = None
+        if saves.resident is not None:
+            mine, why, claimed = probe(saves.resident.path, saves.resident.run_key)
+            if why == "modified":
+                self._warn("resident_state_modified", step=claimed, path=saves.resident.path,
+                           reason="the parameters changed in place after the save point sealed them (a weight swap "
+                                  "outside run.weights_swapped()): the copies or a checkpoint hold the state")
+        local = mine if mine is not None and (copies is None or mine.step >= copies.step) else copies
         mark = self._mark.read() if self._mark is not None else None
         pod_index = envmod.get_int(envmod.POD_INDEX, None, minimum=0)
-        got = newest_state(s, local, saves.checkpoints, mark, pod_index)
+        got = newest_state(s, local, saves.checkpoints, mark, pod_index, live=self.components.state_dict(self.position))
         if copies is not None and saves.snapshots is not None:
             saves.snapshots.set_next_slot_after(copies)
 
@@ -215,6 +231,10 @@ class Run:
         Call ``sampler.set_epoch(epoch)`` first. With :class:`ResumableDistributedSampler` skipping is free;
         with any other sampler the consumed batches are loaded and dropped. Call :meth:`step_done` once
         per batch.
+
+        A run restored after the epoch's last batch (killed between its last step and :meth:`epoch_done`, e.g. during
+        validation) gets no batch here: the code after the loop (validation, :meth:`epoch_done`) runs once for that
+        epoch, as in an uninterrupted run, and must not assume the loop ran (docs/recovery.md, "Exactness").
         """
         n = len(loader)  # type: ignore[arg-type]
         self._epoch_len = n

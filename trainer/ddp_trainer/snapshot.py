@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from .slot import HEADER_SIZE, PAGE, Snapshot, align, begin_header, data_specs, data_views, pack_meta, read_slot, seal
+from .slot import HEADER_SIZE, PAGE, Snapshot, align, begin_header, data_specs, data_views, pack_meta, seal
+from .slot_load import SlotChanged, SlotHeader, load, newest, read_header
 from .state import flatten
 
 SLOT_NAMES = ("snapshot-0.bin", "snapshot-1.bin")
@@ -275,17 +276,25 @@ class PeerSnapshots:
         return time.perf_counter() - t_copy
 
     # -- reading -----------------------------------------------------------------------------------------
-    def read_latest(self) -> Snapshot | None:
-        """The newest valid snapshot of this run in this pod, or None."""
-        best: Snapshot | None = None
-        for slot in self._slots:
-            with self._lock:
-                snap = read_slot(slot.path, self.run_key)
-            if snap is not None and (best is None or snap.step > best.step):
-                best = snap
-        return best
+    def latest_header(self) -> SlotHeader | None:
+        """The header of the newest valid snapshot of this run in this pod, or None; reads no tensor (``slot_load``)."""
+        with self._lock:
+            return newest(*(read_header(slot.path, self.run_key) for slot in self._slots))
 
-    def set_next_slot_after(self, snap: Snapshot | None) -> None:
+    def read_latest(self) -> Snapshot | None:
+        """The newest valid snapshot of this run in this pod, or None: the headers first, then that one slot's data."""
+        with self._lock:
+            for _ in range(3):  # a slot rewritten between its header and its data (a writer of a former worker)
+                head = newest(*(read_header(slot.path, self.run_key) for slot in self._slots))
+                if head is None:
+                    return None
+                try:
+                    return Snapshot(step=head.step, state=load(head), path=head.path, every=head.every)
+                except (SlotChanged, OSError):
+                    continue
+        return None
+
+    def set_next_slot_after(self, snap: SlotHeader | Snapshot | None) -> None:
         """Write next into the slot that does not hold ``snap`` (keep the newest intact)."""
         if snap is not None:
             held = [s.path for s in self._slots].index(snap.path)

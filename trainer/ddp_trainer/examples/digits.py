@@ -218,6 +218,8 @@ def train(args: argparse.Namespace, session: ddp_trainer.Session) -> dict[str, A
                 loss.backward()
                 optimizer.step()
             run.step_done(loss=loss, samples=len(x))
+        # Restored after this epoch's last batch (killed during its validation), the loop above had no batch: what
+        # follows is the epoch's end, once, as in an uninterrupted run. So nothing here may assume the loop ran.
         scheduler.step()
         val_acc = evaluate(net, data["val"], session)
         if val_acc > extra["best_val"]:
