@@ -256,7 +256,7 @@ def test_weights_swapped_guard_invalidates_for_the_swap_and_reseals_after(tmp_pa
     states = {0: _tensors(run.components.state_dict(run.position))}
     _train_to(run, model, opt, 7, states)
     live = [p.detach().clone() for p in model.parameters()]
-    with run.saves.weights_swapped(run.position):
+    with run.weights_swapped():
         assert run.resident.read() is None  # invalid while the weights are not step 7's
         with torch.no_grad():
             for p, e in zip(model.parameters(), _ema_weights(model), strict=True):

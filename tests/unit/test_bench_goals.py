@@ -278,7 +278,7 @@ def test_baselines_an_outcome_other_than_the_documented_one_fails(name, key, bad
 
 def recovery_result() -> dict:
     return {"survived": True, "bitwise_equal": True, "steps_lost_max": 1, "snapshot_every_max": 1,
-            "sources": ["peer"], "baseline_survived": False}
+            "sources": ["peer"], "baseline_survived": False, "restore_peak_rss_ratio": 1.2}
 
 
 def test_trainer_recovery_ours_survived_exactly_and_stock_died_passes():
@@ -293,6 +293,8 @@ def test_trainer_recovery_ours_survived_exactly_and_stock_died_passes():
     ("snapshot_every_max", None, "steps_lost_max"),
     ("sources", ["disk"], "sources"),
     ("baseline_survived", True, "baseline_survived"),  # stock torchrun documented not to recover
+    ("restore_peak_rss_ratio", 1.6, "restore_peak_rss_ratio"),  # a restore holding more than 1.5x its state
+    ("restore_peak_rss_ratio", None, "restore_peak_rss_ratio"),  # unmeasured
 ])
 def test_trainer_recovery_a_miss_fails(key, bad, figure):
     one_miss(trainer_recovery.goals_missed(changed(recovery_result(), (key,), bad)), figure)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -334,6 +335,12 @@ class Run:
         self.progress.update(epoch=pos.epoch, metrics=metrics or {}, lastCheckpointStep=self.saves.checkpoint_step())
         if self.session.is_main:
             self.log("epoch", epoch=finished, step=pos.step, stop=str(pos.stopped).lower(), **(metrics or {}))
+
+    def weights_swapped(self) -> AbstractContextManager[None]:
+        """Around an in-place swap of the weights between steps (an EMA's ``copy_to``/``restore`` for evaluation,
+        ``load_state_dict(best)``): the resident state is invalid inside and sealed again after, with the weights
+        then live (:meth:`SavePoints.weights_swapped`, docs/recovery.md)."""
+        return self.saves.weights_swapped(self.position)
 
     # -- the end -------------------------------------------------------------------------------------------
     def finish(self, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
