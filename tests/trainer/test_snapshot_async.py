@@ -106,6 +106,23 @@ def test_async_write_holds_the_state_of_its_step(tmp_path):
     snaps.close(remove=True)
 
 
+def test_weights_swapped_in_place_before_the_async_copy_read_them_are_never_sealed_as_the_step(tmp_path):
+    """An unguarded in-place swap (an EMA's copy_to for evaluation) right after a save point, before the writer
+    thread has read the live tensors: the slot would hold the swapped weights labelled as the step. The save point's
+    fingerprint of its sources no longer matches the copy, so every reader rejects it and the previous step stands."""
+    snaps = PeerSnapshots(str(tmp_path / "shm"), "k")
+    param = torch.arange(1000, dtype=torch.float32)
+    snaps.write_async(1, {"p": param}, stable={param.data_ptr()})
+    snaps.wait()
+    with snaps._lock:  # the writer thread has not started the copy of step 2 yet
+        snaps.write_async(2, {"p": param}, stable={param.data_ptr()})
+        param.copy_(torch.full((1000,), -7.0))  # the swap, outside run.weights_swapped()
+    snaps.wait()
+    got = PeerSnapshots(str(tmp_path / "shm"), "k").read_latest()
+    assert got.step == 1 and torch.equal(got.state["p"], torch.arange(1000, dtype=torch.float32))
+    snaps.close(remove=True)
+
+
 def test_a_slot_is_invalid_until_its_copy_completes_and_readers_never_see_a_torn_step(tmp_path, monkeypatch):
     shm = str(tmp_path / "shm")
     snaps = PeerSnapshots(shm, "k")

@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from .slot import HEADER_SIZE, PAGE, Snapshot, align, begin_header, data_specs, data_views, pack_meta, seal
+from .slot import (HEADER_SIZE, PAGE, Snapshot, align, begin_header, data_specs, data_views, pack_meta, seal,
+                   source_fingerprint)
 from .slot_load import SlotChanged, SlotHeader, load, newest, read_header
 from .state import flatten
 
@@ -125,7 +126,8 @@ class PeerSnapshots:
         meta = self._prepare(skeleton, tensors, every)
         prepared_s = time.perf_counter() - t0
         with self._lock:
-            self.last_copy_s = self.last_copy_wall_s = prepared_s + self._write(step, meta, tensors)
+            self.last_copy_s = self.last_copy_wall_s = prepared_s + self._write(
+                step, meta, tensors, mark=source_fingerprint(tensors, self._specs))
 
     def write_async(
         self, step: int, state: dict[str, Any], *, stable: Collection[int] = (), every: int | None = None
@@ -149,6 +151,9 @@ class PeerSnapshots:
                 cuda = cuda or t.is_cuda
                 sources.append(t)
         meta = self._prepare(skeleton, sources, every)
+        # What the slot must hold, sampled now: the stable tensors are read later by the writer thread, and a change
+        # of them meanwhile that is not an optimizer step (an unguarded in-place swap) must not be sealed as this step.
+        mark = source_fingerprint(sources, self._specs)
         event = None
         if cuda:  # only reached with CUDA tensors: nothing here initialises CUDA otherwise
             event = torch.cuda.Event()
@@ -160,13 +165,13 @@ class PeerSnapshots:
         if self._writer is None:
             self._writer = threading.Thread(target=self._writer_loop, name="ddp-snapshot", daemon=True)
             self._writer.start()
-        self._jobs.put((step, meta, sources, event))
+        self._jobs.put((step, meta, sources, event, mark))
 
     def _writer_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
             self._write_in_thread(*job)
 
-    def _write_in_thread(self, step: int, meta: bytes, sources: list[torch.Tensor], event: Any) -> None:
+    def _write_in_thread(self, step: int, meta: bytes, sources: list[torch.Tensor], event: Any, mark: int) -> None:
         try:
             with self._lock:
                 staged_s = 0.0
@@ -176,7 +181,7 @@ class PeerSnapshots:
                     self._sources_read.set()
                     staged_s = time.perf_counter() - t0
                 c0 = time.thread_time()
-                copy_wall_s = self._write(step, meta, sources, on_sources_read=self._sources_read.set)
+                copy_wall_s = self._write(step, meta, sources, on_sources_read=self._sources_read.set, mark=mark)
                 copy_cpu_s = time.thread_time() - c0
             self.last_copy_wall_s = (self.last_sync_s or 0.0) + staged_s + copy_wall_s
             # The cost to training: the save point's part, the device transfer (wall: it holds PCIe and
@@ -244,7 +249,7 @@ class PeerSnapshots:
         return pack_meta(self.run_key, skeleton, self._specs, every)
 
     def _write(self, step: int, meta: bytes, tensors: list[torch.Tensor],
-               on_sources_read: Callable[[], None] | None = None) -> float:
+               on_sources_read: Callable[[], None] | None = None, mark: int = 0) -> float:
         """Copy into the older slot; returns the copy's seconds (without a first-use slot allocation)."""
         specs, data_len = self._specs, self._data_len
         slot = self._slots[self._next]
@@ -269,7 +274,7 @@ class PeerSnapshots:
                 torch._foreach_copy_(slot.views, tensors)
         if on_sources_read is not None:
             on_sources_read()
-        seal(mm, data_off, data_len, gen)  # valid only now that the whole copy is in the slot
+        seal(mm, data_off, data_len, gen, mark)  # valid only now that the whole copy is in the slot
         self._next ^= 1
         self.last_step = step
         self.last_bytes = data_len
