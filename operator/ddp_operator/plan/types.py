@@ -41,8 +41,8 @@ class Observed:
     network_policy_uid: str | None = None
     # Children whose create met an object this job does not own: name -> what is in the way (k8s.ChildConflict).
     conflicts: Mapping[str, str] = field(default_factory=dict)
-    # Hang detection: every current trainer pod's own progress report (None: it did not answer), handed in only
-    # when the shell found rank 0's step unchanged for failurePolicy.hangTimeoutSeconds (hang.py).
+    # Hang detection: every current trainer pod's own progress report keyed by pod UID (None: it did not answer),
+    # handed in only when the shell found no newer step from any pod for failurePolicy.hangTimeoutSeconds (hang.py).
     hang_reports: Mapping[str, Mapping[str, Any] | None] | None = None
     # Children whose create the API server refused (quota, PodSecurity, a webhook, an invalid field):
     # name -> "cannot create Pod <name>: <code> <reason>: <message>". The shell retries them with a backoff.
