@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from ddp_operator import k8s, names
+from ddp_operator import k8s, leader, names
 from ddp_operator.jobs import kept_job, kept_pod
 from ddp_operator.kueue import indexed_workload
 from ddp_operator.reconciler import RETRY_SECONDS, Config, Reconciler
@@ -54,7 +54,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         settings.watching.label_selectors[names.KUEUE_API_VERSION, names.WORKLOAD_PLURAL] = names.LABEL_JOB_NAME
     settings.execution.max_workers = 16
     settings.networking.request_timeout = 60
-    memo.reconciler = r = Reconciler(k8s.Api(), config)
+    # With leader election, every write is fenced by this replica's Lease (leader.write_fence).
+    memo.reconciler = r = Reconciler(k8s.Api(fence=leader.write_fence()), config)
     threading.Thread(target=r.run_ticker, name="ddp-ticker", daemon=True).start()
 
 

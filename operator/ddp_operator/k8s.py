@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 from datetime import datetime, timezone
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -51,8 +51,17 @@ def describe_error(e: Exception) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+class NotLeading(Exception):
+    """This replica may not write: its leadership (leader.py) is not known to hold now."""
+
+
 class Api:
-    def __init__(self) -> None:
+    """`fence` (with leader election): how many seconds this replica's leadership still holds; every write is
+    refused (NotLeading) once it is <= 0 and is given at most that long, so a replica that lost or could not renew
+    its Lease -- paused, partitioned, slow to notice -- never writes over the new leader's work."""
+    fence: Callable[[], float] | None = None
+
+    def __init__(self, fence: Callable[[], float] | None = None) -> None:
         try:
             config.load_incluster_config()
         except config.ConfigException:
@@ -63,6 +72,16 @@ class Api:
         self.coordination = client.CoordinationV1Api(self.client)
         self.networking = client.NetworkingV1Api(self.client)
         self._nodes_forbidden = False
+        self.fence = fence
+
+    def _write(self, verb: str, kind: str) -> float:
+        """Before every write: the fence, the write counted, and its request timeout."""
+        left = self.fence() if self.fence is not None else REQUEST_TIMEOUT_SECONDS
+        if left <= 0:
+            raise NotLeading(f"{verb} {kind} refused: this replica's leader Lease is not renewed (another replica may "
+                             f"lead); it exits and rejoins as a standby")
+        metrics.API_WRITES.labels(verb, kind).inc()
+        return min(REQUEST_TIMEOUT_SECONDS, left)
 
     def _dict(self, obj: Any) -> dict:
         return self.client.sanitize_for_serialization(obj)
@@ -74,8 +93,7 @@ class Api:
         Raises ChildConflict if an object of the same name exists that the job (by the UID in the body's owner
         reference) does not own."""
         ns, kind = body["metadata"]["namespace"], body["kind"]
-        metrics.API_WRITES.labels("create", kind).inc()
-        t = REQUEST_TIMEOUT_SECONDS
+        t = self._write("create", kind)
         try:
             if kind == "Pod":
                 return self._dict(self.core.create_namespaced_pod(ns, body, _request_timeout=t))
@@ -138,7 +156,7 @@ class Api:
                    grace_seconds: int | None = None) -> None:
         """Delete a pod (only this UID); `force`: at once, without waiting for the kubelet; `grace_seconds`: a
         grace period shorter than the pod's own."""
-        metrics.API_WRITES.labels("force-delete" if force else "delete", "Pod").inc()
+        t = self._write("force-delete" if force else "delete", "Pod")
         body: dict[str, Any] = {}
         if uid:
             body["preconditions"] = {"uid": uid}
@@ -147,49 +165,49 @@ class Api:
         elif grace_seconds is not None:
             body["gracePeriodSeconds"] = grace_seconds
         try:
-            self.core.delete_namespaced_pod(name, namespace, body=body, _request_timeout=REQUEST_TIMEOUT_SECONDS)
+            self.core.delete_namespaced_pod(name, namespace, body=body, _request_timeout=t)
         except ApiException as e:
             if e.status not in (404, 409):
                 raise
 
     def patch_pod(self, namespace: str, name: str, uid: str | None, patch: Mapping[str, Any]) -> None:
         """Merge-patch a pod's metadata (only this UID: the UID in the patch is the API server's precondition)."""
-        metrics.API_WRITES.labels("patch", "Pod").inc()
+        t = self._write("patch", "Pod")
         body = {**patch, "metadata": {**(patch.get("metadata") or {}), **({"uid": uid} if uid else {})}}
         try:
             self.core.patch_namespaced_pod(name, namespace, body, _content_type=MERGE_PATCH,
-                                           _request_timeout=REQUEST_TIMEOUT_SECONDS)
+                                           _request_timeout=t)
         except ApiException as e:
             if e.status not in (404, 409):  # gone, or a newer pod of that name: the next pass sees it
                 raise
 
     def delete_network_policy(self, namespace: str, name: str, uid: str | None) -> None:
-        metrics.API_WRITES.labels("delete", "NetworkPolicy").inc()
+        t = self._write("delete", "NetworkPolicy")
         body = {"preconditions": {"uid": uid}} if uid else {}
         try:
-            self.networking.delete_namespaced_network_policy(name, namespace, body=body)
+            self.networking.delete_namespaced_network_policy(name, namespace, body=body, _request_timeout=t)
         except ApiException as e:
             if e.status not in (404, 409):
                 raise
 
     def delete_job(self, namespace: str, name: str, uid: str) -> None:
-        metrics.API_WRITES.labels("delete", names.KIND).inc()
+        t = self._write("delete", names.KIND)
         try:
             self.custom.delete_namespaced_custom_object(
                 names.GROUP, names.VERSION, namespace, names.PLURAL, name,
                 body={"preconditions": {"uid": uid}, "propagationPolicy": "Background"},
-                _request_timeout=REQUEST_TIMEOUT_SECONDS)
+                _request_timeout=t)
         except ApiException as e:
             if e.status not in (404, 409):
                 raise
 
     # --- Kueue (kueue.py) -------------------------------------------------------------------------
     def delete_workload(self, namespace: str, name: str, uid: str | None) -> None:
-        metrics.API_WRITES.labels("delete", names.WORKLOAD_KIND).inc()
+        t = self._write("delete", names.WORKLOAD_KIND)
         try:
             self.custom.delete_namespaced_custom_object(
                 names.KUEUE_GROUP, names.KUEUE_VERSION, namespace, names.WORKLOAD_PLURAL, name,
-                body={"preconditions": {"uid": uid}} if uid else {}, _request_timeout=REQUEST_TIMEOUT_SECONDS)
+                body={"preconditions": {"uid": uid}} if uid else {}, _request_timeout=t)
         except ApiException as e:
             if e.status not in (404, 409):
                 raise
@@ -198,17 +216,17 @@ class Api:
                        status: bool = False) -> bool:
         """Merge-patch a Workload's spec (or, with `status`, its status subresource). The patch may carry a
         resourceVersion (optimistic: False when Kueue wrote in between; the next pass computes it again)."""
-        metrics.API_WRITES.labels("patch-status" if status else "patch", names.WORKLOAD_KIND).inc()
+        t = self._write("patch-status" if status else "patch", names.WORKLOAD_KIND)
         body = {**patch, "metadata": {**(patch.get("metadata") or {}), **({"uid": uid} if uid else {})}}
         try:
             if status:
                 self.custom.patch_namespaced_custom_object_status(
                     names.KUEUE_GROUP, names.KUEUE_VERSION, namespace, names.WORKLOAD_PLURAL, name, body,
-                    _content_type=MERGE_PATCH, _request_timeout=REQUEST_TIMEOUT_SECONDS)
+                    _content_type=MERGE_PATCH, _request_timeout=t)
             else:
                 self.custom.patch_namespaced_custom_object(
                     names.KUEUE_GROUP, names.KUEUE_VERSION, namespace, names.WORKLOAD_PLURAL, name, body,
-                    _content_type=MERGE_PATCH, _request_timeout=REQUEST_TIMEOUT_SECONDS)
+                    _content_type=MERGE_PATCH, _request_timeout=t)
             return True
         except ApiException as e:
             if e.status in (404, 409):
@@ -243,11 +261,11 @@ class Api:
     # --- the DDPJob -------------------------------------------------------------------------------
     def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         """Merge-patch status; keys mapped to None are removed."""
-        metrics.API_WRITES.labels("patch-status", names.KIND).inc()
+        t = self._write("patch-status", names.KIND)
         try:
             self.custom.patch_namespaced_custom_object_status(
                 names.GROUP, names.VERSION, namespace, names.PLURAL, name, {"status": dict(status)},
-                _content_type=MERGE_PATCH, _request_timeout=REQUEST_TIMEOUT_SECONDS)
+                _content_type=MERGE_PATCH, _request_timeout=t)
         except ApiException as e:
             if e.status != 404:  # deleted meanwhile: nothing to report on
                 raise
@@ -255,7 +273,7 @@ class Api:
     def post_event(self, job: Mapping[str, Any], type_: str, reason: str, message: str, component: str) -> None:
         meta = job["metadata"]
         now = datetime.now(timezone.utc)
-        metrics.API_WRITES.labels("create", "Event").inc()
+        t = self._write("create", "Event")
         event = {
             "apiVersion": "v1",
             "kind": "Event",
@@ -276,7 +294,7 @@ class Api:
             "count": 1,
         }
         try:
-            self.core.create_namespaced_event(meta["namespace"], event, _request_timeout=REQUEST_TIMEOUT_SECONDS)
+            self.core.create_namespaced_event(meta["namespace"], event, _request_timeout=t)
         except ApiException as e:  # Events are best effort
             log.warning("could not post event %s for %s/%s: %s", reason, meta["namespace"], meta["name"], e.reason)
 

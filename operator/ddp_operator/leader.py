@@ -9,6 +9,10 @@ The rules (the client-go approach; no clock is compared across machines):
   successful renewal, or it sees another holder, it stops leading: the process exits (a restarted pod rejoins
   as a standby).
 
+- Every write of the operator is fenced by the Lease (k8s.Api(fence=write_fence())): refused once the renew
+  deadline of the last successful renewal has passed or another holder was seen, and given at most the time left,
+  so a paused or partitioned leader writes nothing in the moment before its renewer notices and exits.
+
 Why they never overlap: a renewal that started at t0 is written after t0, so a standby sees that record at
 t0 or later and takes over at t0 + lease at the earliest, while the leader has exited by t0 + renew deadline.
 """
@@ -27,6 +31,16 @@ log = logging.getLogger(__name__)
 LEASE_SECONDS = 15
 RENEW_DEADLINE_SECONDS = 10.0
 RETRY_SECONDS = 2.0
+
+
+# The elector that made this process the leader (acquire()): a process holds one Lease, and the operator's API
+# client, made after leadership is won (handlers.configure), fences its writes with it (write_fence).
+_LEADER: LeaderElector | None = None
+
+
+def write_fence() -> Callable[[], float] | None:
+    """The fence for this process's writes (k8s.Api(fence=...)): None without leader election."""
+    return _LEADER.valid_for if _LEADER is not None else None
 
 
 def _now() -> datetime:
@@ -66,6 +80,16 @@ class LeaderElector:
     @property
     def leading(self) -> bool:
         return self._renewed_at is not None and self._lost_to is None
+
+    def valid_for(self) -> float:
+        """Seconds this replica's leadership still holds: until the renew deadline of its last successful renewal
+        (before a standby could take over), 0 once it is past or another holder was seen. The writes' fence
+        (k8s.Api): a replica that could not renew in time -- paused, partitioned -- writes nothing, even in the
+        moment before the renewer notices and exits."""
+        renewed = self._renewed_at
+        if renewed is None or self._lost_to is not None:
+            return 0.0
+        return max(0.0, renewed + self.renew_deadline_seconds - self.clock())
 
     def _try(self, timeout: float) -> bool:
         """One acquire/renew attempt whose requests end within `timeout` seconds; True if we hold the Lease."""
@@ -117,6 +141,8 @@ class LeaderElector:
         while not self._stop.is_set():
             if self.try_acquire():
                 log.info("became the leader")
+                global _LEADER
+                _LEADER = self
                 threading.Thread(target=self._renew, name="lease-renewer", daemon=True).start()
                 return
             self._stop.wait(self.retry_seconds)

@@ -99,3 +99,26 @@ def test_standby_takes_over_from_a_killed_leader_and_no_pod_is_created_twice(ns,
             print("--- replica-a ---\n" + a.log()[-3000:])
         if b is not None:
             print("--- replica-b ---\n" + b.log()[-3000:])
+
+
+def test_a_replica_that_lost_the_lease_is_refused_its_status_write(ns, cluster, monkeypatch):
+    """Two electors in this process on the real Lease, one fake clock: the leader stalls (no renewal) past the lease,
+    the standby takes over, and the stale leader's status write is refused before it reaches the API server."""
+    from ddp_operator.k8s import Api, NotLeading
+    from ddp_operator.leader import LEASE_SECONDS, LeaderElector
+
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+    k, now = ns, [1000.0]
+
+    def elector(identity):
+        return LeaderElector(Api(), k.ns, LEASE, identity, clock=lambda: now[0], on_lost=lambda: None)
+    a, b = elector("stale-a"), elector("fresh-b")
+    assert a.try_acquire() and not b.try_acquire()
+    k.create_job(name="fenced")
+    Api(fence=a.valid_for).patch_status(k.ns, "fenced", {"message": "written by the leader"})
+    now[0] += LEASE_SECONDS + 1  # a stalled: b has seen the same record for a whole lease
+    assert b.try_acquire() and _holder(k)[0] == "fresh-b"
+    with pytest.raises(NotLeading):
+        Api(fence=a.valid_for).patch_status(k.ns, "fenced", {"message": "written by a stale leader"})
+    assert k.job("fenced")["status"]["message"] == "written by the leader"
+    Api(fence=b.valid_for).patch_status(k.ns, "fenced", {"message": "written by the new leader"})

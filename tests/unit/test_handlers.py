@@ -413,7 +413,7 @@ def test_the_memo_carries_the_configuration_to_the_reconciler_and_every_handler(
     from ddp_operator.reconciler import Config
 
     index = {"ddpjobs_by_key": {}, "pods_by_job": {}, "services_by_job": {}}
-    monkeypatch.setattr(k8s, "Api", lambda: FakeApi(index))
+    monkeypatch.setattr(k8s, "Api", lambda fence=None: FakeApi(index))
     config = Config(network_policy=NetworkPolicyConfig(enabled_by_default=False), kueue=True)
     memo, settings = handlers.memo(config), kopf.OperatorSettings()
     handlers.configure(settings=settings, memo=memo)
