@@ -379,12 +379,12 @@ def _spec_schema() -> dict:
                     "the rendezvous beside its replacement.",
                     minimum=1, maximum=MAXIMA["stuckTerminatingTimeoutSeconds"], default=f["stuckTerminatingTimeoutSeconds"]),
                 "hangTimeoutSeconds": _int(
-                    "Hang detection; 0 turns it off. While the job is Running with every pod running, if global "
-                    "rank 0's reported step (progress channel, docs/contract.md) has not changed for this long "
-                    "since the trainer last reported after a (re)start (a rank-0 probe that fails counts as not "
-                    "changed), the operator asks every trainer pod and deletes the stuck one(s): pods whose "
-                    "progress endpoint does not answer, else those reporting the lowest step, else the highest "
-                    "index. That breaks the blocked collective; the others restore from peer snapshots. "
+                    "Hang detection; 0 turns it off. While the job is Running with every pod running, if no "
+                    "trainer pod has reported a newer step (progress channel, docs/contract.md; every pod is "
+                    "probed at once, each with its own deadline) for this long since the trainer last reported "
+                    "after a (re)start (a probe that fails moves nothing), the operator deletes the stuck one(s): "
+                    "pods whose progress endpoint does not answer, else those reporting the lowest step, else "
+                    "the highest index. That breaks the blocked collective; the others restore from peer snapshots. "
                     "Recorded as an attempt with reason Hang. The default (1800, torch's default collective "
                     "timeout) never fires during a normal evaluation phase, when the step does not move; set "
                     "it above your longest evaluation. Needs progress polling: progressPeriodSeconds: 0 turns "

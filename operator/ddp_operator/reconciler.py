@@ -351,7 +351,7 @@ class Reconciler:
                 log.info("[%s/%s] deleting pod %s", *key, action.name)
                 self.api.delete_pod(namespace, action.name, action.uid, grace_seconds=action.grace_seconds)
             elif action.verb == FORCE_DELETE:
-                log.warning("[%s/%s] force-deleting pod %s on a NotReady or lost node", *key, action.name)
+                log.warning("[%s/%s] force-deleting pod %s (stuck Terminating, or on a NotReady or lost node)", *key, action.name)
                 self.api.delete_pod(namespace, action.name, action.uid, force=True)
             elif action.verb == PATCH:
                 log.info("[%s/%s] patching pod %s: %s", *key, action.name, action.body)

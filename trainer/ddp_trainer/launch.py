@@ -14,9 +14,10 @@ go"):
    agent imports torch (the two imports then run side by side). The script runs as `__main__` in the forked
    child (runpy), with the same argv, environment (RANK, LOCAL_RANK, MASTER_ADDR, … set by the agent),
    stdout/stderr and exit code as under torchrun.
-2. **The rendezvous is polled every `DDPJOB_RDZV_POLL_SECONDS` (0.1 s)** instead of torch's fixed 1 s while an
-   agent waits for the others, so a round completes within a tenth of a second of its last member arriving. Each
-   poll is one small read of the rendezvous state from the store pod.
+2. **A waiting agent reads the rendezvous state every `poll_interval(N)`** (rendezvous rule 6:
+   `min(DDPJOB_RDZV_POLL_SECONDS x max(1, N/8), 2 s)`, base 0.1 s, less up to 20 % jitter) instead of torch's fixed
+   1 s (its state holder's cache), so a round of up to 8 nodes completes within a tenth of a second of its last
+   member arriving, and N agents' reads of the O(N) state stay at most ~80 a second up to 160 nodes.
 3. **A stopped agent leaves the rendezvous.** torchrun's agent dies on SIGTERM (the kubelet's first signal when a
    pod is deleted, evicted or preempted, even with `--force --grace-period=0`) without leaving the round it
    trains in, so the others cannot form the next round before its heartbeats expire (keep-alive interval x
@@ -62,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from . import rendezvous
+from .rendezvous_rules import POLL_BASE_S
 from .env import FORKSERVER, LEAVE_ON_SIGNAL, POD_INDEX, RDZV_POLL, ConfigError, get_float, get_int, get_str
 
 # Imported once by the forkserver; every worker inherits them (copy-on-write) instead of importing them.
@@ -75,7 +77,7 @@ FORKSERVER_MODES = ("fork", "exec")  # DDPJOB_FORKSERVER: how the forkserver sta
 # command line, so they are told apart by name.
 FORKSERVER_NAME = "ddp-forkserver"
 WORKER_NAME = "ddp-worker"
-DEFAULT_RDZV_POLL_S = 0.1
+DEFAULT_RDZV_POLL_S = POLL_BASE_S
 # How long a stopping agent waits for its node to leave the rendezvous (a few store round trips when it is up).
 LEAVE_TIMEOUT_S = 2.0
 
