@@ -122,3 +122,7 @@ bench-node-loss: ## a kind worker stopped and frozen under a training job (docs/
 
 bench-report: ## rewrite the README's Measured table and docs/recovery.md's baselines from docs/bench/*.json
 	$(PY) tests/benchmarks/report.py --write
+
+.PHONY: bench-memory
+bench-memory: ## the operator's memory under 1,500 labelled Pending pods of 64 KiB annotations (docs/bench/operator_memory.json)
+	$(PY) tests/benchmarks/operator_memory.py --record

@@ -34,6 +34,7 @@ def memo(config: Config = Config()) -> kopf.Memo:
 JOBS = (names.GROUP, names.VERSION, names.PLURAL)
 NETWORK_POLICIES = (names.NETWORK_POLICY_API_VERSION, "networkpolicies")
 OWNED = {names.LABEL_JOB_NAME: kopf.PRESENT}
+LIST_CHUNK = 100  # objects per page of a listing
 
 
 @kopf.on.startup()
@@ -52,6 +53,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.label_selectors[NETWORK_POLICIES] = names.LABEL_JOB_NAME
     if config.kueue:
         settings.watching.label_selectors[names.KUEUE_API_VERSION, names.WORKLOAD_PLURAL] = names.LABEL_JOB_NAME
+    # The initial listings come a page at a time, each processed before the next is read: a namespace crowded with
+    # labelled pods is never held in memory all at once (the indexes keep only jobs.kept_pod of each).
+    settings.watching.chunk_size = LIST_CHUNK
     settings.execution.max_workers = 16
     settings.networking.request_timeout = 60
     # With leader election, every write is fenced by this replica's Lease (leader.write_fence).

@@ -421,6 +421,7 @@ def test_the_memo_carries_the_configuration_to_the_reconciler_and_every_handler(
         r = memo.reconciler
         assert r.config is config
         assert settings.watching.label_selectors[names.KUEUE_API_VERSION, names.WORKLOAD_PLURAL] == names.LABEL_JOB_NAME
+        assert settings.watching.chunk_size == handlers.LIST_CHUNK  # listings paged: never all pods at once
         key, body = ("ml", "mnist"), job_body()
         index["ddpjobs_by_key"][key] = [body]
         # Each resource handler gets a shallow copy of the operator's memo: the same Reconciler.
