@@ -97,6 +97,11 @@ def test_jobs_queue_for_quota_and_run_one_after_the_other(kubectl, ns, queue):
                "Kueue's reason (quota) in the queued job's message")
     assert not h.trainer_pods(kubectl, ns, "second"), "a queued job must have no pods"
     assert wl_condition(workload(kubectl, ns, "second"), "QuotaReserved").get("status") == "False"
+    # Removing the queue label does not let a queued job past Kueue: its Workload still gates it, and it says so.
+    kubectl("label", "ddpj", "second", "-n", ns, "kueue.x-k8s.io/queue-name-")
+    h.wait_for(lambda: "was removed" in h.status(kubectl, ns, "second").get("message", ""), 60,
+               "the queued job's message to say that its queue label was removed")
+    assert not h.trainer_pods(kubectl, ns, "second"), "a job whose queue label was removed must stay held"
 
     # The first job is admitted as a whole and placed by the flavor Kueue assigned.
     first_st = h.status(kubectl, ns, "first")
