@@ -26,10 +26,17 @@ MESSAGE_TAIL = 512
 STALE_GROUP = -1
 
 
-def parse_time(value: str | None) -> datetime | None:
-    if not value:
+def parse_time(value: Any) -> datetime | None:
+    """An RFC 3339 time from a pod, a status or a report, or None when absent or malformed (never raises)."""
+    if not value or not isinstance(value, str):
         return None
-    return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(timezone.utc)
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=timezone.utc)
+    return parsed.astimezone(timezone.utc)
 
 
 def format_time(value: datetime) -> str:

@@ -35,8 +35,8 @@ from kubernetes.client.exceptions import ApiException
 
 from ddp_operator import metrics, names
 from ddp_operator.backoff import CreateBackoff
-from ddp_operator.jobs import Created, JobRegistry, Key, owned_by
-from ddp_operator.k8s import ChildConflict, describe_error
+from ddp_operator.jobs import Created, JobRegistry, Key, kept_pod, owned_by
+from ddp_operator.k8s import ChildConflict, NotLeading, describe_error
 from ddp_operator.kueue import WorkloadState, observe_workload
 from ddp_operator.netpol import NetworkPolicyConfig
 from ddp_operator.observed import PodState, observe_pod
@@ -209,6 +209,10 @@ class Reconciler:
             try:
                 result = (self._reconcile(key, body) if hang_reports is None
                           else self._reconcile(key, body, hang_reports))
+            except NotLeading as e:  # this replica lost the Lease: it stops leading soon; nothing to retry
+                metrics.RECONCILES.labels("error").inc()
+                log.warning("[%s/%s] not written: %s", namespace, name, e)
+                return None
             except Exception as e:
                 metrics.RECONCILES.labels("error").inc()
                 log.warning("[%s/%s] reconcile failed, retrying in %.0fs: %s", namespace, name, RETRY_SECONDS,
@@ -367,7 +371,7 @@ class Reconciler:
         record = self.jobs.record(key)
         with self.jobs.guard:
             if action.kind == "Pod":
-                record.created[action.name] = Created(created, time.monotonic())
+                record.created[action.name] = Created(kept_pod(created), time.monotonic())
             elif action.kind == "NetworkPolicy":
                 record.policy_created = (created["metadata"].get("uid"), time.monotonic())
 

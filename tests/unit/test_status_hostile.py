@@ -169,3 +169,17 @@ def test_a_report_with_a_rank_that_is_not_a_rank_is_nobodys():
     # null is "not measured" (a diverging loss, no checkpoint yet): left out, not invalid
     clean, invalid = valid_report({**GOOD, "loss": None, "lastCheckpointStep": None})
     assert invalid == () and "loss" not in clean
+
+
+@pytest.mark.parametrize("value", ["yesterday", "2026-13-45T99:00:00Z", 17, ["2026-01-01T00:00:00Z"], {"t": 1}])
+def test_a_malformed_time_on_a_pod_is_unknown_never_an_exception(value):
+    """deletionTimestamp and a container's finishedAt are read from the pod: a malformed one reads as unknown."""
+    failed = trainer(1, phase="Failed", exit_code=1, restart_policy="Never")
+    failed["metadata"]["deletionTimestamp"] = value
+    failed["status"]["containerStatuses"][0]["state"]["terminated"]["finishedAt"] = value
+    state = observe_pod(failed)
+    assert state.deleting and state.deletion_time is None and state.finished_at is None
+    job, status = _running()
+    p = plan(job, status, observed(rdzv(), trainer(0), failed), later(5))
+    assert p.status["restarts"] == 1
+    _strict(p.status)
