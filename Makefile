@@ -126,3 +126,7 @@ bench-report: ## rewrite the README's Measured table and docs/recovery.md's base
 .PHONY: bench-memory
 bench-memory: ## the operator's memory under 1,500 labelled Pending pods of 64 KiB annotations (docs/bench/operator_memory.json)
 	$(PY) tests/benchmarks/operator_memory.py --record
+
+.PHONY: bench-elastic
+bench-elastic: ## elastic jobs: kubectl scale down/up and a kill at the desired size, vs rdzvBackend c10d and a fixed job (docs/bench/elastic.json)
+	$(PY) tests/benchmarks/elastic.py --record

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.benchmarks import api_writes, baselines, kueue_queue, results, scale, startup, trainer_recovery
+from tests.benchmarks import api_writes, baselines, elastic, kueue_queue, results, scale, startup, trainer_recovery
 from tests.e2e import harness as h
 
 
@@ -298,3 +298,68 @@ def test_trainer_recovery_ours_survived_exactly_and_stock_died_passes():
 ])
 def test_trainer_recovery_a_miss_fails(key, bad, figure):
     one_miss(trainer_recovery.goals_missed(changed(recovery_result(), (key,), bad)), figure)
+
+
+# --- elastic ------------------------------------------------------------------------------------------------------
+
+def elastic_acts(resize_s: dict, kill_s: float, fixed_s: float, sizes: list[int], lost: int = 1) -> list[dict]:
+    """One cycle of `make bench-elastic`'s acts on the default job and a fixed job's kill, as elastic.act records
+    them: resizes taking resize_s[direction], the elastic kill re-forming at `sizes`."""
+    kill = {"act": "kill", "from": 2, "to": 2, "variant": "default", "recovery_s": kill_s, "at_size_s": kill_s + 1,
+            "steps_lost": lost, "reforms": len(sizes), "world_size_changes": sum(1 for s in sizes if s != 2),
+            "sizes": sizes}
+    scales = [{"act": "scale", "from": a, "to": b, "variant": "default", "direction": "down" if b < a else "up",
+               "recovery_s": 1.0, "at_size_s": resize_s["down" if b < a else "up"], "steps_lost": 0,
+               "failures_counted": 0} for a, b in [(2, 1), (1, 2), (2, 3), (3, 2)]]
+    fixed = {"act": "kill", "from": 2, "to": 2, "variant": "fixed", "recovery_s": fixed_s, "steps_lost": 1}
+    return [fixed, kill, *scales]
+
+
+def elastic_result(**kw) -> dict:
+    defaults = {"resize_s": {"down": 3.1, "up": 4.9}, "kill_s": 6.9, "fixed_s": 6.0, "sizes": [2]}
+    return elastic.result(elastic_acts(**{**defaults, **kw}), "c10d", 0.1)
+
+
+def test_elastic_resizes_within_5_s_and_a_kill_like_the_fixed_jobs_pass():
+    r = elastic_result()
+    assert r["resize_s_p50"] == {"down": 3.1, "up": 4.9} and r["reforms_per_kill"] == 1, r
+    assert elastic.goals_missed(r) == []
+
+
+def test_elastic_todays_figures_miss_the_resize_and_the_kill_goals():
+    """Issue 34 as measured before the fix: resizes 12.5-14.5 s, and a kill that first re-forms smaller."""
+    r = elastic_result(resize_s={"down": 13.5, "up": 12.5}, kill_s=11.8, sizes=[1, 2])
+    missed = elastic.goals_missed(r)
+    assert [m.split(" = ")[0] for m in missed] == ["resize_s_p50.down", "resize_s_p50.up",
+                                                  "elastic_kill_recovery_s_p50", "reforms_per_kill",
+                                                  "world_size_changes_per_kill"], missed
+
+
+@pytest.mark.parametrize("kw, figure", [
+    ({"resize_s": {"down": 5.1, "up": 1.0}}, "resize_s_p50.down"),
+    ({"resize_s": {"down": 1.0, "up": None}}, "resizes_done"),  # a resize that never reached its size
+    ({"kill_s": 7.1}, "elastic_kill_recovery_s_p50"),  # more than 1 s slower than the fixed job's kill
+    ({"sizes": [2, 2]}, "reforms_per_kill"),  # re-formed twice at the same size
+    ({"lost": 2}, "steps_lost_max"),
+])
+def test_elastic_a_miss_fails(kw, figure):
+    missed = elastic.goals_missed(elastic_result(**kw))
+    if figure == "resizes_done":  # the size never reached leaves its direction unmeasured too
+        assert len(missed) == 2 and "resizes_done" in missed[0] and "resize_s_p50.up" in missed[1], missed
+    else:
+        one_miss(missed, figure)
+
+
+def test_elastic_a_resize_that_counts_a_failure_fails():
+    acts = elastic_acts({"down": 3.0, "up": 4.0}, 6.0, 6.0, [2])
+    acts[2]["failures_counted"] = 1
+    one_miss(elastic.goals_missed(elastic.result(acts, "c10d", 0.1)), "resize_failures_counted")
+
+
+def test_elastic_the_baseline_is_reported_beside_and_never_judged():
+    acts = elastic_acts({"down": 3.0, "up": 4.0}, 6.0, 6.0, [2])
+    slow = [{**a, "variant": "c10d", "at_size_s": 13.0, "recovery_s": 12.0} for a in acts if a["variant"] != "fixed"]
+    r = elastic.result(acts + slow, "c10d", 0.1)
+    assert r["baseline"]["resize_s_p50"] == {"down": 13.0, "up": 13.0}, r["baseline"]
+    assert r["baseline"]["rdzvBackend"] == "c10d" and r["baseline"]["fixed_kill_recovery_s_p50"] == 6.0
+    assert elastic.goals_missed(r) == []
