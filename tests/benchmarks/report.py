@@ -288,6 +288,19 @@ def faults_table(bench_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def elastic(doc: Doc) -> str:
+    r = doc["result"]
+    b = r.get("baseline") or {}
+
+    def side(x: dict) -> str:
+        resize = x.get("resize_s_p50") or {}
+        return (f"resize down {_n(resize.get('down'), ' s')} / up {_n(resize.get('up'), ' s')}, kill "
+                f"{_n(x.get('elastic_kill_recovery_s_p50'), ' s')} ({_n(x.get('reforms_per_kill'))} re-form, "
+                f"{_n(x.get('world_size_changes_per_kill'))} size changes per kill)")
+    return (f"{side(r)}; fixed-size kill {_n(r.get('fixed_kill_recovery_s_p50'), ' s')}; steps lost (max) "
+            f"{_n(r.get('steps_lost_max'))}; `rdzvBackend: {b.get('rdzvBackend')}` same run: {side(b)}")
+
+
 def faults_summary(doc: Doc) -> str:
     r = doc["result"]
     names = [f for f, *_ in FAULT_ROWS if f in r]
@@ -310,6 +323,9 @@ ROWS: list[tuple[str, str, Callable[[Doc], str], str, str]] = [
      trainer_baseline, "", "make bench-trainer-recovery"),
     ("stock torchrun set up as a skilled user would, same kill (5 configurations)", "baselines",
      baselines_summary, "", "make bench-baselines"),
+    ("elastic job (1..3 nodes): `kubectl scale` → 5 steps at the new size (p50), a pod killed at the desired size "
+     "→ first resumed step", "elastic", elastic, "resize ≤ 5 s, kill ≤ fixed + 1 s, 1 re-form and 0 size changes "
+     "per kill, ≤ 1 step lost", "make bench-elastic"),
     ("`kubectl apply` → pods Running / → first step", "startup", startup, "delta ≤ 2 s", "make bench-startup"),
     ("behind a real Kueue, quota for one 2-node job: queued start, and the hand-off to the job waiting behind it",
      "kueue_queue", kueue_queue, "", "make bench-kueue"),
