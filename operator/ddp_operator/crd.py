@@ -36,6 +36,7 @@ DEFAULTS: dict[str, Any] = {
         "keepAliveIntervalSeconds": 1,
         "keepAliveMaxAttempts": 3,
         "maxRestarts": 10,
+        "rdzvBackend": names.RDZV_BACKEND_AUTO,
     },
     "failurePolicy": {
         "backoffLimit": 6,
@@ -329,6 +330,18 @@ def _spec_schema() -> dict:
                     "torchrun --max-restarts: worker-group restarts inside a pod (a peer's loss uses one on "
                     "every survivor) before torchrun exits and the operator replaces the pod.",
                     minimum=0, maximum=10000, default=t["maxRestarts"]),
+                "rdzvBackend": _str(
+                    f"torchrun --rdzv-backend. `{names.RDZV_BACKEND_AUTO}` (the default): "
+                    f"`{names.RDZV_BACKEND_SPARES}` for a job with spares or an elastic range (minNodes < maxNodes), "
+                    f"else `{names.RDZV_BACKEND}`. `{names.RDZV_BACKEND_SPARES}` is the trainer image's ddp_trainer "
+                    "package (trainer/Dockerfile): c10d whose round closes as soon as spec.nodes agents "
+                    f"joined (the pods follow spec.nodes through their annotation {names.NODES_ANNOTATION}), where "
+                    "torch's c10d waits lastCallTimeoutSeconds for maxNodes on every start and resize, and that "
+                    f"keeps hot spares waiting. `{names.RDZV_BACKEND}`: torch's own, for an elastic job whose image "
+                    "has no ddp_trainer (each round waits the last call); not with spares. A job whose image lacks "
+                    f"ddp_trainer but gets `{names.RDZV_BACKEND_SPARES}` fails at once with reason "
+                    f"{names.REASON_RDZV_BACKEND_MISSING}. Immutable.",
+                    enum=list(names.RDZV_BACKENDS), default=t["rdzvBackend"]),
                 "extraArgs": {
                     "type": "array",
                     "description": "Further torchrun options as `--option=value` or `--flag`; each becomes a "
@@ -488,6 +501,10 @@ def _spec_schema() -> dict:
               "spec.spares needs a fixed-size job (minNodes == maxNodes == nodes): torchrun would admit a spare as "
               "a training node whenever fewer than maxNodes train; remove spec.spares or spec.minNodes/maxNodes",
               ".spares"),
+        _rule("!has(self.spares) || self.spares == 0 || !has(self.torchrun) || !has(self.torchrun.rdzvBackend) || "
+              f"self.torchrun.rdzvBackend != '{names.RDZV_BACKEND}'",
+              f"spec.spares need the {names.RDZV_BACKEND_SPARES} rendezvous backend (torch's c10d livelocks with a "
+              "spare): set spec.torchrun.rdzvBackend to auto or remove spec.spares", ".torchrun.rdzvBackend"),
     ]
     # Elastic range and everything baked into pods are fixed at creation.
     rules += [

@@ -40,6 +40,23 @@ def rdzv_conf(job: Job) -> str:
     ])
 
 
+def rdzv_backend(job: Job) -> str:
+    """torchrun's --rdzv-backend (spec.torchrun.rdzvBackend): "auto" is ddpjob-c10d for a job with spares (torch's c10d
+    livelocks with a spare) or an elastic range (a round closes once spec.nodes agents joined instead of waiting
+    lastCallTimeoutSeconds for maxNodes), else c10d."""
+    s = job.spec
+    if s.torchrun.rdzv_backend != names.RDZV_BACKEND_AUTO:
+        return s.torchrun.rdzv_backend
+    return names.RDZV_BACKEND_SPARES if s.spares or s.min_nodes < s.max_nodes else names.RDZV_BACKEND
+
+
+def follows_desired_size(job: Job) -> bool:
+    """Whether the job's pods are told spec.nodes (names.NODES_ANNOTATION, a downward API file named by
+    ENV_NODES_FILE) for their rendezvous to follow (ddp_trainer.rendezvous, rule 3): where ddpjob-c10d runs, the only
+    backend that reads it. pod.py renders it, plan/spares.py keeps it equal to spec.nodes."""
+    return rdzv_backend(job) == names.RDZV_BACKEND_SPARES
+
+
 def extra_arg_env(arg: str) -> tuple[str, str]:
     """`--log-dir=/x` -> ("PET_LOG_DIR", "/x"); a bare `--flag` -> ("PET_FLAG", "1"), as torchrun's env action reads it."""
     option, sep, value = arg[2:].partition("=")
@@ -56,8 +73,7 @@ def trainer_env(job: Job, index: int, group: int) -> list[dict]:
     env = [
         _var(names.ENV_NNODES, f"{s.min_nodes}:{s.max_nodes}"),
         _var(names.ENV_NPROC_PER_NODE, s.nproc_per_node),
-        # Spares need the backend that keeps a full group from restarting for them (spares.py).
-        _var(names.ENV_RDZV_BACKEND, names.RDZV_BACKEND_SPARES if s.spares else names.RDZV_BACKEND),
+        _var(names.ENV_RDZV_BACKEND, rdzv_backend(job)),
         _var(names.ENV_RDZV_ENDPOINT, rdzv_endpoint(job)),
         _var(names.ENV_RDZV_ID, rdzv_id(job, group)),
         _var(names.ENV_RDZV_CONF, rdzv_conf(job)),
@@ -72,8 +88,9 @@ def trainer_env(job: Job, index: int, group: int) -> list[dict]:
         _var(names.ENV_JOB_NAME, job.name),
         _var(names.ENV_JOB_NAMESPACE, job.namespace),
         _var(names.ENV_POD_INDEX, index),
-        # The rendezvous size follows spec.nodes through this file, so a job with spares can be scaled (pod.py).
-        *([_var(names.ENV_NODES_FILE, f"{names.NODES_DIR}/{names.NODES_FILE}")] if s.spares else []),
+        # The rendezvous size follows spec.nodes through this file: a round closes at it, and a scale re-forms the
+        # group at the new size without new pods (pod.py).
+        *([_var(names.ENV_NODES_FILE, f"{names.NODES_DIR}/{names.NODES_FILE}")] if follows_desired_size(job) else []),
         *([_var(names.ENV_CHECKPOINT_DIR, s.checkpoint.mount_path)] if s.checkpoint else []),
         _var(names.ENV_SNAPSHOT_DIR, names.SNAPSHOT_DIR),
         _var(names.ENV_PROGRESS_PORT, names.PROGRESS_PORT),

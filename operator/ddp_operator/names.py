@@ -108,6 +108,13 @@ ENV_PREFIX = "PET_"
 RESERVED_ENV = tuple(ENV_PREFIX + o.replace("-", "_").upper() for o in RESERVED_TORCHRUN_OPTIONS)
 RESERVED_ENV_PREFIX = ENV_PREFIX + RESERVED_OPTION_PREFIX.replace("-", "_").upper()
 GPU_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu")
+# spec.torchrun.rdzvBackend: "auto" picks RDZV_BACKEND_SPARES for jobs with spares or an elastic range (a round
+# closes at spec.nodes, env.rdzv_backend), else RDZV_BACKEND; both may also be named.
+RDZV_BACKEND_AUTO = "auto"
+RDZV_BACKENDS = (RDZV_BACKEND_AUTO, RDZV_BACKEND, RDZV_BACKEND_SPARES)
+# torch's registry when torchrun is asked for a backend nobody registered (torch 2.13, rendezvous/api.py): the last
+# line of the log, so of the termination message, of a trainer image without ddp_trainer run with ddpjob-c10d.
+RDZV_BACKEND_MISSING_TEXT = f"ValueError: The rendezvous backend '{RDZV_BACKEND_SPARES}' is not registered"
 
 # --- Status ---------------------------------------------------------------------------------------
 PHASE_PENDING = "Pending"
@@ -172,6 +179,8 @@ REASON_SPARE_RELEASED = "SpareReleased"
 # A trainer report (termination message, progress endpoint) with fields of the wrong type or out of range: they
 # are dropped, the rest used (status.valid_report).
 REASON_INVALID_REPORT = "InvalidReport"
+# A trainer image without ddp_trainer run with ddpjob-c10d (RDZV_BACKEND_MISSING_TEXT): the job fails at once.
+REASON_RDZV_BACKEND_MISSING = "RendezvousBackendMissing"
 
 # Why a pod that exists cannot start. Container waiting reasons set by the kubelet (CrashLoopBackOff is not
 # one: that container did start), and the scheduler's PodScheduled=False reason.

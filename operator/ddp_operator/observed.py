@@ -113,6 +113,14 @@ class PodState:
             self.restart_worker_exit_codes
 
 
+def rdzv_backend_missing(message: str) -> bool:
+    """Whether a trainer's termination message (a log tail) ends with torch's refusal of the ddpjob-c10d backend: the
+    image has no ddp_trainer. Believed only as the last line, where torchrun's traceback ends it (a script quoting
+    it earlier is an ordinary failure)."""
+    lines = (message or "").rstrip().splitlines()
+    return bool(lines) and lines[-1].startswith(names.RDZV_BACKEND_MISSING_TEXT)
+
+
 def _main_container_status(pod: Mapping, container_name: str) -> Mapping:
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         if cs.get("name") == container_name:

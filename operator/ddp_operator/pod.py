@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 from ddp_operator import names
-from ddp_operator.env import merge_env, trainer_env
+from ddp_operator.env import follows_desired_size, merge_env, trainer_env
 from ddp_operator.labels import child_metadata, pod_labels
 from ddp_operator.spec import Job
 
@@ -29,7 +29,7 @@ def _trainer_container(job: Job, container: dict, index: int, group: int) -> dic
         mounts.append({"name": names.SHM_VOLUME, "mountPath": names.SHM_PATH})
     if job.spec.checkpoint and not _has_mount(c, job.spec.checkpoint.mount_path):
         mounts.append({"name": names.CHECKPOINT_VOLUME, "mountPath": job.spec.checkpoint.mount_path})
-    if job.spec.spares:
+    if follows_desired_size(job):
         mounts.append({"name": names.NODES_VOLUME, "mountPath": names.NODES_DIR, "readOnly": True})
     if mounts:
         c["volumeMounts"] = mounts
@@ -78,7 +78,7 @@ def render_trainer_pod(job: Job, index: int, group: int) -> dict:
     if job.spec.checkpoint:  # spec.py rejects a template volume of the same name
         volumes.append({"name": names.CHECKPOINT_VOLUME, **copy.deepcopy(dict(job.spec.checkpoint.volume))})
     annotations = dict(meta.get("annotations") or {})
-    if job.spec.spares:
+    if follows_desired_size(job):
         # The kubelet rewrites the file when the annotation changes (plan/spares.py keeps it equal to spec.nodes).
         annotations.update(nodes_annotation(job))
         volumes.append({"name": names.NODES_VOLUME, "downwardAPI": {"items": [{
@@ -97,5 +97,6 @@ def render_trainer_pod(job: Job, index: int, group: int) -> dict:
 
 
 def nodes_annotation(job: Job) -> dict[str, str]:
-    """The annotation that tells a pod of a job with spares how many nodes train (ddp_trainer.rendezvous, rule 3)."""
+    """The annotation that tells a pod how many nodes train, the desired size its rendezvous follows
+    (env.follows_desired_size: jobs with spares or an elastic range; ddp_trainer.rendezvous, rule 3)."""
     return {names.NODES_ANNOTATION: str(job.spec.nodes)}

@@ -36,6 +36,7 @@ class Torchrun:
     keep_alive_max_attempts: int
     max_restarts: int
     extra_args: tuple[str, ...]
+    rdzv_backend: str = names.RDZV_BACKEND_AUTO  # as written; env.rdzv_backend resolves "auto"
 
 
 @dataclass(frozen=True)
@@ -276,8 +277,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         raise SpecError("spec.minNodes", f"must be <= spec.maxNodes ({min_nodes} > {max_nodes})")
     if not min_nodes <= nodes <= max_nodes:
         raise SpecError("spec.nodes", f"must be within [minNodes, maxNodes] = [{min_nodes}, {max_nodes}], got {nodes}")
-    spares = _int(spec, "spares", "spec.spares", default=d["spares"], maximum=names.MAX_SPARES)
-    assert spares is not None
+    spares = _int(spec, "spares", "spec.spares", default=d["spares"], maximum=names.MAX_SPARES) or 0
     if nodes + spares > names.MAX_NODES:
         raise SpecError("spec.spares", f"spec.nodes + spec.spares must be <= {names.MAX_NODES}, got {nodes + spares}")
     if spares and not min_nodes == nodes == max_nodes:
@@ -317,9 +317,16 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
                                      default=td["keepAliveMaxAttempts"], minimum=1),
         max_restarts=_int(t, "maxRestarts", "spec.torchrun.maxRestarts", default=td["maxRestarts"]),
         extra_args=_extra_args(t),
+        rdzv_backend=t.get("rdzvBackend", td["rdzvBackend"]),
     )
     if torchrun.rdzv_port == names.PROGRESS_PORT:
         raise SpecError("spec.torchrun.rdzvPort", f"must differ from the progress port {names.PROGRESS_PORT}")
+    if torchrun.rdzv_backend not in names.RDZV_BACKENDS:
+        raise SpecError("spec.torchrun.rdzvBackend", f"must be one of {', '.join(names.RDZV_BACKENDS)}, got "
+                                                     f"{torchrun.rdzv_backend!r}")
+    if spares and torchrun.rdzv_backend == names.RDZV_BACKEND:
+        raise SpecError("spec.torchrun.rdzvBackend", f"spares need the {names.RDZV_BACKEND_SPARES} backend (torch's "
+                                                     f"c10d livelocks with a spare): set auto or remove spec.spares")
 
     f = _section(spec, "failurePolicy")
     fd = d["failurePolicy"]
@@ -393,22 +400,12 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         raise SpecError("spec.networkPolicy.enabled", "must be true or false")
 
     return JobSpec(
-        nodes=nodes,
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        nproc_per_node=nproc,
-        omp_num_threads=omp,
+        nodes=nodes, min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc, omp_num_threads=omp,
         progress_period_seconds=_int(spec, "progressPeriodSeconds", "spec.progressPeriodSeconds",
                                      default=d["progressPeriodSeconds"],
                                      maximum=crd.MAXIMA["progressPeriodSeconds"]),
-        template=template,
-        torchrun=torchrun,
-        failure_policy=failure_policy,
-        run_policy=run_policy,
-        shm=shm,
-        checkpoint=checkpoint,
-        network_policy_enabled=network_policy_enabled,
-        spares=spares,
+        template=template, torchrun=torchrun, failure_policy=failure_policy, run_policy=run_policy, shm=shm,
+        checkpoint=checkpoint, network_policy_enabled=network_policy_enabled, spares=spares,
     )
 
 

@@ -15,7 +15,7 @@ def test_contract_variables():
     assert env == {
         "PET_NNODES": "2:4",
         "PET_NPROC_PER_NODE": "1",
-        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_BACKEND": "ddpjob-c10d",  # elastic: the round closes at spec.nodes (env.rdzv_backend)
         "PET_RDZV_ENDPOINT": "mnist-rdzv.mnist.ml.svc.cluster.local:29400",
         "PET_RDZV_ID": "0b5c-uid-2",
         "PET_RDZV_CONF": "is_host=0,join_timeout=600,last_call_timeout=10,keep_alive_interval=1,"
@@ -28,6 +28,7 @@ def test_contract_variables():
         "DDPJOB_NAME": "mnist",
         "DDPJOB_NAMESPACE": "ml",
         "DDPJOB_POD_INDEX": "1",
+        "DDPJOB_NODES_FILE": "/etc/ddpjob/nodes",
         "DDPJOB_SNAPSHOT_DIR": "/dev/shm/ddpjob",
         "DDPJOB_PROGRESS_PORT": "29401",
     }

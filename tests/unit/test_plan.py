@@ -1,7 +1,7 @@
 """plan.plan: tables of observed situations -> status, actions and Events."""
 
 from ddp_operator import names
-from ddp_operator.plan import CREATE, DELETE, DELETE_JOB, FORCE_DELETE, plan
+from ddp_operator.plan import CREATE, DELETE, DELETE_JOB, FORCE_DELETE, PATCH, plan
 
 from ddp_builders import NOW, later, make_job, observed, rdzv, trainer
 
@@ -354,11 +354,12 @@ def test_scale_down_and_up():
     job, status = _running(nodes=3, minNodes=1, maxNodes=4, n=3)
     down = make_job(nodes=2, minNodes=1, maxNodes=4)
     p = plan(down, status, observed(rdzv(), trainer(0), trainer(1), trainer(2)), later(1))
-    assert _acts(p) == [(DELETE, "mnist-2")]
+    # the survivors are told the new size (an elastic job's rendezvous closes its round at it: plan/spares.py)
+    assert _acts(p) == [(DELETE, "mnist-2"), (PATCH, "mnist-0"), (PATCH, "mnist-1")]
     assert p.status["phase"] == "Running" and p.status["restarts"] == 0 and p.status["nodes"]["desired"] == 2
     up = make_job(nodes=4, minNodes=1, maxNodes=4)
     p2 = plan(up, p.status, observed(rdzv(), trainer(0), trainer(1)), later(2))
-    assert _acts(p2) == [(CREATE, "mnist-2"), (CREATE, "mnist-3")]
+    assert _acts(p2) == [(CREATE, "mnist-2"), (CREATE, "mnist-3"), (PATCH, "mnist-0"), (PATCH, "mnist-1")]
     assert p2.status["phase"] == "Running" and p2.status["nodesReady"] == "2/4"
 
 
@@ -367,7 +368,7 @@ def test_scaled_down_pod_failing_is_not_counted():
     down = make_job(nodes=2, minNodes=1, maxNodes=4)
     p = plan(down, status, observed(rdzv(), trainer(0), trainer(1), trainer(2, phase="Failed", exit_code=143)),
              later(1))
-    assert p.status["restarts"] == 0 and _acts(p) == [(DELETE, "mnist-2")]
+    assert p.status["restarts"] == 0 and _acts(p) == [(DELETE, "mnist-2"), (PATCH, "mnist-0"), (PATCH, "mnist-1")]
 
 
 def test_stuck_terminating_pod_on_not_ready_node_is_force_deleted():

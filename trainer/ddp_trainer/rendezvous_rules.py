@@ -57,23 +57,40 @@ def wanted_nodes(path: str | None) -> int | None:
     return value if value > 0 else None
 
 
+def sized(spec_min: int, spec_max: int, wanted: int) -> tuple[int, int]:
+    """Rule 3: a round's (min_nodes, max_nodes) for the wanted size W, from the range torchrun started with (its
+    ``--nnodes``, the job's spec). A fixed range (a job with spares: nodes:nodes) becomes W:W. An elastic range
+    becomes min(spec min, W):W: torch completes a round the moment W agents joined (its join marks it complete when
+    the participants reach max_nodes), and waits the last call only while fewer are there (a pod starting or lost),
+    after which it still continues with as few as the spec allows."""
+    if spec_min == spec_max:
+        return wanted, wanted
+    return min(spec_min, wanted), wanted
+
+
 class _Size:
     """Rule 3: the handler's and its executor's settings follow the wanted size."""
 
     def __init__(self, handler: Any, path: str | None) -> None:
         self._handler, self._path = handler, path
+        spec = handler._settings  # torchrun's --nnodes: the job's own range
+        self.spec_range = (spec.min_nodes, spec.max_nodes)
 
     def follow(self) -> Any | None:
-        """The new settings when the wanted size differs from the round size in force, else None."""
+        """The new settings when the wanted size asks for other ones than those in force, else None (also without
+        a wanted size: the settings in force stay, at first the spec's own range)."""
         wanted = wanted_nodes(self._path)
         current = self._handler._settings
-        if wanted is None or wanted == current.min_nodes == current.max_nodes:
+        if wanted is None:
             return None
-        settings = dataclasses.replace(current, min_nodes=wanted, max_nodes=wanted)
+        min_nodes, max_nodes = sized(*self.spec_range, wanted)
+        if (min_nodes, max_nodes) == (current.min_nodes, current.max_nodes):
+            return None
+        settings = dataclasses.replace(current, min_nodes=min_nodes, max_nodes=max_nodes)
         self._handler._settings = settings
         self._handler._op_executor._settings = settings
-        log.warning("%s: the group size is now %d training nodes (was %d:%d, from %s)", BACKEND, wanted,
-                    current.min_nodes, current.max_nodes, self._path)
+        log.warning("%s: the group size is now %d training nodes (round %d:%d, was %d:%d, from %s)", BACKEND, wanted,
+                    min_nodes, max_nodes, current.min_nodes, current.max_nodes, self._path)
         return settings
 
 

@@ -14,6 +14,8 @@
   before (survivors crashing because a peer died). Exceeding the budget fails the job and stops the pods.
 - Exit codes listed as permanent (or not listed as retryable) fail the job at once, on a pod that ended as on an
   in-place restart (the trainer container's exit code and its workers' from torchrun's summary).
+- So does a trainer image without ddp_trainer asked for the ddpjob-c10d backend (observed.rdzv_backend_missing):
+  reason RendezvousBackendMissing, a message that says how to fix it; no restart could help.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 from ddp_operator import names
 from ddp_operator import spares as sparesmod
-from ddp_operator.observed import PodState
+from ddp_operator.observed import PodState, rdzv_backend_missing
 from ddp_operator.plan.spares import spare_released
 from ddp_operator.plan.state import Pass
 from ddp_operator.status import Event, invalid_report_event
@@ -69,6 +71,20 @@ def over_budget(ctx: Pass, what: str) -> bool:
     return False
 
 
+def backend_missing(ctx: Pass, p: PodState, message: str, restart: int | None = None) -> bool:
+    """A trainer whose torchrun found no ddpjob-c10d backend (its last log line): the job fails at once, counted,
+    with what to do, instead of a crash loop. False when the message says something else."""
+    if not rdzv_backend_missing(message):
+        return False
+    ctx.record(p, counted=True, restart=restart)
+    ctx.finish(names.PHASE_FAILED, names.REASON_RDZV_BACKEND_MISSING,
+               f"pod {p.name}: the trainer image has no ddp_trainer (the {names.RDZV_BACKEND_SPARES} rendezvous "
+               f"backend, which spec.torchrun.rdzvBackend auto picks for jobs with spares or minNodes < maxNodes): "
+               f"add trainer/ddp_trainer and trainer/ddp_trainer-0.1.0.dist-info to the image's Python path (as "
+               f"trainer/Dockerfile does) or set spec.torchrun.rdzvBackend: c10d")
+    return True
+
+
 def permanent(ctx: Pass, what: str) -> None:
     fp = ctx.job.spec.failure_policy
     field_name = ("spec.failurePolicy.permanentExitCodes" if fp.retryable_exit_codes is None
@@ -89,6 +105,8 @@ def in_place_restarts(ctx: Pass) -> bool:
         if sparesmod.released(p.restart_message, spares=ctx.job.spec.spares):
             spare_released(ctx, p, restart=p.restarts)
             continue
+        if backend_missing(ctx, p, p.restart_message, restart=p.restarts):
+            return False
         missed = p.restarts - ctx.restarts_recorded(p) - 1
         what = f"trainer container of pod {p.name} {describe_restart(p)}" + (
             f" ({missed} earlier restart(s) not observed)" if missed > 0 else "")
@@ -119,6 +137,8 @@ def trainer_failures(ctx: Pass) -> bool:
             spare_released(ctx, p)
             ctx.delete(p)
             continue
+        if p.disruption is None and backend_missing(ctx, p, p.message):
+            return False
         codes = p.exit_codes
         what = f"pod {p.name} {describe(p)}"
         if p.disruption is None and fp.is_permanent(codes):

@@ -9,9 +9,12 @@ SpareReleased, never counted and no incident. Once a trainer exited 0 the runnin
 (rank 0's final report, else status.progress.members; without either, all of them once spec.nodes trainers
 exited 0) are stopped at once. The hang rule judges members only (from the hang reports, else status.progress;
 without either, only pods that answered). spec.spares needs minNodes == maxNodes == nodes (admission refuses it;
-spec.py checks again). spec.nodes may change: every live current trainer pod of a job with spares carries
-spec.nodes in its annotation (names.NODES_ANNOTATION, patched with a UID precondition before any create), which
-its rendezvous backend follows (pod.py).
+spec.py checks again).
+
+The desired size (`desired_size`, not only for spares): every live current trainer pod of a job whose rendezvous
+follows spec.nodes (env.follows_desired_size: spares, or an elastic range, on ddpjob-c10d) carries spec.nodes in
+its annotation (names.NODES_ANNOTATION, patched with a UID precondition before any create), which its rendezvous
+backend follows (pod.py): a round closes at that size, and `kubectl scale` re-forms the group at the new one.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any, Mapping
 
 from ddp_operator import names
 from ddp_operator import spares as sparesmod
+from ddp_operator.env import follows_desired_size
 from ddp_operator.observed import PodState
 from ddp_operator.plan.state import Pass
 from ddp_operator.plan.types import PATCH, Action
@@ -57,13 +61,17 @@ def hang_candidates(ctx: Pass, pods: list[PodState],
     return answered if len(answered) >= ctx.job.spec.nodes else []
 
 
-def resized(ctx: Pass) -> None:
-    """Jobs with spares: every live current trainer pod's annotation says spec.nodes (the rendezvous follows it,
-    pod.py), so `kubectl scale` re-forms the group at the new size; patched before new pods are created."""
-    if not ctx.job.spec.spares:
+def desired_size(ctx: Pass) -> None:
+    """Jobs whose rendezvous follows spec.nodes (spares, elastic ranges): every live current trainer pod's annotation
+    says spec.nodes (pod.py), so a round closes at that size and `kubectl scale` re-forms the group at the new one;
+    patched before new pods are created (a pod beyond a smaller size is deleted, not patched: children.stale)."""
+    if not follows_desired_size(ctx.job):
         return
     wanted = nodes_annotation(ctx.job)
     for p in ctx.live:
         if ctx.current(p) and not p.deleting and not p.terminal and \
                 p.nodes_annotation != wanted[names.NODES_ANNOTATION]:
             ctx.actions.append(Action(PATCH, "Pod", p.name, {"metadata": {"annotations": wanted}}, uid=p.uid))
+
+
+resized = desired_size  # the name plan/__init__.py imports
