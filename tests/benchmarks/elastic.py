@@ -29,6 +29,7 @@ rdzvBackend c10d}, detail, goals_missed. --record also writes docs/bench/elastic
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -170,7 +171,7 @@ def figures(detail: list[dict], variant: str, fixed: list[dict]) -> dict:
     }
 
 
-def result(detail: list[dict], baseline_backend: str, step_delay: float) -> dict:
+def result(detail: list[dict], baseline_backend: str, step_delay: float, loadavg: list[float] | None = None) -> dict:
     fixed = [r for r in detail if r["variant"] == "fixed"]
     return {
         **figures(detail, "default", fixed),
@@ -179,6 +180,7 @@ def result(detail: list[dict], baseline_backend: str, step_delay: float) -> dict
                  "reforms_per_kill": 1, "world_size_changes_per_kill": 0, "steps_lost_max": 1,
                  "resize_failures_counted": 0},
         "step_delay_s": step_delay,
+        **({"loadavg_1m": loadavg} if loadavg else {}),  # the machine's load at the start and the end
         "detail": detail,
     }
 
@@ -206,6 +208,7 @@ def goals_missed(r: dict) -> list[str]:
 
 def main() -> int:
     a = parse_args()
+    load = [round(os.getloadavg()[0], 2)]
     _, k, op = h.start_operator()
     bench = None
     detail: list[dict] = []
@@ -222,7 +225,8 @@ def main() -> int:
         if bench is not None:
             h.delete_namespace(k, bench.ns)
         op.stop()
-    r = result(detail, a.baseline_backend, a.step_delay)
+    r = result(detail, a.baseline_backend, a.step_delay, load + [round(os.getloadavg()[0], 2)])
+    r["baseline"]["goals_missed"] = goals_missed(r["baseline"])  # what the baseline would miss: shown, not judged
     return results.emit_judged("elastic", r, goals_missed(r), mode="quick" if a.quick else "full", record=a.record)
 
 
