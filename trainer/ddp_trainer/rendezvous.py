@@ -37,13 +37,17 @@ This backend is the c10d handler with these rules added:
    higher-priority agent that is not waiting yet (still stopping its workers) is not waited for; survivors
    rejoin within a second of a loss, well before the lost agent's heartbeat expires and the new round starts.
 
-3. The group size follows the job (``kubectl scale`` of a job with spares). The operator keeps the wanted number
-   of training nodes (spec.nodes) in an annotation of every pod, which the kubelet writes into a downward API
-   file named by ``DDPJOB_NODES_FILE``. The backend reads it before every step of a join and whenever the agent
-   asks ``num_nodes_waiting()`` (each monitor interval): a new size becomes the round's min and max nodes, and
-   a training agent that sees it reports a waiting node, so every agent stops its workers and the group re-forms
-   at the new size (the spares stay spares: places go by rule 2). Agents that read the file a little later take
-   part in one more re-form; the size in the pod's ``PET_NNODES`` is only the starting value.
+3. The group size follows the job (``kubectl scale``; jobs with spares and elastic jobs). The operator keeps the
+   wanted number of training nodes W (spec.nodes) in an annotation of every pod, which the kubelet writes into a
+   downward API file named by ``DDPJOB_NODES_FILE``. The backend reads it before every step of a join and whenever
+   the agent asks ``num_nodes_waiting()`` (each monitor interval). W sets the round's settings (``sized``): with a
+   fixed ``--nnodes`` range (a job with spares) min = max = W; with an elastic range (minNodes < maxNodes)
+   max = W and min = min(spec min, W), so torch completes a round the moment W agents joined (its join marks it
+   complete when the participants reach max_nodes) instead of waiting the last call for maxNodes, and waits the
+   last call only while fewer than W are there (a pod starting or lost), after which it continues smaller. A
+   training agent that sees new settings reports a waiting node, so every agent stops its workers and the group
+   re-forms at the new size (the spares stay spares: places go by rule 2). Agents that read the file a little
+   later take part in one more re-form; without the file the round keeps ``PET_NNODES``, the spec's range.
 
 4. A replacement takes its predecessor's place at once. An agent killed without a chance to leave (SIGKILL: the OOM
    killer, a lost node, a container restarted in place) stays a participant until its heartbeats expire (keep-alive
@@ -99,7 +103,7 @@ that exit from a failure (docs/contract.md).
 
 torchrun finds the backend through the ``torchrun.handlers`` entry point (the ``ddp_trainer`` dist-info
 next to the package); the operator selects it with ``PET_RDZV_BACKEND=ddpjob-c10d`` for jobs with
-``spec.spares``. It uses torch internals (underscored names), so it checks them when it is created and
+``spec.spares`` or an elastic range (``spec.torchrun.rdzvBackend: auto``). It uses torch internals (underscored names), so it checks them when it is created and
 fails with a clear message rather than misbehave on a torch it was not written for.
 
 The rules' decisions and state writes are in ``ddp_trainer.rendezvous_rules``; this module wires them into
