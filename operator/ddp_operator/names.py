@@ -23,7 +23,7 @@ RDZV_POD_SUFFIX = "rdzv"
 SHM_VOLUME = "dshm"
 SHM_PATH = "/dev/shm"
 CHECKPOINT_VOLUME = "checkpoint"
-# Jobs with spares: spec.nodes in a pod annotation, which the kubelet writes into a file of a downward API volume;
+# Jobs on ddpjob-c10d (spares, elastic): spec.nodes in a pod annotation, which the kubelet writes into a file of a downward API volume;
 # the rendezvous backend (ddpjob-c10d) follows it, so `kubectl scale` re-forms the group at the new size.
 NODES_ANNOTATION = f"{GROUP}/nodes"
 NODES_VOLUME = "ddpjob-nodes"
@@ -82,15 +82,15 @@ ENV_PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
 ENV_JOB_NAME = "DDPJOB_NAME"
 ENV_JOB_NAMESPACE = "DDPJOB_NAMESPACE"
 ENV_POD_INDEX = "DDPJOB_POD_INDEX"
-# The wanted number of training nodes, a file the kubelet keeps (NODES_ANNOTATION); jobs with spares only.
+# The wanted number of training nodes, a file the kubelet keeps (NODES_ANNOTATION); jobs on ddpjob-c10d only.
 ENV_NODES_FILE = "DDPJOB_NODES_FILE"
 ENV_CHECKPOINT_DIR = "DDPJOB_CHECKPOINT_DIR"
 ENV_SNAPSHOT_DIR = "DDPJOB_SNAPSHOT_DIR"
 ENV_PROGRESS_PORT = "DDPJOB_PROGRESS_PORT"
 ENV_RDZV_PORT = "DDPJOB_RDZV_PORT"
 RDZV_BACKEND = "c10d"
-# Jobs with spec.spares: torch's c10d with the rules that keep spares from livelocking the group (the trainer
-# image's ddp_trainer.rendezvous, registered through the torchrun.handlers entry point).
+# Jobs with spec.spares or minNodes < maxNodes (spec.torchrun.rdzvBackend auto): torch's c10d with the rules that keep
+# spares from livelocking the group and close a round at the desired size (the trainer image's ddp_trainer.rendezvous, registered through the torchrun.handlers entry point).
 RDZV_BACKEND_SPARES = "ddpjob-c10d"
 # The last log line of a spare's torchrun released because a participant closed the rendezvous (the training
 # ended): with FallbackToLogsOnError it ends the termination message. Such an exit is not a failure.

@@ -53,7 +53,7 @@ from ddp_operator.plan.hang import hang
 from ddp_operator.plan.nodes import node_lost, node_lost_candidates, stuck, stuck_pods
 from ddp_operator.plan.phase import active_phase
 from ddp_operator.plan.rdzv_lost import rdzv_lost
-from ddp_operator.plan.spares import resized
+from ddp_operator.plan.spares import desired_size
 from ddp_operator.plan.startup import child_conflicts, create_refusals, startup_problems, startup_timeout
 from ddp_operator.plan.state import Pass
 from ddp_operator.plan.success import success
@@ -119,7 +119,7 @@ def run(ctx: Pass) -> None:
         return
     scaled(ctx)
     stale(ctx)
-    resized(ctx)
+    desired_size(ctx)
     create_missing(ctx)
     active_phase(ctx)
     child_conflicts(ctx)

@@ -72,6 +72,3 @@ def desired_size(ctx: Pass) -> None:
         if ctx.current(p) and not p.deleting and not p.terminal and \
                 p.nodes_annotation != wanted[names.NODES_ANNOTATION]:
             ctx.actions.append(Action(PATCH, "Pod", p.name, {"metadata": {"annotations": wanted}}, uid=p.uid))
-
-
-resized = desired_size  # the name plan/__init__.py imports
