@@ -1,4 +1,4 @@
-"""Shared fixtures for the trainer tests: uninterrupted reference runs of the digits job."""
+"""Shared fixtures for the trainer tests: uninterrupted reference runs of the digits job, and a one-process group."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from ddp_trainer.log import Logger
+from ddp_trainer.session import Session
 from ddp_trainer.testing import LocalCluster, free_port
 from tests.trainer.digits_job import DIGITS_ARGS, JOB_TIMEOUT, final_event
 
@@ -66,3 +70,12 @@ def reference_two_workers_per_pod(tmp_path_factory):
         assert rcs == {"node0": 0, "node1": 0}, cluster.dump()
         final = final_event(cluster)
         return {"digest": final["weights_sha256"], "steps": final.int("step")}
+
+
+@pytest.fixture
+def single_process_group():
+    """A one-process gloo group and its Session: a Run's collectives without a second process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield Session(rank=0, world_size=1, local_rank=0, local_world_size=1, group_rank=0, restart_count=0,
+                  run_key="unit", device=torch.device("cpu"), backend="gloo", log=Logger(0))
+    dist.destroy_process_group()

@@ -16,9 +16,7 @@ import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 from ddp_trainer import slot as slotmod
-from ddp_trainer.log import Logger
 from ddp_trainer.resident import ResidentState
 from ddp_trainer.run import Run
 from ddp_trainer.session import Session
@@ -114,14 +112,6 @@ def test_a_read_racing_a_rewrite_is_never_accepted_as_the_older_step(tmp_path, m
     assert whole, f"step {got.step} read back holding other tensors than the state sealed as step {got.step}"
     if writer == "rewritten and sealed":
         assert got is not None and got.step == 4  # re-read: the newer sealed step, whole
-
-
-@pytest.fixture
-def single_process_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield Session(rank=0, world_size=1, local_rank=0, local_world_size=1, group_rank=0, restart_count=0,
-                  run_key="unit", device=torch.device("cpu"), backend="gloo", log=Logger(0))
-    dist.destroy_process_group()
 
 
 def _run(session, shm, ckpt=None, **settings):

@@ -17,14 +17,6 @@ from ddp_trainer.slot import read_slot
 from ddp_trainer.state import model_digest
 
 
-@pytest.fixture
-def single_process_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield Session(rank=0, world_size=1, local_rank=0, local_world_size=1, group_rank=0, restart_count=0,
-                  run_key="unit", device=torch.device("cpu"), backend="gloo", log=Logger(0))
-    dist.destroy_process_group()
-
-
 def _bytes_read() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))

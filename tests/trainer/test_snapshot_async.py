@@ -9,12 +9,9 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from ddp_trainer import snapshot as snapmod
 from ddp_trainer.cadence import StepCost, choose_interval, settle_interval
-from ddp_trainer.log import Logger
 from ddp_trainer.run import Run
-from ddp_trainer.session import Session
 from ddp_trainer.snapshot import PeerSnapshots
 from ddp_trainer.state import model_digest
 
@@ -166,14 +163,6 @@ def test_a_failed_copy_leaves_the_previous_step_and_is_reported(tmp_path, monkey
     assert got.step == 1 and torch.equal(got.state["w"], torch.ones(8))
     monkeypatch.undo()
     snaps.close(remove=True)
-
-
-@pytest.fixture
-def single_process_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield Session(rank=0, world_size=1, local_rank=0, local_world_size=1, group_rank=0, restart_count=0,
-                  run_key="unit", device=torch.device("cpu"), backend="gloo", log=Logger(0))
-    dist.destroy_process_group()
 
 
 def _train(session, shm, *, stop_at=None, budget=2.0, every="auto", resident=True, torn=False):

@@ -2,59 +2,20 @@
 deadline), a newer step from any pod resets the hang clock, a malformed report is an Event once, and one job's
 failure to schedule never stops the others' probes."""
 
-import copy
 import dataclasses
 import socket
 import threading
 import time
 
 from ddp_operator import names, progress
-from ddp_operator.reconciler import Reconciler
 from ddp_trainer.testing import free_port
 
+from fake_api import fake_reconciler
 from ddp_builders import ProgressServer, job_body
 
 
-class FakeApi:
-    def __init__(self, index):
-        self.index = index
-        self.patches, self.events, self.deleted = [], [], []
-        self.n = 0
-
-    def create(self, body):
-        self.n += 1
-        obj = copy.deepcopy(dict(body))
-        obj["metadata"]["uid"] = f"pod-uid-{self.n}"
-        key = (obj["metadata"]["namespace"], obj["metadata"]["labels"].get(names.LABEL_JOB_NAME, obj["metadata"]["name"]))
-        if body["kind"] == "Pod":
-            self.index["pods_by_job"].setdefault(key, []).append(obj)
-        else:
-            self.index["services_by_job"].setdefault(key, []).append(True)
-        return obj
-
-    def delete_pod(self, namespace, name, uid, force=False, grace_seconds=None):
-        self.deleted.append(name)
-
-    def delete_job(self, namespace, name, uid):
-        pass
-
-    def patch_status(self, namespace, name, status):
-        self.patches.append(((namespace, name), copy.deepcopy(dict(status))))
-        for body in self.index["ddpjobs_by_key"].get((namespace, name), []):
-            body.setdefault("status", {}).update(copy.deepcopy(dict(status)))
-
-    def post_event(self, job, type_, reason, message, component):
-        self.events.append((job["metadata"]["name"], type_, reason, message))
-
-    def node_ready(self, name):
-        return True
-
-
 def _reconciler():
-    index = {"ddpjobs_by_key": {}, "pods_by_job": {}, "services_by_job": {}}
-    r = Reconciler(FakeApi(index))
-    r.indexes = index
-    return r
+    return fake_reconciler()
 
 
 def _running_job(r, name, **spec):
