@@ -424,6 +424,39 @@ def node_loss_table(bench_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def elastic_table(bench_dir: Path) -> str:
+    doc = results.load("elastic", bench_dir)
+    if doc is None:
+        return "Not recorded yet: run `make bench-elastic`."
+    r = doc["result"]
+    b = r.get("baseline") or {}
+    def resize(direction: str) -> Callable[[dict], str]:
+        return lambda x: _n((x.get("resize_s_p50") or {}).get(direction), " s")
+    rows = [
+        ("`kubectl scale` down → 5 steps at the new size (p50)", resize("down"), "≤ 5 s"),
+        ("`kubectl scale` up → 5 steps at the new size (p50)", resize("up"), "≤ 5 s"),
+        ("a pod killed at the desired size → first resumed step (p50)",
+         lambda x: _n(x.get("elastic_kill_recovery_s_p50"), " s"), "≤ the fixed job's + 1 s"),
+        ("the same kill in a fixed-size job (2 = minNodes = maxNodes, `c10d`)",
+         lambda x: _n(x.get("fixed_kill_recovery_s_p50"), " s"), ""),
+        ("re-forms per kill", lambda x: _n(x.get("reforms_per_kill")), "1"),
+        ("world-size changes per kill", lambda x: _n(x.get("world_size_changes_per_kill")), "0"),
+        ("steps lost (max, kills and resizes)", lambda x: _n(x.get("steps_lost_max")), "≤ 1"),
+        ("failures counted by the resizes", lambda x: _n(x.get("resize_failures_counted")), "0"),
+    ]
+    lines = [f"| | `rdzvBackend: {b.get('rdzvBackend')}` (before) | `auto` = `ddpjob-c10d` (after) | goal |",
+             "|---|---|---|---|"]
+    lines += [f"| {what} | {fig(b)} | {fig(r)} | {goal} |" for what, fig, goal in rows]
+    lines.append("")
+    lines.append(f"Recorded by `make bench-elastic`: {recorded(doc)}; a 1..3 digits job at `nodes: 2` per backend, "
+                 f"{r.get('kills')} kill(s) and {r.get('resizes')} resizes each (2 → 1 → 2 → 3 → 2 per cycle), step "
+                 f"delay {_n(r.get('step_delay_s'), ' s')}, last call 10 s; sizes are the trainers' own (rank "
+                 f"0's `event=session` lines, tests/benchmarks/rounds.py). Goals missed: "
+                 f"{', '.join(r.get('goals_missed') or []) or 'none'}; by the `c10d` job: "
+                 f"{', '.join(b.get('goals_missed') or []) or 'none'}.")
+    return "\n".join(lines)
+
+
 BLOCKS: list[tuple[Path, str, Callable[[Path], str]]] = [
     (README, "measured", measured_table),
     (RECOVERY, "baselines", baselines_table),
@@ -431,6 +464,7 @@ BLOCKS: list[tuple[Path, str, Callable[[Path], str]]] = [
     (RECOVERY, "faults", faults_table),
     (RECOVERY, "phases", phases_table),
     (RECOVERY, "node-loss", node_loss_table),
+    (RECOVERY, "elastic", elastic_table),
 ]
 
 
