@@ -1,6 +1,7 @@
 """An in-memory stand-in for ddp_operator.k8s.Api, and a Reconciler wired to it and to in-memory indexes: what the
-shell's tests (test_handlers, test_poller) drive passes through. It records what a pass writes; a name in
-`conflicts` meets a foreign object (k8s.ChildConflict)."""
+shell's tests (test_handlers, test_poller, test_plan_policy_hold, test_spec_template) drive passes through. It records
+what a pass writes (`creates`: (kind, name); `patches`: ((namespace, name), status); `events`: (job name, type,
+reason, message)); a name or a kind in `conflicts` meets a foreign object (k8s.ChildConflict)."""
 
 import copy
 
@@ -12,22 +13,26 @@ from ddp_operator.reconciler import Reconciler
 class FakeApi:
     def __init__(self, index):
         self.index = index
-        self.patches, self.events, self.deleted = [], [], []
+        self.patches, self.events, self.deleted, self.creates = [], [], [], []
         self.conflicts = set()
         self.n = 0
 
     def create(self, body):
-        name = body["metadata"]["name"]
-        if name in self.conflicts:
-            raise ChildConflict(body["kind"], body["metadata"]["namespace"], name, [])
+        kind, name = body["kind"], body["metadata"]["name"]
+        if name in self.conflicts or kind in self.conflicts:
+            raise ChildConflict(kind, body["metadata"]["namespace"], name, [])
+        self.creates.append((kind, name))
         self.n += 1
         obj = copy.deepcopy(dict(body))
         obj["metadata"]["uid"] = f"pod-uid-{self.n}"
         key = (obj["metadata"]["namespace"], obj["metadata"]["labels"].get(names.LABEL_JOB_NAME, name))
-        if body["kind"] == "Pod":
+        if kind == "Pod":
             self.index["pods_by_job"].setdefault(key, []).append(obj)
-        else:
+        elif kind == "Service":
             self.index["services_by_job"].setdefault(key, []).append(True)
+        elif "network_policies_by_job" in self.index:
+            self.index["network_policies_by_job"].setdefault(key, []).append(
+                (obj["metadata"]["uid"], tuple(o["uid"] for o in obj["metadata"]["ownerReferences"])))
         return obj
 
     def delete_pod(self, namespace, name, uid, force=False, grace_seconds=None):
@@ -48,9 +53,11 @@ class FakeApi:
         return True
 
 
-def fake_reconciler() -> Reconciler:
-    """A Reconciler on a FakeApi; `r.indexes` are the kopf indexes it reads, `r.api` the fake."""
-    index = {"ddpjobs_by_key": {}, "pods_by_job": {}, "services_by_job": {}}
+def fake_reconciler(*jobs: dict, policies: bool = False) -> Reconciler:
+    """A Reconciler on a FakeApi that knows `jobs`; `r.indexes` are the kopf indexes it reads (the NetworkPolicies'
+    too with `policies`), `r.api` the fake."""
+    index = {"ddpjobs_by_key": {(j["metadata"]["namespace"], j["metadata"]["name"]): [j] for j in jobs},
+             "pods_by_job": {}, "services_by_job": {}, **({"network_policies_by_job": {}} if policies else {})}
     r = Reconciler(FakeApi(index))
     r.indexes = index
     return r

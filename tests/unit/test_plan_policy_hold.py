@@ -5,14 +5,12 @@ job's pods would run unprotected: no pod (trainers, spares, the rendezvous store
 policy is there; ReplicaFailure and its Event say why. A job with its network policy turned off is not held.
 """
 
-import copy
 
 from ddp_operator import names
-from ddp_operator.k8s import ChildConflict
 from ddp_operator.plan import CREATE, plan
-from ddp_operator.reconciler import Reconciler
 from ddp_operator.status import get_condition
 
+from fake_api import fake_reconciler
 from ddp_builders import NOW, job_body, later, make_job, observed, rdzv, trainer
 
 FOREIGN = ("networkpolicy ml/mnist already exists and is not owned by this DDPJob (owned by nothing); "
@@ -91,60 +89,22 @@ def test_a_held_job_still_fails_at_its_startup_timeout_naming_the_policy():
 
 
 # --- the shell: what reaches the API server ----------------------------------------------------------------
-class Api:
-    """Pods, Services and NetworkPolicies in memory; a NetworkPolicy create meets a foreign one while `foreign`."""
-
-    def __init__(self, index):
-        self.index, self.foreign = index, False
-        self.creates, self.events, self.patches = [], [], []
-
-    def create(self, body):
-        kind, name = body["kind"], body["metadata"]["name"]
-        if kind == "NetworkPolicy" and self.foreign:
-            raise ChildConflict(kind, body["metadata"]["namespace"], name, [])
-        self.creates.append((kind, name))
-        obj = copy.deepcopy(dict(body))
-        obj["metadata"]["uid"] = f"uid-{kind}-{name}"
-        key = ("ml", "mnist")
-        if kind == "Pod":
-            self.index["pods_by_job"].setdefault(key, []).append(obj)
-        elif kind == "Service":
-            self.index["services_by_job"].setdefault(key, []).append(True)
-        else:
-            self.index["network_policies_by_job"].setdefault(key, []).append(
-                (obj["metadata"]["uid"], tuple(o["uid"] for o in obj["metadata"]["ownerReferences"])))
-        return obj
-
-    def patch_status(self, namespace, name, status):
-        self.patches.append(copy.deepcopy(dict(status)))
-
-    def post_event(self, job, type_, reason, message, component):
-        self.events.append((type_, reason, message))
-
-    def node_ready(self, name):
-        return True
-
-
 def _reconciler():
-    index = {"ddpjobs_by_key": {("ml", "mnist"): [job_body()]}, "pods_by_job": {}, "services_by_job": {},
-             "network_policies_by_job": {}}
-    r = Reconciler(Api(index))
-    r.indexes = index
-    return r
+    return fake_reconciler(job_body(), policies=True)
 
 
 def test_the_operator_creates_no_pod_beside_a_foreign_policy():
     r = _reconciler()
-    r.api.foreign = True
+    r.api.conflicts.add("NetworkPolicy")
     r.reconcile("ml", "mnist")
     r.reconcile("ml", "mnist")  # the pass that reports the conflict
     assert [c for c in r.api.creates if c[0] == "Pod"] == []
     status = r.jobs.get(("ml", "mnist")).objects["0b5c-uid"].written
     cond = get_condition(status["conditions"], names.COND_REPLICA_FAILURE)
     assert (cond["status"], cond["reason"]) == ("True", names.REASON_CHILD_CONFLICT)
-    assert any(e[1] == names.REASON_CHILD_CONFLICT and "networkpolicy ml/mnist" in e[2] for e in r.api.events)
+    assert any(e[2] == names.REASON_CHILD_CONFLICT and "networkpolicy ml/mnist" in e[3] for e in r.api.events)
     # The user deletes the foreign policy; when its conflict is looked at again, the policy and then every pod.
-    r.api.foreign = False
+    r.api.conflicts.discard("NetworkPolicy")
     r.jobs.get(("ml", "mnist")).conflicts["mnist"] = (FOREIGN, 0.0)  # the conflict's retry is due
     r.reconcile("ml", "mnist")
     kinds = [c[0] for c in r.api.creates]

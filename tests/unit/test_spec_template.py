@@ -1,7 +1,6 @@
 """Hostile spec.template values (the CRD admits any pod template): each becomes condition Failed reason InvalidSpec
 and a Warning Event whose message names the field, and nothing is created; never an exception in the pass."""
 
-import copy
 import logging
 
 import pytest
@@ -9,9 +8,9 @@ import pytest
 from ddp_operator import jobs, names
 from ddp_operator.pod import render_trainer_pod
 from ddp_operator.rdzv import render_rdzv_pod
-from ddp_operator.reconciler import Reconciler
 from ddp_operator.spec import SpecError, parse_job
 
+from fake_api import fake_reconciler
 from ddp_builders import job_body
 
 T = "spec.template"
@@ -81,28 +80,8 @@ HOSTILE = [
 ]
 
 
-class FakeApi:
-    def __init__(self):
-        self.created, self.patches, self.events = [], [], []
-
-    def create(self, body):
-        self.created.append(body)
-        return None
-
-    def patch_status(self, namespace, name, status):
-        self.patches.append(copy.deepcopy(dict(status)))
-
-    def post_event(self, job, type_, reason, message, component):
-        self.events.append((type_, reason, message))
-
-    def node_ready(self, name):
-        return True
-
-
 def _reconcile(body):
-    index = {"ddpjobs_by_key": {("ml", "mnist"): [body]}, "pods_by_job": {}, "services_by_job": {}}
-    r = Reconciler(FakeApi())
-    r.indexes = index
+    r = fake_reconciler(body)
     result = r.reconcile("ml", "mnist")  # raises on today's code for most cases
     return r.api, result
 
@@ -116,13 +95,13 @@ def _hostile_body(change):
 @pytest.mark.parametrize("change, path", [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
 def test_a_hostile_template_value_is_invalid_spec_naming_the_field(change, path):
     api, result = _reconcile(_hostile_body(change))
-    status = api.patches[-1]
+    status = api.patches[-1][1]
     assert (status["phase"], status["reason"]) == (names.PHASE_FAILED, names.REASON_INVALID_SPEC)
     assert status["message"].startswith(f"{path}: "), status["message"]
     failed = next(c for c in status["conditions"] if c["type"] == names.COND_FAILED)
     assert (failed["status"], failed["reason"]) == ("True", names.REASON_INVALID_SPEC)
-    assert api.events == [("Warning", names.REASON_INVALID_SPEC, status["message"])]
-    assert api.created == [] and result.actions == ()
+    assert [e[1:] for e in api.events] == [("Warning", names.REASON_INVALID_SPEC, status["message"])]
+    assert api.creates == [] and result.actions == ()
 
 
 @pytest.mark.parametrize("change, path", [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
@@ -145,7 +124,7 @@ def test_a_valid_template_with_every_checked_field_still_parses_and_renders():
         resources={"limits": {"cpu": 2, "memory": "1Gi", "nvidia.com/gpu": "1"}, "requests": {"cpu": "500m"}},
         securityContext={"runAsUser": 1000, "capabilities": {"drop": ["ALL"]}}, command=["torchrun"], args=[])
     api, result = _reconcile(body)
-    assert api.patches[-1]["phase"] == names.PHASE_PENDING and all(e[0] == "Normal" for e in api.events)
+    assert api.patches[-1][1]["phase"] == names.PHASE_PENDING and all(e[1] == "Normal" for e in api.events)
     assert result.actions
     job = parse_job(body)
     assert render_trainer_pod(job, 0, 0)["spec"]["containers"][0]["env"][-1]["name"] == "B"
@@ -160,9 +139,9 @@ def test_an_unforeseen_error_in_parse_or_render_is_invalid_spec_with_a_traceback
     monkeypatch.setattr(jobs, "render_trainer_pod", broken)
     with caplog.at_level(logging.ERROR, logger="ddp_operator"):
         api, result = _reconcile(job_body())
-    status = api.patches[-1]
+    status = api.patches[-1][1]
     assert (status["phase"], status["reason"]) == (names.PHASE_FAILED, names.REASON_INVALID_SPEC)
     assert status["message"].startswith("spec.template: ") and "KeyError" in status["message"]
-    assert api.events == [("Warning", names.REASON_INVALID_SPEC, status["message"])]
-    assert api.created == [] and result.actions == ()
+    assert [e[1:] for e in api.events] == [("Warning", names.REASON_INVALID_SPEC, status["message"])]
+    assert api.creates == [] and result.actions == ()
     assert any(r.exc_info and r.exc_info[0] is KeyError for r in caplog.records)
