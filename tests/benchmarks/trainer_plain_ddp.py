@@ -72,6 +72,9 @@ def main() -> int:
                 torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(), "step": step}, tmp)
                 os.replace(tmp, path)
     log("final", step=step)
+    # As a careful user ends a DDP script: no rank leaves (and takes its agent, which may host the store) while
+    # another is still finishing its last step or rank 0's checkpoint.
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
