@@ -38,6 +38,17 @@ def _running_job(r, name, **spec):
     return key, body, obj
 
 
+def _timed_poll(r, key, servers):
+    """One poll of `key` while `servers` stand in for its pods (closed after); returns the poll's seconds."""
+    try:
+        started = time.monotonic()
+        r.poller.poll(key)
+        return time.monotonic() - started
+    finally:
+        for s in servers:
+            s.close()
+
+
 class Silent:
     """A pod whose process is stopped: the kernel accepts the connection, nobody ever answers."""
 
@@ -69,13 +80,7 @@ def test_an_unreachable_rank0_is_not_hung_while_another_pod_reports_a_newer_step
     obj.hang_watch = dataclasses.replace(w, since=time.monotonic() - 21)
     assert r.poller.hang_check_due(key, body, time.monotonic())
     servers = [Silent("127.0.0.2", port), ProgressServer("127.0.0.3", port, {"rank": 1, "step": 41})]
-    try:
-        started = time.monotonic()
-        r.poller.poll(key)
-        took = time.monotonic() - started
-    finally:
-        for s in servers:
-            s.close()
+    took = _timed_poll(r, key, servers)
     assert r.api.deleted == [], "a healthy rank 0 was deleted as hung"
     assert not r.poller.hang_check_due(key, body, time.monotonic())  # the newer step reset the clock
     # the pods were asked at once, each with its own deadline: one deadline, not one after the other
@@ -90,13 +95,7 @@ def test_the_pods_are_probed_at_once_and_a_silent_one_costs_one_deadline(monkeyp
     # pods 0 and 1 stopped, pod 2 answers as global rank 0 (after a re-rendezvous ranks need not follow indices)
     servers = [Silent("127.0.0.2", port), Silent("127.0.0.3", port),
                ProgressServer("127.0.0.4", port, {"rank": 0, "step": 12})]
-    try:
-        started = time.monotonic()
-        r.poller.poll(key)
-        took = time.monotonic() - started
-    finally:
-        for s in servers:
-            s.close()
+    took = _timed_poll(r, key, servers)
     assert obj.written["progress"]["step"] == 12
     assert took < progress.DEADLINE_SECONDS + 0.75, took
 
