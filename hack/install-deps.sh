@@ -53,8 +53,20 @@ fi
 stamp=.venv/.ddpjob-deps
 want=$(cat requirements*.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
+  # torch's CUDA build and its NVIDIA libraries take ~5 GiB installed, and pip unpacks each wheel under TMPDIR
+  # first: a full disk otherwise surfaces as pip's bare "[Errno 28] No space left on device".
+  need_gib=8
+  for dir in .venv "${TMPDIR:-/tmp}"; do
+    free_gib=$(($(df --output=avail -k "$dir" | tail -1) / 1048576))
+    if ((free_gib < need_gib)); then
+      log "only $free_gib GiB free on the disk of $dir; installing torch needs about $need_gib GiB." \
+        "Free some first (an old clone's .venv, 'buildah rmi --prune', 'make cluster-down' and its images)."
+      exit 1
+    fi
+  done
   log "installing Python requirements (torch is large: minutes on first run)"
-  .venv/bin/pip install -q -r requirements-dev.txt
+  # No wheel cache: it would keep a second copy of torch (GBs) that only a second fresh clone would use.
+  .venv/bin/pip install -q --no-cache-dir -r requirements-dev.txt
   .venv/bin/pip install -q --no-deps -e .
   echo "$want" >"$stamp"
 else

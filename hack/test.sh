@@ -23,7 +23,9 @@ read -r -a extra <<<"${PYTEST_ARGS:-}"
 
 STAGES=()
 STARTED=$SECONDS
-record() { STAGES+=("$(printf '%-52s %5d s' "$1" "$2")"); }
+free_gib() { echo $(($(df --output=avail -k . | tail -1) / 1048576)); }
+# a stage's time, and the disk left after it (a full run needs tens of GiB: images, kind's nodes, the Go caches)
+record() { STAGES+=("$(printf '%-52s %5d s   %4d GiB free' "$1" "$2" "$(free_gib)")"); }
 kill_tree() { # pid: it and everything it started (a background job still running when the run stops)
   local child
   for child in $(pgrep -P "$1"); do kill_tree "$child"; done
@@ -73,6 +75,7 @@ pytest_run() { # name paths...: one pytest run with its JUnit XML
 }
 
 rm -rf .test-results
+log "$(free_gib) GiB free on this disk at the start"
 t0=$SECONDS
 log "stage 1: the tests that need no cluster | the Go binaries and both images behind them"
 background binaries hack/build-binaries.sh etcd coredns helm kube-router kube; pid_bin=$BG_PID
