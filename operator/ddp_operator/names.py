@@ -63,6 +63,18 @@ HANG_DELETE_GRACE_SECONDS = 1
 # --- Ports ----------------------------------------------------------------------------------------
 DEFAULT_RDZV_PORT = 29400
 PROGRESS_PORT = 29401
+# The diagnostics sidecar (docs/diagnostics.md): a container beside the trainer, in the pod's process namespace,
+# that reads every torchrun worker's rank, CPU time and Python stack (py-spy) and serves them as JSON on
+# DIAGNOSTICS_PORT at DIAGNOSTICS_PATH. Its init container copies py-spy and the server (a stdlib-only script run by
+# the trainer image's python3, as the trainer's user) from the diagnostics image into DIAGNOSTICS_VOLUME.
+DIAGNOSTICS_CONTAINER = "ddp-diagnostics"
+DIAGNOSTICS_TOOLS_CONTAINER = "ddp-diagnostics-tools"
+DIAGNOSTICS_VOLUME = "ddp-diagnostics"
+DIAGNOSTICS_DIR = "/opt/ddp-diagnostics"
+DIAGNOSTICS_PORT = 29402
+DIAGNOSTICS_PATH = "/diagnosis"
+# The operator's environment: the image the init container copies the tools from (the chart sets its own image).
+ENV_DIAGNOSTICS_IMAGE = "DDPJOB_DIAGNOSTICS_IMAGE"
 PROGRESS_PATH = "/progress"
 DEFAULT_METRICS_PORT = 8080
 DEFAULT_LIVENESS_PORT = 8081
@@ -181,6 +193,12 @@ REASON_SPARE_RELEASED = "SpareReleased"
 REASON_INVALID_REPORT = "InvalidReport"
 # A trainer image without ddp_trainer run with ddpjob-c10d (RDZV_BACKEND_MISSING_TEXT): the job fails at once.
 REASON_RDZV_BACKEND_MISSING = "RendezvousBackendMissing"
+# A stall (docs/diagnostics.md): condition Stalled is True while the job's process group has not formed past
+# failurePolicy.processGroupTimeoutSeconds (reason ProcessGroupNeverFormed: the attempt's reason too, and the
+# failure's after a second identical diagnosis) or while a script that reports no progress is hung (reason Hang).
+COND_STALLED = "Stalled"
+REASON_PG_NEVER_FORMED = "ProcessGroupNeverFormed"
+REASON_PG_FORMED = "ProcessGroupFormed"  # Stalled=False once every rank joined
 
 # Why a pod that exists cannot start. Container waiting reasons set by the kubelet (CrashLoopBackOff is not
 # one: that container did start), and the scheduler's PodScheduled=False reason.
