@@ -51,6 +51,8 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 # Set by the API server on every namespace: how a NetworkPolicy selects one namespace by name.
 LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
 MANAGED_BY = "ddp-operator"
+# The container `kubectl logs <pod>` shows: the trainer, though the pod also runs the diagnostics sidecar.
+DEFAULT_CONTAINER_ANNOTATION = "kubectl.kubernetes.io/default-container"
 
 # --- Timing ---------------------------------------------------------------------------------------
 # torchrun exits 0 only when every worker finished, so a trainer still running this long after a peer
@@ -78,6 +80,9 @@ ENV_DIAGNOSTICS_IMAGE = "DDPJOB_DIAGNOSTICS_IMAGE"
 PROGRESS_PATH = "/progress"
 DEFAULT_METRICS_PORT = 8080
 DEFAULT_LIVENESS_PORT = 8081
+# The operator's environment: the pull policy of the diagnostics tools image (ENV_DIAGNOSTICS_IMAGE); unset: the
+# kubelet's default.
+ENV_DIAGNOSTICS_IMAGE_PULL_POLICY = "DDPJOB_DIAGNOSTICS_IMAGE_PULL_POLICY"
 
 # --- Trainer environment (docs/contract.md) -------------------------------------------------------
 ENV_NNODES = "PET_NNODES"
