@@ -15,6 +15,7 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users), o
 - rdzv_lost.py: the rendezvous store pod lost.
 - vanished.py: training pods that ended unseen.
 - hang.py: hang detection's verdict.
+- stall.py: a process group that never formed, a silent hang (the diagnostics sidecars': docs/diagnostics.md).
 - children.py: the children created when missing, stale pods deleted.
 - spares.py: hot spares (spec.spares), in the rules above.
 - phase.py: the phase of an active job (Running, Restarting, Pending).
@@ -54,6 +55,7 @@ from ddp_operator.plan.nodes import node_lost, node_lost_candidates, stuck, stuc
 from ddp_operator.plan.phase import active_phase
 from ddp_operator.plan.rdzv_lost import rdzv_lost
 from ddp_operator.plan.spares import desired_size
+from ddp_operator.plan.stall import stall
 from ddp_operator.plan.startup import child_conflicts, create_refusals, startup_problems, startup_timeout
 from ddp_operator.plan.state import Pass
 from ddp_operator.plan.success import success
@@ -75,7 +77,7 @@ def plan(job: Job, status: Mapping[str, Any] | None, observed: Observed, now: da
          network_policy: NetworkPolicyConfig = NetworkPolicyConfig()) -> Plan:
     """The next status, actions and Events for `job`. `status` is the one the operator last wrote;
     `network_policy` what the operator knows about itself for the job's NetworkPolicy."""
-    ctx = Pass(job, PrevStatus.parse(status), observed, now, network_policy)
+    ctx = Pass(job, PrevStatus.parse(status), observed, now, network_policy, (status or {}).get("diagnosis"))
     run(ctx)
     new_status = build_status(ctx)
     events = condition_events((status or {}).get("conditions") or [], new_status["conditions"])
@@ -114,7 +116,7 @@ def run(ctx: Pass) -> None:
     if not (in_place_restarts(ctx) and trainer_failures(ctx) and rdzv_lost(ctx) and vanished(ctx)):
         finished(ctx)
         return
-    if not hang(ctx):
+    if not (hang(ctx) and stall(ctx)):
         finished(ctx)
         return
     scaled(ctx)
@@ -163,6 +165,7 @@ def build_status(ctx: Pass) -> dict:
         "progress": ctx.progress,
         "lastIncident": last_incident_record(ctx),
         "lastRecovery": last_recovery_record(ctx),
+        "diagnosis": dict(ctx.diagnosis) if ctx.diagnosis else None,
     }
     return {k: v for k, v in status.items() if v is not None and v != ""}
 

@@ -4,7 +4,7 @@ deletes, which pods count, what is on record, finishing the job."""
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Mapping
+from typing import Any, Mapping
 
 from ddp_operator import kueue as kueuemod
 from ddp_operator import names
@@ -21,7 +21,8 @@ class Pass:
     """The working state of one planning pass: the status being built from `prev`, the actions and Events."""
 
     def __init__(self, job: Job, prev: PrevStatus, observed: Observed, now: datetime,
-                 network_policy: NetworkPolicyConfig = NetworkPolicyConfig()):
+                 network_policy: NetworkPolicyConfig = NetworkPolicyConfig(),
+                 diagnosis: Mapping[str, Any] | None = None):
         self.job, self.observed, self.now = job, observed, now
         self.network_policy_config = network_policy
         self.now_s = format_time(now)
@@ -49,6 +50,8 @@ class Pass:
         self.incident_message = ""
         self.pods_pending_since = prev.pods_pending_since
         self.placements: Mapping[str, kueuemod.Placement] = {}  # Kueue's admission, per pod set
+        # status.diagnosis: the last stall's diagnosis (plan/stall.py, plan/hang.py), kept until another replaces it.
+        self.diagnosis: Mapping[str, Any] | None = diagnosis if isinstance(diagnosis, Mapping) else None
 
     def cond(self, type_: str, status: bool, reason: str, message: str) -> None:
         self.conditions = set_condition(self.conditions, type_, status, reason, message, self.now_s,
