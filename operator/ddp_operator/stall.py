@@ -101,8 +101,8 @@ def text(value: Any, limit: int = MAX_TEXT) -> str | None:
     """A string fit for a status or a message: printable, at most `limit` characters; None if not a string."""
     if not isinstance(value, str):
         return None
-    cut = value[:limit]
-    return "".join(c if c.isprintable() else "?" for c in cut)
+    head = value[:limit]
+    return "".join(c if c.isprintable() else "?" for c in head)
 
 
 def _phase(value: Any) -> str | None:
@@ -271,7 +271,8 @@ def _times(n: int) -> str:
     return "twice" if n == 2 else f"{n} times"
 
 
-def _cut(message: str) -> str:
+def cut(message: str) -> str:
+    """A message at most MAX_MESSAGE characters long."""
     return message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE - 3] + "..."
 
 
@@ -354,15 +355,16 @@ def startup_finding(diagnoses: Sequence[PodDiagnosis], world_size: int | None) -
                      f"workers cannot reach each other (a NetworkPolicy or firewall between the pods?)")
     signature = (f"missing={','.join(map(str, missing))};duplicate={','.join(map(str, duplicate))};"
                  f"outside={','.join(map(str, outside))};world={world};claimed={','.join(map(str, sorted(sizes)))}")
-    return Finding(names.REASON_PG_NEVER_FORMED, _cut("; ".join(parts)), signature,
+    return Finding(names.REASON_PG_NEVER_FORMED, cut("; ".join(parts)), signature,
                    tuple(d.uid for d in sorted(diagnoses, key=lambda d: d.index)), describe(diagnoses))
 
 
 def hang_finding(diagnoses: Sequence[PodDiagnosis]) -> Finding | None:
     """The stuck pods of a silent hang: those whose workers are outside the collective (or init) the others wait
     in, and pods whose sidecar did not answer (only when another pod answered); when that is every pod or none,
-    the highest index alone. None when no pod answered."""
-    pods = sorted(diagnoses, key=lambda d: d.index)
+    the highest index alone (of the pods that run workers). None when no pod answered."""
+    # A pod that answered with no worker (a spare, or a torchrun between restarts) is not in the collective at all.
+    pods = sorted((d for d in diagnoses if d.diagnosis is None or d.diagnosis.workers), key=lambda d: d.index)
     if not pods or all(d.diagnosis is None for d in pods):
         return None
     waiting_phases = (PHASE_COLLECTIVE, PHASE_INIT)
@@ -393,7 +395,7 @@ def hang_finding(diagnoses: Sequence[PodDiagnosis]) -> Finding | None:
     ranks = sorted(w.rank for d in stuck if d.diagnosis is not None for w in d.diagnosis.workers
                    if w.rank is not None)
     signature = f"hang={','.join(d.name for d in stuck)};ranks={','.join(map(str, ranks))}"
-    return Finding(names.REASON_HANG, _cut("; ".join(parts)), signature, tuple(d.uid for d in stuck),
+    return Finding(names.REASON_HANG, cut("; ".join(parts)), signature, tuple(d.uid for d in stuck),
                    describe(diagnoses))
 
 

@@ -17,8 +17,8 @@ from ddp_operator import names
 from ddp_operator.observed import PodState, format_time, parse_time
 from ddp_operator.report import real, shown, valid_members, valid_report  # noqa: F401 (valid_members: spares.py)
 
-WARNING_CONDITIONS = {names.COND_FAILED, names.COND_RESTARTING, names.COND_REPLICA_FAILURE, names.COND_PODS_NOT_STARTING,
-                      names.COND_STALLED}
+WARNING_CONDITIONS = {names.COND_FAILED, names.COND_RESTARTING, names.COND_REPLICA_FAILURE,
+                      names.COND_PODS_NOT_STARTING, names.COND_STALLED}
 
 
 @dataclass(frozen=True)

@@ -218,3 +218,37 @@ def test_no_silent_hang_action_with_hang_detection_off():
     job, status = _running(hangTimeoutSeconds=0)
     p = plan(job, status, with_stall(observed(rdzv(), trainer(0), trainer(1)), silent_hang()), later(100))
     assert p.actions == () and "diagnosis" not in p.status
+
+
+# --- a hang found by progress, with the sidecars' diagnoses (plan/hang.py) -------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _HangObserved(Observed):
+    """Observed with `hang_diagnoses`, while plan/types.py has none yet."""
+    hang_diagnoses: Any = None
+
+
+def with_diagnoses(obs, diagnoses):
+    if "hang_diagnoses" in {f.name for f in dataclasses.fields(Observed)}:
+        return dataclasses.replace(obs, hang_diagnoses=diagnoses)
+    return _HangObserved(**{f.name: getattr(obs, f.name) for f in dataclasses.fields(Observed)},
+                         hang_diagnoses=diagnoses)
+
+
+def test_a_hang_found_by_progress_records_the_diagnosis_and_names_the_stuck_frame():
+    job, status = _running()
+    reports = {"uid-mnist-0-0": {"rank": 0, "step": 41}, "uid-mnist-1-0": {"rank": 1, "step": 40}}
+    diagnoses = (diag(0, worker(0, phase="collective", frame=ALLREDUCE)),
+                 diag(1, worker(1, phase="running", frame="read (socket.py:7)", user="stuck_on_io (train.py:30)")))
+    obs = with_diagnoses(observed(rdzv(), trainer(0), trainer(1), hang_reports=reports), diagnoses)
+    p = plan(job, status, obs, later(30))
+    assert [(a.verb, a.name) for a in p.actions] == [(DELETE, "mnist-1")]
+    restarting = [e for e in p.events if e.type == "Warning" and e.reason == names.REASON_HANG]
+    assert restarting and all("stands in stuck_on_io (train.py:30)" in e.message for e in restarting)
+    d = p.status["diagnosis"]
+    assert d["reason"] == names.REASON_HANG and "stuck_on_io (train.py:30)" in d["message"]
+    assert d["ranks"] == [{"rank": 0, "pod": "mnist-0", "phase": "collective", "frame": ALLREDUCE},
+                          {"rank": 1, "pod": "mnist-1", "phase": "running", "frame": "read (socket.py:7)",
+                           "userFrame": "stuck_on_io (train.py:30)"}]
+    # without diagnoses (sidecars off) the rule is today's: no diagnosis
+    plain = plan(job, status, observed(rdzv(), trainer(0), trainer(1), hang_reports=reports), later(30))
+    assert "diagnosis" not in plain.status and [(a.verb, a.name) for a in plain.actions] == [(DELETE, "mnist-1")]

@@ -196,6 +196,9 @@ def test_a_silent_sidecar_is_stuck_only_if_another_answered_else_the_highest_ind
     assert every.stuck == ("uid-1",) and "highest index" in every.message
     both_out = stall.hang_finding([pod(0, worker(0, phase="running")), pod(1, worker(1, phase="running"))])
     assert both_out.stuck == ("uid-1",)
+    # a spare (its torchrun waits in the rendezvous: no worker) is never the stuck pod
+    spare = stall.hang_finding([pod(0, worker(0, phase="collective")), pod(1, worker(1, phase="collective")), pod(2)])
+    assert spare.stuck == ("uid-1",)
 
 
 def test_formed_finding_clears_the_stall():

@@ -3,7 +3,9 @@
 When the shell found the training's step unchanged for the timeout and hands in every trainer pod's report
 (Observed.hang_reports, keyed by pod UID: a pod replaced under the same name since the probe is another pod, and
 the reports are then of another set of pods), the stuck pod(s) are recorded with reason Hang, deleted and
-replaced; the job is Restarting with reason Hang.
+replaced; the job is Restarting with reason Hang. When the shell also hands in the pods' diagnoses
+(Observed.hang_diagnoses, from the diagnostics sidecars: docs/diagnostics.md), the message names the frame each
+stuck pod stands in and status.diagnosis records every rank's phase and frames.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from dataclasses import replace
 
 from ddp_operator import hang as hangmod
 from ddp_operator import names
+from ddp_operator import stall as stallmod
 from ddp_operator.plan.failures import failure
 from ddp_operator.plan.spares import hang_candidates
+from ddp_operator.plan.stall import diagnosis
 from ddp_operator.plan.state import Pass
 
 
@@ -36,13 +40,16 @@ def hang(ctx: Pass) -> bool:
         return True  # the reports are of another set of pods
     stuck = set(hangmod.stuck_pods((p.uid, p.index or 0, reports[p.uid]) for p in current))
     timeout = ctx.job.spec.failure_policy.hang_timeout_seconds
-    deleting = []
+    # Observed.hang_diagnoses (plan/types.py) may be older than this rule
+    diagnoses = getattr(ctx.observed, "hang_diagnoses", None)
+    frames = {d.uid: stallmod.frame_of(d.diagnosis) for d in diagnoses or ()}
+    deleting, found = [], []
     for p in sorted((p for p in current if p.uid in stuck), key=lambda p: p.index or 0):
         answer = reports[p.uid]
         why = ("its progress endpoint did not answer" if answer is None
                else f"it reports step {answer.get('step')}")
         what = (f"pod {p.name}: global rank 0's step did not change for spec.failurePolicy.hangTimeoutSeconds="
-                f"{timeout}; {why}")
+                f"{timeout}; {why}") + (f"; it stands in {frames[p.uid]}" if frames.get(p.uid) else "")
         counts = failure(ctx, p, what, reason=names.REASON_HANG)
         if counts is None:
             return False
@@ -52,6 +59,10 @@ def hang(ctx: Pass) -> bool:
         # delay the recovery (measured: ~30 s), so the kubelet kills it at once.
         ctx.delete(p, grace_seconds=names.HANG_DELETE_GRACE_SECONDS)
         deleting.append(p.uid)
+        found.append(what)
+    if deleting and diagnoses is not None:
+        ctx.diagnosis = diagnosis(ctx, names.REASON_HANG, stallmod.cut("; ".join(found)),
+                                  stallmod.describe(diagnoses))
     if deleting:
         # The pods are going as of this pass: the phase (phase.py) is Restarting, not Running.
         ctx.observed = replace(ctx.observed, pods=tuple(
