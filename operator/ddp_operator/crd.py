@@ -48,7 +48,9 @@ DEFAULTS: dict[str, Any] = {
         "hangTimeoutSeconds": 1800,
         "startupTimeoutSeconds": 600,
         "nodeLostTimeoutSeconds": 60,
+        "processGroupTimeoutSeconds": 300,
     },
+    "diagnostics": {"enabled": True, "ptrace": False},
     "runPolicy": {"suspend": False, "cleanPodPolicy": "Running"},
     "shm": {"medium": "Memory"},
     "checkpoint": {"mountPath": "/checkpoints"},
@@ -67,6 +69,7 @@ MAXIMA: dict[str, int] = {
     "hangTimeoutSeconds": 7 * 86400,
     "startupTimeoutSeconds": 86400,
     "nodeLostTimeoutSeconds": 86400,
+    "processGroupTimeoutSeconds": 86400,
     "activeDeadlineSeconds": MAX_DURATION_SECONDS,
     "ttlSecondsAfterFinished": MAX_DURATION_SECONDS,
 }
@@ -401,7 +404,11 @@ def _spec_schema() -> dict:
                     "Recorded as an attempt with reason Hang. The default (1800, torch's default collective "
                     "timeout) never fires during a normal evaluation phase, when the step does not move; set "
                     "it above your longest evaluation. Needs progress polling: progressPeriodSeconds: 0 turns "
-                    "it off too; jobs that report no progress are never considered hung.",
+                    "it off too. A script that reports no progress is watched through the pods' diagnostics "
+                    "sidecars (spec.diagnostics, docs/diagnostics.md) instead: once its group formed, its workers' "
+                    "stacks and CPU time standing still for this long replace the stuck pod the same way (the rank "
+                    "not waiting in a collective, else the highest index); without the sidecars such a job is never "
+                    "considered hung.",
                     minimum=0, maximum=MAXIMA["hangTimeoutSeconds"], default=f["hangTimeoutSeconds"]),
                 "startupTimeoutSeconds": _int(
                     "Fail the job (reason StartupTimeoutExceeded) when, for this many seconds in a row, fewer than "
@@ -418,6 +425,16 @@ def _spec_schema() -> dict:
                     "store pod). Needs permission to get Nodes; without it such pods are waited "
                     "for. 0: never.",
                     minimum=0, maximum=MAXIMA["nodeLostTimeoutSeconds"], default=f["nodeLostTimeoutSeconds"]),
+                "processGroupTimeoutSeconds": _int(
+                    "How long the job's process group may take to form, from the moment every training pod runs "
+                    "(docs/diagnostics.md). Past it with a worker still in init_process_group, as the pods' "
+                    f"diagnostics sidecars (spec.diagnostics) see it, the job gets condition {names.COND_STALLED}=True "
+                    f"(reason {names.REASON_PG_NEVER_FORMED}, the message naming the missing and duplicate ranks and "
+                    "where each waits, also in status.diagnosis and a Warning Event) and its pods are restarted once, "
+                    "not counted against backoffLimit; the same diagnosis after that restart fails the job with the "
+                    f"same reason: a restart cannot fix the script. Needs spec.diagnostics.enabled. 0: never. At most "
+                    f"{MAXIMA['processGroupTimeoutSeconds']}.",
+                    minimum=0, maximum=MAXIMA["processGroupTimeoutSeconds"], default=f["processGroupTimeoutSeconds"]),
             },
             default={},
             rules=[_rule("!(has(self.permanentExitCodes) && has(self.retryableExitCodes))",
@@ -475,10 +492,33 @@ def _spec_schema() -> dict:
             },
             required=["volume"],
         ),
+        "diagnostics": _obj(
+            "The diagnostics sidecar of every training pod (docs/diagnostics.md): it tells the operator each torchrun "
+            "worker's rank, phase and Python stack (py-spy), with nothing needed from the script, so that a process "
+            "group that never forms (failurePolicy.processGroupTimeoutSeconds) and a script that reports no progress "
+            "but hangs (failurePolicy.hangTimeoutSeconds) are acted on, and status.diagnosis says where the ranks "
+            f"wait. Each pod gets shareProcessNamespace: true, an init container {names.DIAGNOSTICS_TOOLS_CONTAINER} "
+            f"(from the operator's image: it copies py-spy and the server into the emptyDir "
+            f"{names.DIAGNOSTICS_VOLUME}) and a container {names.DIAGNOSTICS_CONTAINER} that runs in the trainer's "
+            f"image and as the trainer container's user, serving :{names.DIAGNOSTICS_PORT}; it requests 10m CPU and "
+            f"32Mi memory (limit 256Mi). The template may not use these names, the port, shareProcessNamespace: "
+            f"false or hostPID: true while it is enabled. Immutable.",
+            {
+                "enabled": _bool("Add the sidecar to every training pod.", d["diagnostics"]["enabled"]),
+                "ptrace": _bool(
+                    "Add CAP_SYS_PTRACE to the sidecar. Needed on nodes whose kernel sets "
+                    "kernel.yama.ptrace_scope=1 (Ubuntu's default, some managed node images), where reading another "
+                    "process's stack needs it even as the same user; without it the sidecar reports why it has no "
+                    "stacks and the diagnosis uses the ranks and CPU time alone. The Pod Security level baseline "
+                    "refuses it: the namespace must allow privileged.", d["diagnostics"]["ptrace"]),
+            },
+            default={},
+        ),
         "networkPolicy": _obj(
             f"The NetworkPolicy <job> the operator creates (owned by the job): ingress to the job's pods "
             f"(trainers and the rendezvous store) only from the job's own pods, on every port, and from the "
-            f"operator's pods on the progress port {names.PROGRESS_PORT}; egress is not restricted. It takes "
+            f"operator's pods on the progress port {names.PROGRESS_PORT} and the diagnostics port "
+            f"{names.DIAGNOSTICS_PORT}; egress is not restricted. It takes "
             f"effect only where the cluster's network plugin enforces NetworkPolicies.",
             {
                 "enabled": _bool("Create the policy. Unset: the operator's default (on, unless the operator "
@@ -510,7 +550,7 @@ def _spec_schema() -> dict:
     rules += [
         _immutable(f) for f in
         ("minNodes", "maxNodes", "spares", "nprocPerNode", "ompNumThreads", "template", "torchrun", "shm",
-         "checkpoint")
+         "checkpoint", "diagnostics")
     ] + [
         # Without an explicit range, nodes is the range: it cannot change either, except with spares, whose pods
         # follow spec.nodes through an annotation (ddp_trainer.rendezvous, rule 3).
@@ -524,11 +564,51 @@ def _spec_schema() -> dict:
 
 
 # --- status ---------------------------------------------------------------------------------------
+_CONDITION_TYPES = tuple(dict.fromkeys(names.CONDITION_TYPES + (names.COND_STALLED,)))
+# status.diagnosis (docs/diagnostics.md): at most this many ranks, each string at most this long.
+MAX_DIAGNOSIS_RANKS = 64
+MAX_DIAGNOSIS_STRING = 512
+
+
+def _diagnosis_schema() -> dict:
+    def text(description: str) -> dict:
+        return _str(description, maxLength=MAX_DIAGNOSIS_STRING, nullable=True)
+
+    rank = _obj(
+        "One worker as its pod's diagnostics sidecar saw it.",
+        {
+            "rank": {**_int("The global rank the worker claims as it joins the process group (its environment's "
+                            "RANK where it claims none)."), "nullable": True},
+            "pod": text("The worker's pod."),
+            "phase": text("init (in init_process_group), collective (waiting in torch.distributed or in "
+                          "backward), running, or unknown (no stack could be read)."),
+            "frame": text("The innermost frame of the worker's main thread: function (file:line)."),
+            "userFrame": text("The innermost frame outside torch, the standard library and site-packages: the "
+                              "script's own line."),
+        },
+    )
+    return _obj(
+        f"What the pods' diagnostics sidecars (spec.diagnostics) showed when the operator last judged the job "
+        f"stalled ({names.REASON_PG_NEVER_FORMED}) or hung ({names.REASON_HANG}): where each rank waited. The full "
+        f"stacks are in the sidecars' logs (kubectl logs <pod> -c {names.DIAGNOSTICS_CONTAINER}).",
+        {
+            "time": _str("When the operator recorded it.", format="date-time"),
+            "reason": _str(f"{names.REASON_PG_NEVER_FORMED} or {names.REASON_HANG}."),
+            "message": _str("The one-line diagnosis, as in the Stalled condition and the Warning Event."),
+            "ranks": {"type": "array", "maxItems": MAX_DIAGNOSIS_RANKS, "items": rank,
+                      "description": f"Every worker seen (at most {MAX_DIAGNOSIS_RANKS}), by rank."},
+            "signature": _str("What identifies this diagnosis across restarts (e.g. the missing and duplicate ranks): "
+                              "the same signature after the pods were restarted for it fails the job."),
+            "incarnation": _str("The set of pods it was found in (a hash of their UIDs)."),
+        },
+    )
+
+
 def _status_schema() -> dict:
     condition = _obj(
         "A standard condition.",
         {
-            "type": _str("Condition type: " + ", ".join(names.CONDITION_TYPES) + "."),
+            "type": _str("Condition type: " + ", ".join(_CONDITION_TYPES) + "."),
             "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
             "reason": _str("CamelCase reason for the last transition."),
             "message": _str("Human-readable detail."),
@@ -645,7 +725,7 @@ def _status_schema() -> dict:
             "message": _str("Detail of the current phase."),
             "conditions": {
                 "type": "array",
-                "description": "Standard conditions: " + ", ".join(names.CONDITION_TYPES) + ".",
+                "description": "Standard conditions: " + ", ".join(_CONDITION_TYPES) + ".",
                 "items": condition,
                 "x-kubernetes-list-type": "map",
                 "x-kubernetes-list-map-keys": ["type"],
@@ -689,6 +769,7 @@ def _status_schema() -> dict:
             "progress": progress,
             "lastIncident": last_incident,
             "lastRecovery": last_recovery,
+            "diagnosis": _diagnosis_schema(),
         },
     )
 

@@ -4,7 +4,8 @@ A job's pods trust each other completely: the rendezvous store (`TCPStore`, no a
 client join the rendezvous, and the workers exchange pickled objects. So ingress to the job's pods (the
 trainers and the `<job>-rdzv` store, all labelled `ddp.dev/job-name=<job>`) is allowed only
 - from the job's own pods, on every port (gloo and nccl open ephemeral ports), and
-- from the operator's pods, on the progress port only (the operator polls rank 0's `GET /progress`).
+- from the operator's pods, on the progress port and the diagnostics port only (the operator polls every pod's
+  `GET /progress` and, with spec.diagnostics, its diagnostics sidecar's `GET /diagnosis`).
 Egress is left alone, and so is traffic from the node itself: every common enforcer (kube-router, Calico,
 Cilium) lets a node reach its own pods, which the kubelet's probes and the API server's pod proxy need.
 
@@ -53,6 +54,11 @@ def wanted(job: Job, config: NetworkPolicyConfig) -> bool:
     return config.enabled_by_default
 
 
+def _operator_ports(job: Job) -> list[int]:
+    """What the operator polls: the progress port, and the diagnostics sidecar's (spec.diagnostics)."""
+    return [names.PROGRESS_PORT] + ([names.DIAGNOSTICS_PORT] if job.spec.diagnostics.enabled else [])
+
+
 def render_network_policy(job: Job, config: NetworkPolicyConfig) -> dict:
     ingress: list[dict] = [{"from": [{"podSelector": {"matchLabels": job_labels(job)}}]}]
     if config.operator_labels and config.operator_namespace:
@@ -62,7 +68,7 @@ def render_network_policy(job: Job, config: NetworkPolicyConfig) -> dict:
                 "namespaceSelector": {"matchLabels": {names.LABEL_NAMESPACE_NAME: config.operator_namespace}},
                 "podSelector": {"matchLabels": dict(config.operator_labels)},
             }],
-            "ports": [{"protocol": "TCP", "port": names.PROGRESS_PORT}],
+            "ports": [{"protocol": "TCP", "port": port} for port in _operator_ports(job)],
         })
     return {
         "apiVersion": names.NETWORK_POLICY_API_VERSION,

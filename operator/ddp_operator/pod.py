@@ -1,10 +1,11 @@
-"""Rendering of the training pods `<job>-<index>`."""
+"""Rendering of the training pods `<job>-<index>` (their diagnostics sidecar: diagnostics.py)."""
 
 from __future__ import annotations
 
 import copy
 
 from ddp_operator import names
+from ddp_operator.diagnostics import add_sidecar
 from ddp_operator.env import follows_desired_size, merge_env, trainer_env
 from ddp_operator.labels import child_metadata, pod_labels
 from ddp_operator.spec import Job
@@ -86,6 +87,7 @@ def render_trainer_pod(job: Job, index: int, group: int) -> dict:
             "fieldRef": {"fieldPath": f"metadata.annotations['{names.NODES_ANNOTATION}']"}}]}})
     if volumes:
         spec["volumes"] = volumes
+    add_sidecar(job.spec.diagnostics, spec, annotations)  # spec.diagnostics: py-spy beside the trainer
     return {
         "apiVersion": "v1",
         "kind": "Pod",

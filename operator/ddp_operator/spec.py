@@ -15,16 +15,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ddp_operator import crd, names
+from ddp_operator.diagnostics import Diagnostics, parse_diagnostics
+# SpecError is the parsers' one error: importers take it from here.
+from ddp_operator.spec_fields import SpecError, integer as _int, section as _section  # noqa: F401
 from ddp_operator.template import template_problem
-
-
-class SpecError(ValueError):
-    """A DDPJob that cannot be run as written. `field` is the JSON path of the offending field."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -51,6 +45,8 @@ class FailurePolicy:
     hang_timeout_seconds: int
     startup_timeout_seconds: int
     node_lost_timeout_seconds: int
+    # From the moment every trainer pod runs until the process group formed (docs/diagnostics.md).
+    process_group_timeout_seconds: int = crd.DEFAULTS["failurePolicy"]["processGroupTimeoutSeconds"]
 
     def is_permanent(self, exit_codes: tuple[int, ...]) -> bool:
         """Whether any of the exit codes (trainer container and workers) rules out a retry."""
@@ -100,6 +96,8 @@ class JobSpec:
     network_policy_enabled: bool | None = None
     # Hot spares (spares.py): trainer pods beyond `nodes`, waiting in the rendezvous.
     spares: int = 0
+    # The diagnostics sidecar of every trainer pod (diagnostics.py).
+    diagnostics: Diagnostics = Diagnostics()
 
     @property
     def pods(self) -> int:
@@ -125,30 +123,7 @@ class Job:
     queue_label_removed: bool = False
 
 
-# --- helpers --------------------------------------------------------------------------------------
-def _section(spec: Mapping, key: str) -> Mapping:
-    value = spec.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise SpecError(f"spec.{key}", "must be an object")
-    return value
-
-
-def _int(section: Mapping, key: str, path: str, *, default: int | None = None, minimum: int = 0,
-         maximum: int | None = None) -> int | None:
-    value = section.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(path, f"must be an integer, got {value!r}")
-    if value < minimum:
-        raise SpecError(path, f"must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise SpecError(path, f"must be <= {maximum}, got {value}")
-    return value
-
-
+# --- helpers ---------------------------------------------------------------------------------------
 _CPU = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m?)$")
 
 
@@ -356,6 +331,9 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         node_lost_timeout_seconds=_int(f, "nodeLostTimeoutSeconds", "spec.failurePolicy.nodeLostTimeoutSeconds",
                                        default=fd["nodeLostTimeoutSeconds"],
                                        maximum=crd.MAXIMA["nodeLostTimeoutSeconds"]),
+        process_group_timeout_seconds=_int(
+            f, "processGroupTimeoutSeconds", "spec.failurePolicy.processGroupTimeoutSeconds",
+            default=fd["processGroupTimeoutSeconds"], maximum=crd.MAXIMA["processGroupTimeoutSeconds"]),
     )
 
     r = _section(spec, "runPolicy")
@@ -395,6 +373,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
             raise SpecError("spec.checkpoint.mountPath", f"must be an absolute path, got {mount_path!r}")
         checkpoint = Checkpoint(volume=copy.deepcopy(dict(volume)), mount_path=mount_path)
 
+    diagnostics = parse_diagnostics(_section(spec, "diagnostics"), template["spec"], d["diagnostics"])
     network_policy_enabled = _section(spec, "networkPolicy").get("enabled")
     if network_policy_enabled is not None and not isinstance(network_policy_enabled, bool):
         raise SpecError("spec.networkPolicy.enabled", "must be true or false")
@@ -405,7 +384,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
                                      default=d["progressPeriodSeconds"],
                                      maximum=crd.MAXIMA["progressPeriodSeconds"]),
         template=template, torchrun=torchrun, failure_policy=failure_policy, run_policy=run_policy, shm=shm,
-        checkpoint=checkpoint, network_policy_enabled=network_policy_enabled, spares=spares,
+        checkpoint=checkpoint, network_policy_enabled=network_policy_enabled, spares=spares, diagnostics=diagnostics,
     )
 
 

@@ -15,7 +15,7 @@ IN_CLUSTER = NetworkPolicyConfig(operator_namespace="ddp-system",
                                                               "app.kubernetes.io/instance=ddp-operator"))
 
 
-def test_policy_admits_the_job_and_the_operator_on_the_progress_port_only():
+def test_policy_admits_the_job_and_the_operator_on_the_progress_and_diagnostics_ports_only():
     job = make_job()
     np = render_network_policy(job, IN_CLUSTER)
     assert np["metadata"]["name"] == "mnist" and np["metadata"]["namespace"] == "ml"
@@ -29,11 +29,18 @@ def test_policy_admits_the_job_and_the_operator_on_the_progress_port_only():
     own, operator = np["spec"]["ingress"]
     # ... the job's own pods reach every port (gloo/nccl use ephemeral ones) ...
     assert own == {"from": [{"podSelector": {"matchLabels": {names.LABEL_JOB_NAME: "mnist"}}}]}
-    # ... and the operator's pods, in the operator's namespace only, the progress port only.
-    assert operator["ports"] == [{"protocol": "TCP", "port": names.PROGRESS_PORT}]
+    # ... and the operator's pods, in the operator's namespace only, the progress port and the diagnostics sidecar's
+    # only.
+    assert operator["ports"] == [{"protocol": "TCP", "port": names.PROGRESS_PORT},
+                                 {"protocol": "TCP", "port": names.DIAGNOSTICS_PORT}]
     (peer,) = operator["from"]
     assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "ddp-system"}}
     assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "ddp-operator"
+
+
+def test_a_job_without_the_diagnostics_sidecar_opens_the_progress_port_alone():
+    np = render_network_policy(make_job(diagnostics={"enabled": False}), IN_CLUSTER)
+    assert np["spec"]["ingress"][1]["ports"] == [{"protocol": "TCP", "port": names.PROGRESS_PORT}]
 
 
 def test_operator_outside_the_cluster_gets_no_rule():

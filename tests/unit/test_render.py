@@ -90,7 +90,7 @@ def test_user_shm_mount_is_kept():
     c["containers"][0]["volumeMounts"] = [{"name": "myshm", "mountPath": "/dev/shm"}]
     c["volumes"] = [{"name": "myshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}]
     pod = render_trainer_pod(parse_job(body), 0, 0)
-    assert [v["name"] for v in pod["spec"]["volumes"]] == ["myshm"]
+    assert [v["name"] for v in pod["spec"]["volumes"] if v["name"] != names.DIAGNOSTICS_VOLUME] == ["myshm"]
 
 
 def test_rendering_does_not_mutate_the_spec():
