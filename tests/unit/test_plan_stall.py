@@ -252,3 +252,18 @@ def test_a_hang_found_by_progress_records_the_diagnosis_and_names_the_stuck_fram
     # without diagnoses (sidecars off) the rule is today's: no diagnosis
     plain = plan(job, status, observed(rdzv(), trainer(0), trainer(1), hang_reports=reports), later(30))
     assert "diagnosis" not in plain.status and [(a.verb, a.name) for a in plain.actions] == [(DELETE, "mnist-1")]
+
+
+def test_a_finding_for_a_job_whose_rule_was_turned_off_since_changes_nothing():
+    for spec in ({"failurePolicy": {"hangTimeoutSeconds": 20, "processGroupTimeoutSeconds": 0}},
+                 {"failurePolicy": {"hangTimeoutSeconds": 20}, "diagnostics": {"enabled": False}}):
+        job = make_job(**spec)
+        first = plan(job, {}, observed(service_exists=False), NOW)
+        status = plan(job, first.status, observed(rdzv(), trainer(0), trainer(1)), NOW).status
+        p = plan(job, status, with_stall(observed(rdzv(), trainer(0), trainer(1)), twice()), later(300))
+        assert p.actions == () and p.status["phase"] == names.PHASE_RUNNING and "diagnosis" not in p.status
+    job = make_job(failurePolicy={"hangTimeoutSeconds": 20}, diagnostics={"enabled": False})
+    first = plan(job, {}, observed(service_exists=False), NOW)
+    status = plan(job, first.status, observed(rdzv(), trainer(0), trainer(1)), NOW).status
+    p = plan(job, status, with_stall(observed(rdzv(), trainer(0), trainer(1)), silent_hang()), later(300))
+    assert p.actions == () and "diagnosis" not in p.status

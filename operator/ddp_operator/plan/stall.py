@@ -4,7 +4,8 @@ The shell hands in a finding (Observed.stall) when a job's process group did not
 failurePolicy.processGroupTimeoutSeconds, when a script that reports no progress stood still for
 failurePolicy.hangTimeoutSeconds, and when a job whose condition Stalled is True is seen formed. The finding may
 be a pass old, so it is checked again against what is observed now: only while the job is Running (no recovery
-under way) with every pod it names a current trainer pod that runs and is not being deleted.
+under way) with every pod it names a current trainer pod that runs and is not being deleted, and while the spec
+still asks for the rule (spec.diagnostics.enabled, the timeout not 0).
 
 - ProcessGroupNeverFormed: condition Stalled=True with the finding's one line, a Warning Event with the same line,
   status.diagnosis written (with the finding's signature and the incarnation it was found in: the pods' UIDs).
@@ -41,6 +42,8 @@ def stall(ctx: Pass) -> bool:
         if stalled is not None and stalled.get("status") == "True":
             ctx.cond(names.COND_STALLED, False, names.REASON_PG_FORMED, finding.message)
         return True
+    if not _on(ctx, finding.reason):
+        return True
     current = _still_stuck(ctx, finding)
     if current is None:
         return True
@@ -49,6 +52,15 @@ def stall(ctx: Pass) -> bool:
     if finding.reason == names.REASON_HANG:
         return _silent_hang(ctx, finding, current)
     return True
+
+
+def _on(ctx: Pass, reason: str) -> bool:
+    """Whether the job's spec (now: it may have changed since the probe) still asks for the rule."""
+    fp = ctx.job.spec.failure_policy
+    if not ctx.job.spec.diagnostics.enabled:
+        return False
+    return bool(fp.process_group_timeout_seconds if reason == names.REASON_PG_NEVER_FORMED
+                else fp.hang_timeout_seconds)
 
 
 def _still_stuck(ctx: Pass, finding: stallmod.Finding) -> list[PodState] | None:
@@ -122,8 +134,6 @@ def _never_formed(ctx: Pass, finding: stallmod.Finding, current: list[PodState])
 
 def _silent_hang(ctx: Pass, finding: stallmod.Finding, current: list[PodState]) -> bool:
     timeout = ctx.job.spec.failure_policy.hang_timeout_seconds
-    if not timeout:
-        return True
     _stalled(ctx, finding.reason, finding.message)
     ctx.diagnosis = diagnosis(ctx, finding.reason, finding.message, finding.ranks, signature=finding.signature,
                               incarnation=stallmod.incarnation_id(p.uid for p in current))
