@@ -15,6 +15,7 @@ import uuid
 import kopf
 
 from ddp_operator import __version__, kopf_mends, metrics, names
+from ddp_operator.diagnostics import DEFAULT_TOOLS_IMAGE, Tools
 from ddp_operator.netpol import NetworkPolicyConfig, parse_labels
 
 
@@ -57,6 +58,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run DDPJobs labelled kueue.x-k8s.io/queue-name behind Kueue: one Workload per job, pods "
                         "only while Kueue admits it (env DDP_OPERATOR_KUEUE); needs Kueue's CRDs and RBAC for "
                         "workloads, resourceflavors and workloadpriorityclasses")
+    p.add_argument("--diagnostics-image", default=_env(names.ENV_DIAGNOSTICS_IMAGE, "") or DEFAULT_TOOLS_IMAGE,
+                   help="image the diagnostics sidecar's init container copies py-spy and the server from: the "
+                        f"operator's own (env {names.ENV_DIAGNOSTICS_IMAGE}; default {DEFAULT_TOOLS_IMAGE})")
+    p.add_argument("--diagnostics-image-pull-policy", choices=("", "Always", "IfNotPresent", "Never"),
+                   default=_env(names.ENV_DIAGNOSTICS_IMAGE_PULL_POLICY, ""),
+                   help="its imagePullPolicy; empty: the kubelet's default "
+                        f"(env {names.ENV_DIAGNOSTICS_IMAGE_PULL_POLICY})")
     p.add_argument("--version", action="version", version=f"ddp-operator {__version__}")
     args = p.parse_args(argv)
     if args.namespace is None:
@@ -97,6 +105,11 @@ def network_policy_config(args: argparse.Namespace) -> NetworkPolicyConfig:
                                operator_labels=labels)
 
 
+def diagnostics_tools(args: argparse.Namespace) -> Tools:
+    """The diagnostics tools image every trainer pod's init container runs (diagnostics.py)."""
+    return Tools(image=args.diagnostics_image, pull_policy=args.diagnostics_image_pull_policy or None)
+
+
 def _standby_liveness(port: int):
     """A standby replica is alive while it waits for the Lease; kopf's own probe starts with leadership."""
     if not port:
@@ -132,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
 
     kopf_mends.apply()
 
-    config = Config(network_policy=network_policy_config(args), kueue=args.kueue == "true")
+    config = Config(network_policy=network_policy_config(args), kueue=args.kueue == "true",
+                    diagnostics=diagnostics_tools(args))
     if config.kueue:
         handlers.enable_kueue()
 

@@ -432,7 +432,9 @@ def _spec_schema() -> dict:
                     f"(reason {names.REASON_PG_NEVER_FORMED}, the message naming the missing and duplicate ranks and "
                     "where each waits, also in status.diagnosis and a Warning Event) and its pods are restarted once, "
                     "not counted against backoffLimit; the same diagnosis after that restart fails the job with the "
-                    f"same reason: a restart cannot fix the script. Needs spec.diagnostics.enabled. 0: never. At most "
+                    f"same reason: a restart cannot fix the script. Needs spec.diagnostics.enabled and the operator's "
+                    f"poll (progressPeriodSeconds: 0 turns it off too); the sidecars are asked every tenth of this "
+                    f"timeout (1-5 s) until the group formed. 0: never. At most "
                     f"{MAXIMA['processGroupTimeoutSeconds']}.",
                     minimum=0, maximum=MAXIMA["processGroupTimeoutSeconds"], default=f["processGroupTimeoutSeconds"]),
             },

@@ -3,15 +3,17 @@
 
 A record is made by a job's first pass or wake-up and dropped when the job no longer exists: its DELETED event
 (`forget`), or the periodic `sweep` that also catches jobs gone with their namespace while the watch was down. What
-belongs to one job *object* rather than to its name (the status last written, the parsed spec, progress and hang
-state, the phase) is kept per UID in `JobRecord.objects`, so a job deleted and created again under the same name
+belongs to one job *object* rather than to its name (the status last written, the parsed spec, progress, hang and
+stall state, the phase) is kept per UID in `JobRecord.objects`, so a job deleted and created again under the same name
 never inherits the old one's. Records are changed under `JobRegistry.guard`; a record's `lock` serializes the
-job's passes.
+job's passes. The registry also puts the operator's diagnostics tools image into every job it parses
+(diagnostics.Tools: an operator setting the renderers read from the job, so they stay pure).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ddp_operator import metrics, names
+from ddp_operator.diagnostics import Tools
 from ddp_operator.kueue import kept_queue, observe_workload
 from ddp_operator.pod import render_trainer_pod
 from ddp_operator.rdzv import render_rdzv_pod
@@ -27,6 +30,7 @@ from ddp_operator.spec import Job, SpecError, parse_job
 if TYPE_CHECKING:
     from ddp_operator.backoff import Refusal
     from ddp_operator.hang import Watch
+    from ddp_operator.stall import StallWatch
 
 log = logging.getLogger("ddp_operator")
 
@@ -89,6 +93,7 @@ class JobObject:
     progress_ip: str | None = None       # where rank 0 answered last
     progress_written_at: float = 0.0
     hang_watch: Watch | None = None
+    stall_watch: StallWatch | None = None  # the diagnostics sidecars' answers in this incarnation (stall.watch)
     # What parse_job read (a private copy) and what it made of it: the parsed Job, or the SpecError's field and message.
     parsed: tuple[tuple, Job | tuple[str, str]] | None = None
 
@@ -118,13 +123,21 @@ def _parse_source(body: Mapping[str, Any]) -> tuple:
             body.get("spec"))
 
 
-def _parse(key: Key, body: Mapping[str, Any]) -> Job | tuple[str, str]:
+def _with_tools(job: Job, tools: Tools) -> Job:
+    """The job with the operator's diagnostics tools image (an operator setting, not the job's: diagnostics.Tools)."""
+    if job.spec.diagnostics.tools == tools:
+        return job
+    diagnostics = dataclasses.replace(job.spec.diagnostics, tools=tools)
+    return dataclasses.replace(job, spec=dataclasses.replace(job.spec, diagnostics=diagnostics))
+
+
+def _parse(key: Key, body: Mapping[str, Any], tools: Tools = Tools()) -> Job | tuple[str, str]:
     """parse_job(body) and a trial rendering of its pods, or the (field, message) of why the job cannot run.
 
     Whatever either raises ends here, as the job's InvalidSpec (a SpecError names its field; anything else is
     a defect or a value nobody foresaw, logged with its traceback): never an exception in every pass."""
     try:
-        job = parse_job(body)
+        job = _with_tools(parse_job(body), tools)
         render_trainer_pod(job, 0, 0)  # a template the renderers cannot use is invalid now, not in a later pass
         render_rdzv_pod(job, 0)
         return job
@@ -139,7 +152,8 @@ def _parse(key: Key, body: Mapping[str, Any]) -> Job | tuple[str, str]:
 class JobRegistry:
     """kopf's indexes, bound on the first handler call, and the records of every job the shell knows."""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: Tools = Tools()) -> None:
+        self.tools = tools  # the diagnostics tools image every parsed job carries
         self.guard = threading.Lock()
         self.indexes: dict[str, Any] | None = None
         self._records: dict[Key, JobRecord] = {}
@@ -193,7 +207,7 @@ class JobRegistry:
             obj = self._records.setdefault(key, JobRecord()).of(body["metadata"]["uid"])
             parsed = obj.parsed
         if parsed is None or parsed[0] != source:
-            parsed = (copy.deepcopy(source), _parse(key, body))
+            parsed = (copy.deepcopy(source), _parse(key, body, self.tools))
             with self.guard:
                 obj.parsed = parsed
         if not isinstance(parsed[1], Job):

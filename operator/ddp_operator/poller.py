@@ -17,6 +17,19 @@ from any pod), and once it has not moved for the timeout the same pool thread ru
 (the `reconcile` callable, the answers keyed by pod UID), which deletes the stuck pod(s). The ticker schedules that
 check at its due time, so it acts within the timeout + the poll interval + one probe deadline.
 
+Stalls (docs/diagnostics.md, stall.py) ride on the same poll, for jobs whose pods carry the diagnostics sidecar
+(spec.diagnostics) while the job is Running: every running trainer pod's sidecar is asked at once (each with its
+own deadline, diagnose_each), its answer validated (stall.valid_diagnosis; invalid fields: an InvalidReport Event
+once), and a stall.StallWatch kept in the record beside the hang watch. It is asked while the watch needs it: until
+the incarnation's process group formed (processGroupTimeoutSeconds, or a Stalled condition to clear), while a
+formed group of a script that never reported progress may hang silently (hangTimeoutSeconds), and for a progress
+hang check (the pods' diagnoses go with the reports). Meanwhile polls come at least every tenth of the clock's
+timeout (1-5 s) whatever progressPeriodSeconds says, and a poll is due the moment a clock's deadline is, so a stall
+is acted on within a poll interval and a probe deadline of it. Before handing a ProcessGroupNeverFormed or Hang
+finding to a pass (`reconcile(..., stall=finding)`) the pods are asked again with `?log=<reason>`, which puts
+every worker's full stacks into the sidecars' logs, and that answer decides; a job whose condition Stalled is True
+and whose group is seen formed gets stall.formed_finding().
+
 The spec's values are the parsed job's (spec.parse_job, cached in the record), never read from the raw spec again.
 """
 
@@ -29,28 +42,73 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
-from ddp_operator import hang, metrics, names, progress
+from ddp_operator import hang, metrics, names, progress, stall
 from ddp_operator.jobs import JobRecord, JobRegistry, Key, owned_by
 from ddp_operator.k8s import describe_error
 from ddp_operator.spec import Job, SpecError
 from ddp_operator.report import valid_report
-from ddp_operator.status import invalid_report_event, last_recovery, newer_progress, progress_status
+from ddp_operator.status import (
+    Event, get_condition, invalid_report_event, last_recovery, newer_progress, progress_status,
+)
 
 log = logging.getLogger("ddp_operator")
 
 PROBE_WORKERS = 8
+DIAGNOSIS = "diagnosis"  # the source of a diagnostics sidecar's answer, as InvalidReport Events tell it
 # InvalidReport Events already posted, (job uid, pod uid, fields): the most recent this many are remembered.
 INVALID_REPORTS_REMEMBERED = 1024
 COMPONENT = "ddp-operator"  # the Events' source, as the reconciler's (reconciler.COMPONENT; a test checks)
+
+
+def _index(pod: Mapping[str, Any]) -> int:
+    """A trainer pod's index (its label; -1 when it holds no number)."""
+    value = (pod["metadata"].get("labels") or {}).get(names.LABEL_NODE_INDEX, "")
+    return int(value) if isinstance(value, str) and value.isdigit() and len(value) < 10 else -1
 
 
 def _poll_interval(job: Job) -> float | None:
     return hang.poll_interval(job.spec.progress_period_seconds, job.spec.failure_policy.hang_timeout_seconds)
 
 
+def _stalled(status: Mapping[str, Any]) -> bool:
+    return (get_condition(list(status.get("conditions") or []), names.COND_STALLED) or {}).get("status") == "True"
+
+
+def _paced(timeout: float) -> float:
+    return max(hang.MIN_POLL_SECONDS, min(hang.MAX_POLL_SECONDS, timeout / 10.0))
+
+
+def stall_interval(job: Job, status: Mapping[str, Any], w: stall.StallWatch | None,
+                   current: tuple[str, ...]) -> float | None:
+    """Seconds between polls while a stall clock needs the sidecars asked (a tenth of its timeout, 1-5 s), or None
+    when none does: no sidecar, not Running, no polling at all (progressPeriodSeconds 0 turns every poll off), or a
+    formed group that reports progress (or whose hang rule is off)."""
+    if not job.spec.diagnostics.enabled or not job.spec.progress_period_seconds or not current or \
+            status.get("phase") != names.PHASE_RUNNING:
+        return None
+    policy = job.spec.failure_policy
+    if w is None or w.incarnation != current or not w.formed:
+        if policy.process_group_timeout_seconds:
+            return _paced(policy.process_group_timeout_seconds)
+        return hang.MAX_POLL_SECONDS if _stalled(status) else None  # to see it form, and clear Stalled
+    if not w.reporting and policy.hang_timeout_seconds:
+        return _paced(policy.hang_timeout_seconds)
+    return None
+
+
+def stall_check_due(job: Job, w: stall.StallWatch | None, current: tuple[str, ...], now: float) -> bool:
+    """A stall clock's deadline is up for the current incarnation."""
+    if w is None or w.incarnation != current or not (job.spec.diagnostics.enabled and job.spec.progress_period_seconds):
+        return False
+    policy = job.spec.failure_policy
+    return stall.startup_due(w, policy.process_group_timeout_seconds, now) or \
+        stall.silent_hang_due(w, policy.hang_timeout_seconds, now)
+
+
 class ProgressPoller:
-    """Polls the progress of every running job on a thread pool; `reconcile(namespace, name, hang_reports=...)`
-    runs the pass that acts on a hang."""
+    """Polls the progress (and the diagnostics sidecars) of every running job on a thread pool; `reconcile(namespace,
+    name, hang_reports=..., diagnoses=...)` runs the pass that acts on a hang, `reconcile(..., stall=...)` the one
+    that acts on a stall."""
 
     def __init__(self, jobs: JobRegistry, api: Any, reconcile: Callable[..., Any]):
         self.jobs = jobs
@@ -69,24 +127,26 @@ class ProgressPoller:
             return None  # the pass reports it; nothing to poll
 
     def due(self, key: Key) -> tuple[Mapping[str, Any], Job, dict] | None:
-        """The job's body, parsed job and last status if its progress is due for a poll (Running/Restarting, and
-        the poll interval up or a hang check due)."""
+        """The job's body, parsed job and last status if it is due for a poll (Running/Restarting, and the poll
+        interval up, the stall clocks' pace up, or a hang or stall check due)."""
         body = self.jobs.body(key)
         job = self._job(key, body) if body is not None else None
         if body is None or job is None:
             return None
-        interval = _poll_interval(job)
-        if interval is None:
-            return None
         record = self.jobs.record(key)
         with self.jobs.guard:
             obj = record.of(job.uid)
-            progress_at, written = obj.progress_at, obj.written
-        now = time.monotonic()
-        if now - progress_at < interval and not self.hang_check_due(key, body, now):
-            return None
+            progress_at, written, w = obj.progress_at, obj.written, obj.stall_watch
         status = written or dict(body.get("status") or {})
         if status.get("phase") not in (names.PHASE_RUNNING, names.PHASE_RESTARTING):
+            return None
+        current = hang.incarnation(self._running_trainers(key, job.uid)) if job.spec.diagnostics.enabled else ()
+        paces = [i for i in (_poll_interval(job), stall_interval(job, status, w, current)) if i is not None]
+        if not paces:
+            return None
+        now = time.monotonic()
+        if now - progress_at < min(paces) and not self.hang_check_due(key, body, now) and \
+                not stall_check_due(job, w, current, now):
             return None
         return body, job, status
 
@@ -134,13 +194,19 @@ class ProgressPoller:
             obj.progress_at = time.monotonic()
             progress_ip = obj.progress_ip
         trainers = self._running_trainers(key, uid)
-        answers = progress.probe_each({p["metadata"]["uid"]: p["status"]["podIP"] for p in trainers})
-        reports = {pod: self._checked(key, body, trainers, pod, answer) for pod, answer in answers.items()}
+        current = hang.incarnation(trainers)
         ips = {p["metadata"]["uid"]: p["status"]["podIP"] for p in trainers}
+        with self.jobs.guard:
+            asking = stall_interval(job, status, obj.stall_watch, current) is not None
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddp-diagnose") as side:
+            # The sidecars are asked while the progress endpoints are: one poll costs one deadline, not two.
+            asked = side.submit(self.diagnose, key, body, trainers) if asking else None
+            answers = progress.probe_each(ips)
+            diagnoses = asked.result() if asked is not None else None
+        reports = {pod: self._checked(key, body, trainers, pod, answer) for pod, answer in answers.items()}
         preferred = next((pod for pod, ip in ips.items() if ip == progress_ip), None)
         found = progress.rank0(reports, preferred)
         report = found[1] if found is not None else None
-        current = hang.incarnation(trainers)
         with self.jobs.guard:
             if found is not None:
                 obj.progress_ip = ips[found[0]]
@@ -148,27 +214,108 @@ class ProgressPoller:
             obj.hang_watch = hang.watch(obj.hang_watch, current, report, time.monotonic(), others)
         if report is not None:
             self._write_progress(key, job, status, report)
+        if diagnoses is not None:
+            reporting = any(r is not None and "step" in r for r in reports.values())
+            with self.jobs.guard:
+                obj.stall_watch = stall.watch(obj.stall_watch, current, diagnoses, reporting, time.monotonic())
         if self.hang_check_due(key, body, time.monotonic()):
-            self._hang_check(key, uid, trainers, reports)
+            self._hang_check(key, job, body, trainers, reports)
+        elif diagnoses is not None:
+            self._stall_check(key, job, body, status, trainers, diagnoses)
+
+    def _invalid(self, key: Key, body: Mapping[str, Any], trainers: list[Mapping[str, Any]], pod: str,
+                 invalid: tuple[str, ...], source: str) -> None:
+        """An InvalidReport Event for a pod's answer with invalid fields, once per job, pod, source and fields."""
+        seen = (body["metadata"].get("uid", ""), pod, (source, *invalid))
+        with self.jobs.guard:
+            new = seen not in self._invalid_reported
+            self._invalid_reported[seen] = None
+            self._invalid_reported.move_to_end(seen)
+            while len(self._invalid_reported) > INVALID_REPORTS_REMEMBERED:
+                self._invalid_reported.popitem(last=False)
+        if new:
+            name = next((p["metadata"]["name"] for p in trainers if p["metadata"]["uid"] == pod), pod)
+            event = invalid_report_event(name, invalid, source)
+            if source == DIAGNOSIS:
+                event = Event(event.type, event.reason, f"pod {name}: its diagnostics sidecar's answer has invalid "
+                                                        f"field(s) {', '.join(invalid)}: ignored (docs/diagnostics.md "
+                                                        f"says what each may hold)")
+            log.warning("[%s/%s] %s", *key, event.message)
+            self.api.post_event(body, event.type, event.reason, event.message, COMPONENT)
 
     def _checked(self, key: Key, body: Mapping[str, Any], trainers: list[Mapping[str, Any]], pod: str,
                  answer: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
         """A pod's answer with its valid fields alone; invalid ones get an InvalidReport Event, once."""
         report, invalid = valid_report(answer)
         if invalid:
-            seen = (body["metadata"].get("uid", ""), pod, invalid)
-            with self.jobs.guard:
-                new = seen not in self._invalid_reported
-                self._invalid_reported[seen] = None
-                self._invalid_reported.move_to_end(seen)
-                while len(self._invalid_reported) > INVALID_REPORTS_REMEMBERED:
-                    self._invalid_reported.popitem(last=False)
-            if new:
-                name = next((p["metadata"]["name"] for p in trainers if p["metadata"]["uid"] == pod), pod)
-                event = invalid_report_event(name, invalid, "progress report")
-                log.warning("[%s/%s] %s", *key, event.message)
-                self.api.post_event(body, event.type, event.reason, event.message, COMPONENT)
+            self._invalid(key, body, trainers, pod, invalid, "progress report")
         return report
+
+    # --- the diagnostics sidecars (stall.py) ------------------------------------------------------
+    def diagnose(self, key: Key, body: Mapping[str, Any], trainers: list[Mapping[str, Any]],
+                 log_reason: str | None = None) -> tuple[stall.PodDiagnosis, ...]:
+        """Every running trainer pod's diagnosis, its sidecars asked at once (`log_reason`: they log full stacks
+        first); invalid fields are dropped, with an InvalidReport Event once."""
+        answers = progress.diagnose_each({p["metadata"]["uid"]: p["status"]["podIP"] for p in trainers}, log_reason)
+        out = []
+        for p in trainers:
+            pod = p["metadata"]["uid"]
+            diagnosis, invalid = stall.valid_diagnosis(answers.get(pod))
+            if invalid:
+                self._invalid(key, body, trainers, pod, invalid, DIAGNOSIS)
+            out.append(stall.PodDiagnosis(pod, p["metadata"]["name"], _index(p), diagnosis))
+        return tuple(out)
+
+    def _confirmed(self, key: Key, body: Mapping[str, Any], trainers: list[Mapping[str, Any]],
+                   diagnoses: tuple[stall.PodDiagnosis, ...], reason: str,
+                   find: Callable[[tuple[stall.PodDiagnosis, ...]], stall.Finding | None]) -> stall.Finding | None:
+        """The finding, from the pods asked again with ?log=<reason> (their full stacks into the sidecars' logs);
+        a pod that does not answer that time counts with its first answer. None when it no longer holds."""
+        if find(diagnoses) is None:
+            return None
+        again = self.diagnose(key, body, trainers, reason)
+        first = {d.uid: d for d in diagnoses}
+        merged = tuple(d if d.diagnosis is not None or d.uid not in first else first[d.uid] for d in again)
+        return find(merged)
+
+    def _stall_check(self, key: Key, job: Job, body: Mapping[str, Any], status: Mapping[str, Any],
+                     trainers: list[Mapping[str, Any]], diagnoses: tuple[stall.PodDiagnosis, ...]) -> None:
+        """Hand a pass the stall the watch shows: a group that did not form in time, a silent hang, or a Stalled job
+        that formed. A clock that fired starts again (the next finding is one timeout later unless the pods change)."""
+        current = hang.incarnation(trainers)
+        record = self.jobs.record(key)
+        with self.jobs.guard:
+            obj = record.of(job.uid)
+            w = obj.stall_watch
+        if w is None or w.incarnation != current:
+            return
+        policy, now = job.spec.failure_policy, time.monotonic()
+        finding, timeout = None, 0
+        if stall.startup_due(w, policy.process_group_timeout_seconds, now):
+            world = stall.expected_world_size(job.spec.nodes, job.spec.nproc_per_node)
+            finding = self._confirmed(key, body, trainers, diagnoses, names.REASON_PG_NEVER_FORMED,
+                                      lambda ds: stall.startup_finding(ds, world))
+            restarted = dataclasses.replace(w, started=time.monotonic())
+            timeout = policy.process_group_timeout_seconds
+        elif stall_check_due(job, w, current, now):
+            finding = self._confirmed(key, body, trainers, diagnoses, names.REASON_HANG, stall.hang_finding)
+            restarted = dataclasses.replace(w, since=time.monotonic())
+            timeout = policy.hang_timeout_seconds
+        elif w.formed and _stalled(status):
+            log.info("[%s/%s] the process group formed: every rank joined", *key)
+            self.reconcile(*key, stall=stall.formed_finding())
+            return
+        if finding is None:
+            return
+        with self.jobs.guard:
+            if obj.stall_watch is w:
+                obj.stall_watch = restarted
+        what = ("the process group did not form within processGroupTimeoutSeconds"
+                if finding.reason == names.REASON_PG_NEVER_FORMED else
+                "no worker's stack nor CPU time moved for hangTimeoutSeconds (the script reports no progress)")
+        log.warning("[%s/%s] %s=%s: %s (full stacks: kubectl logs <pod> -c %s)", *key, what, timeout, finding.message,
+                    names.DIAGNOSTICS_CONTAINER)
+        self.reconcile(*key, stall=finding)
 
     def _running_trainers(self, key: Key, uid: str) -> list[Mapping[str, Any]]:
         """The job's running trainer pods with an IP (only pods it owns: labels alone can be put on any pod)."""
@@ -225,13 +372,15 @@ class ProgressPoller:
         left = hang.due_in(w, w.incarnation, job.spec.failure_policy.hang_timeout_seconds, now)
         return left is not None and left <= 0
 
-    def _hang_check(self, key: Key, uid: str, trainers: list[Mapping[str, Any]],
+    def _hang_check(self, key: Key, job: Job, body: Mapping[str, Any], trainers: list[Mapping[str, Any]],
                     reports: Mapping[str, Mapping[str, Any] | None]) -> None:
-        """The training's step has not moved for the timeout: a pass decides with every pod's answer (by UID)."""
+        """The training's step has not moved for the timeout: a pass decides with every pod's answer (by UID), and
+        with the pods' diagnoses (asked with ?log=Hang: the full stacks in the sidecars' logs) when they have the
+        sidecar."""
         current = hang.incarnation(trainers)
         record = self.jobs.record(key)
         with self.jobs.guard:
-            obj = record.of(uid)
+            obj = record.of(job.uid)
             w = obj.hang_watch
             if w is None or w.incarnation != current:
                 return  # the pods changed since: the clock starts again with the next report
@@ -240,4 +389,11 @@ class ProgressPoller:
         names_ = {p["metadata"]["uid"]: p["metadata"]["name"] for p in trainers}
         steps = {names_.get(pod, pod): (r or {}).get("step") for pod, r in reports.items()}
         log.warning("[%s/%s] the training's step has not changed for the hang timeout; pods report %s", *key, steps)
-        self.reconcile(*key, hang_reports=reports)
+        if not job.spec.diagnostics.enabled:
+            self.reconcile(*key, hang_reports=reports)
+            return
+        diagnoses = self.diagnose(key, body, trainers, names.REASON_HANG)
+        frames = {d.name: stall.frame_of(d.diagnosis) for d in diagnoses}
+        log.warning("[%s/%s] the pods stand in %s (full stacks: kubectl logs <pod> -c %s)", *key, frames,
+                    names.DIAGNOSTICS_CONTAINER)
+        self.reconcile(*key, hang_reports=reports, diagnoses=diagnoses)

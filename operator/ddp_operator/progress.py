@@ -1,9 +1,11 @@
-"""The trainer's progress channel (docs/contract.md): probe GET :29401/progress on the job's pods.
+"""The trainer's progress channel (docs/contract.md): probe GET :29401/progress on the job's pods; and the diagnostics
+sidecar's GET :29402/diagnosis (docs/diagnostics.md).
 
 Every pod's local rank 0 answers for itself, naming its global `rank`. `probe_each` asks every pod at once, each
 probe with its own deadline (one pod that never answers costs one deadline, never hides the others); `rank0`
 picks global rank 0's report from the answers (a report without `rank`, from a trainer that serves on rank 0
-alone, is rank 0's); `probe` is the two together.
+alone, is rank 0's); `probe` is the two together. `diagnose_each` asks every pod's diagnostics sidecar the same way
+(with `log`, the sidecar first prints every worker's full stacks to its own log, headed by that reason).
 
 What a pod answers is untrusted, and the operator serves every job from one process, so a probe is bounded in
 every way: one overall deadline per probe (not per socket operation: a pod that trickles a byte at a time
@@ -16,17 +18,25 @@ from __future__ import annotations
 import json
 import socket
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from ddp_operator import names
 
 DEADLINE_SECONDS = 2.0
 MAX_RESPONSE_BYTES = 65536
+# A diagnosis reads every worker's stack with py-spy first: more time than a progress report, and more bytes (up to
+# stall.MAX_WORKERS workers, each with two frames of up to 512 characters).
+DIAGNOSIS_DEADLINE_SECONDS = 5.0
+# With ?log=<reason> the sidecar also dumps every thread of every worker, with locals, to its log before it answers.
+DIAGNOSIS_LOG_DEADLINE_SECONDS = 15.0
+MAX_DIAGNOSIS_BYTES = 262144
 
 
-def _get(ip: str, port: int, deadline: float) -> bytes:
-    """The raw HTTP response (head and body) of GET /progress, read until EOF, the cap, or the deadline."""
+def _get(ip: str, port: int, deadline: float, path: str | None = None, limit: int = MAX_RESPONSE_BYTES) -> bytes:
+    """The raw HTTP response (head and body) of GET `path` (the progress path by default), read until EOF, the cap,
+    or the deadline."""
     def remaining() -> float:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -36,7 +46,7 @@ def _get(ip: str, port: int, deadline: float) -> bytes:
     with socket.create_connection((ip, port), timeout=remaining()) as sock:
         host = f"[{ip}]" if ":" in ip else ip
         sock.settimeout(remaining())
-        sock.sendall(f"GET {names.PROGRESS_PATH} HTTP/1.0\r\nHost: {host}:{port}\r\n"
+        sock.sendall(f"GET {path or names.PROGRESS_PATH} HTTP/1.0\r\nHost: {host}:{port}\r\n"
                      f"Accept: application/json\r\nConnection: close\r\n\r\n".encode())
         data = bytearray()
         while True:
@@ -45,8 +55,8 @@ def _get(ip: str, port: int, deadline: float) -> bytes:
             if not chunk:
                 return bytes(data)
             data += chunk
-            if len(data) > MAX_RESPONSE_BYTES:
-                raise ValueError("progress response too large")
+            if len(data) > limit:
+                raise ValueError("response too large")
 
 
 def _report(raw: bytes) -> Mapping[str, Any] | None:
@@ -65,6 +75,17 @@ def fetch(ip: str, timeout: float = DEADLINE_SECONDS, *, deadline: float | None 
     try:
         return _report(_get(ip, names.PROGRESS_PORT, end))
     except Exception:  # noqa: BLE001 - whatever a pod sends back, it is only "no report"
+        return None
+
+
+def fetch_diagnosis(ip: str, log: str | None = None, timeout: float | None = None) -> Mapping[str, Any] | None:
+    """The JSON answer of the diagnostics sidecar at ip (`log`: the reason it is asked to log full stacks for), or
+    None if nothing (valid JSON) answers by the deadline. Checking its fields is stall.valid_diagnosis's."""
+    timeout = timeout or (DIAGNOSIS_LOG_DEADLINE_SECONDS if log else DIAGNOSIS_DEADLINE_SECONDS)
+    path = names.DIAGNOSTICS_PATH + (f"?log={urllib.parse.quote(log, safe='')}" if log else "")
+    try:
+        return _report(_get(ip, names.DIAGNOSTICS_PORT, time.monotonic() + timeout, path, MAX_DIAGNOSIS_BYTES))
+    except Exception:  # noqa: BLE001 - whatever a pod sends back, it is only "no answer"
         return None
 
 
@@ -97,10 +118,21 @@ def probe_each(targets: Mapping[str, str], timeout: float = DEADLINE_SECONDS) ->
     """Every pod's own report (key, e.g. the pod's UID, -> report, None when it did not answer), asked in
     parallel, each with its own deadline: a stuck pod costs one deadline, not one per pod after it. More pods
     than MAX_PARALLEL_PROBES take a deadline per batch."""
+    return _each(targets, lambda ip: fetch(ip, timeout))
+
+
+def diagnose_each(targets: Mapping[str, str], log: str | None = None) -> dict[str, Mapping[str, Any] | None]:
+    """Every pod's diagnostics sidecar's answer (key -> answer, None when it did not answer), asked as probe_each
+    asks for progress: in parallel, each with its own deadline."""
+    return _each(targets, lambda ip: fetch_diagnosis(ip, log))
+
+
+def _each(targets: Mapping[str, str],
+          get: Callable[[str], Mapping[str, Any] | None]) -> dict[str, Mapping[str, Any] | None]:
     if not targets:
         return {}
     names_ = list(targets)
     with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_PROBES, len(names_)),
                             thread_name_prefix="ddp-probe-each") as pool:
-        answers = list(pool.map(lambda n: fetch(targets[n], timeout), names_))
+        answers = list(pool.map(lambda n: get(targets[n]), names_))
     return dict(zip(names_, answers))

@@ -35,6 +35,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ddp_operator import metrics, names
 from ddp_operator.backoff import CreateBackoff
+from ddp_operator.diagnostics import Tools
 from ddp_operator.jobs import Created, JobRegistry, Key, kept_pod, owned_by
 from ddp_operator.k8s import ChildConflict, NotLeading, describe_error
 from ddp_operator.kueue import WorkloadState, observe_workload
@@ -46,6 +47,7 @@ from ddp_operator.plan import (
 )
 from ddp_operator.poller import ProgressPoller
 from ddp_operator.spec import SpecError
+from ddp_operator.stall import Finding, PodDiagnosis
 from ddp_operator.status import newer_progress
 
 log = logging.getLogger("ddp_operator")
@@ -70,6 +72,8 @@ class Config:
     """The operator's configuration: __main__ reads it from flags and environment, kopf's memo carries it."""
     network_policy: NetworkPolicyConfig = NetworkPolicyConfig()
     kueue: bool = False  # the Kueue integration (kueue.py) is on: Workloads are watched and written
+    # The diagnostics sidecar's tools image (DDPJOB_DIAGNOSTICS_IMAGE): every parsed job carries it (jobs.py).
+    diagnostics: Tools = Tools()
 
 
 class ReadCache:
@@ -109,7 +113,7 @@ class Reconciler:
     def __init__(self, api: Any, config: Config = Config()):
         self.api = api
         self.config = config
-        self.jobs = JobRegistry()
+        self.jobs = JobRegistry(config.diagnostics)
         self.backoff = CreateBackoff(self.jobs, self.jobs.wake)
         self.poller = ProgressPoller(self.jobs, api, self.reconcile)
         self.nodes = ReadCache(NODE_CACHE_SECONDS)
@@ -201,14 +205,19 @@ class Reconciler:
 
     # --- the pass ---------------------------------------------------------------------------------
     def reconcile(self, namespace: str, name: str, body: Mapping[str, Any] | None = None, *,
-                  hang_reports: Mapping[str, Mapping[str, Any] | None] | None = None) -> Plan | None:
+                  hang_reports: Mapping[str, Mapping[str, Any] | None] | None = None,
+                  diagnoses: tuple[PodDiagnosis, ...] | None = None, stall: Finding | None = None) -> Plan | None:
+        """A pass of the job. The poller hands in what it found: `hang_reports` (every pod's progress report, the
+        training's step stood still for hangTimeoutSeconds) with the pods' `diagnoses`, or a `stall` finding from
+        the diagnostics sidecars (poller.py); each reaches the planner as an Observed field."""
         key = (namespace, name)
         record = self.jobs.record(key)
+        found = {k: v for k, v in (("hang_reports", hang_reports), ("hang_diagnoses", diagnoses), ("stall", stall))
+                 if v is not None}
         with record.lock:
             started = time.monotonic()
             try:
-                result = (self._reconcile(key, body) if hang_reports is None
-                          else self._reconcile(key, body, hang_reports))
+                result = self._reconcile(key, body, **found)
             except NotLeading as e:  # this replica lost the Lease: it stops leading soon; nothing to retry
                 metrics.RECONCILES.labels("error").inc()
                 log.warning("[%s/%s] not written: %s", namespace, name, e)
@@ -228,8 +237,8 @@ class Reconciler:
             metrics.RECONCILES.labels("ok").inc()
             return result
 
-    def _reconcile(self, key: Key, body: Mapping[str, Any] | None,
-                   hang_reports: Mapping[str, Mapping[str, Any] | None] | None = None) -> Plan | None:
+    def _reconcile(self, key: Key, body: Mapping[str, Any] | None, **found: Any) -> Plan | None:
+        """The pass; `found`: the Observed fields the poller hands in (hang_reports, hang_diagnoses, stall)."""
         body = body if body is not None else self.jobs.body(key)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return None
@@ -262,7 +271,7 @@ class Reconciler:
         observed = Observed(pods=pods, service_exists=bool(self.jobs.values("services_by_job", key)),
                             node_ready=node_ready, network_policy_exists=bool(policies),
                             network_policy_uid=policies[0] if policies else None, conflicts=conflicts,
-                            hang_reports=hang_reports, refusals=refusals, nodes=nodes,
+                            refusals=refusals, nodes=nodes, **found,
                             **(self._observe_kueue(key, uid, job.priority_class) if job.queue_name else {}))
         result = plan(job, prev, observed, now, self.config.network_policy)
         if self._policy_first(key, result):

@@ -167,3 +167,36 @@ def test_a_template_that_takes_what_the_sidecar_needs_is_invalid_unless_it_is_of
     assert err.value.field == field
     body["spec"]["diagnostics"] = {"enabled": False}
     parse_job(body)
+
+
+def test_the_operator_reads_its_tools_image_from_the_environment(monkeypatch):
+    from ddp_operator.__main__ import diagnostics_tools, parse_args
+    from ddp_operator.diagnostics import DEFAULT_TOOLS_IMAGE, Tools
+
+    monkeypatch.delenv(names.ENV_DIAGNOSTICS_IMAGE, raising=False)
+    monkeypatch.delenv(names.ENV_DIAGNOSTICS_IMAGE_PULL_POLICY, raising=False)
+    assert diagnostics_tools(parse_args([])) == Tools(DEFAULT_TOOLS_IMAGE, None)
+    monkeypatch.setenv(names.ENV_DIAGNOSTICS_IMAGE, "registry.example/ddp-operator:1.2")
+    monkeypatch.setenv(names.ENV_DIAGNOSTICS_IMAGE_PULL_POLICY, "Always")
+    assert diagnostics_tools(parse_args([])) == Tools("registry.example/ddp-operator:1.2", "Always")
+    with pytest.raises(SystemExit):
+        parse_args(["--diagnostics-image-pull-policy=Sometimes"])
+
+
+def test_the_pods_a_pass_creates_carry_the_operators_tools_image():
+    from ddp_operator.diagnostics import Tools
+    from ddp_operator.reconciler import Config, Reconciler
+
+    from fake_api import FakeApi
+
+    body = job_body()
+    index = {"ddpjobs_by_key": {("ml", "mnist"): [body]}, "pods_by_job": {}, "services_by_job": {}}
+    r = Reconciler(FakeApi(index), Config(diagnostics=Tools("registry.example/ddp-operator:1.2", "IfNotPresent")))
+    r.indexes = index
+    r.reconcile("ml", "mnist")
+    trainers = [p for p in index["pods_by_job"][("ml", "mnist")]
+                if p["metadata"]["labels"][names.LABEL_ROLE] == names.ROLE_TRAINER]
+    assert len(trainers) == 2
+    for pod in trainers:
+        tools = _init(pod)[names.DIAGNOSTICS_TOOLS_CONTAINER]
+        assert (tools["image"], tools["imagePullPolicy"]) == ("registry.example/ddp-operator:1.2", "IfNotPresent")

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 
 from ddp_operator import kueue as kueuemod
 from ddp_operator import names
+from ddp_operator import stall as stallmod
 from ddp_operator.observed import NodeState, PodState, parse_time
 from ddp_operator.status import Event
 
@@ -44,6 +45,13 @@ class Observed:
     # Hang detection: every current trainer pod's own progress report keyed by pod UID (None: it did not answer),
     # handed in only when the shell found no newer step from any pod for failurePolicy.hangTimeoutSeconds (hang.py).
     hang_reports: Mapping[str, Mapping[str, Any] | None] | None = None
+    # With hang_reports, when the pods carry the diagnostics sidecar: every current trainer pod's diagnosis (asked with
+    # ?log=Hang), for status.diagnosis and the frame in the message (plan/hang.py).
+    hang_diagnoses: tuple[stallmod.PodDiagnosis, ...] | None = None
+    # A stall the shell found in the diagnostics sidecars' answers (docs/diagnostics.md, plan/stall.py): the process
+    # group did not form within processGroupTimeoutSeconds, a script that reports no progress stood still for
+    # hangTimeoutSeconds, or a job whose condition Stalled is True formed (reason ProcessGroupFormed).
+    stall: stallmod.Finding | None = None
     # Children whose create the API server refused (quota, PodSecurity, a webhook, an invalid field):
     # name -> "cannot create Pod <name>: <code> <reason>: <message>". The shell retries them with a backoff.
     refusals: Mapping[str, str] = field(default_factory=dict)
