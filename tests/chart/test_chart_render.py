@@ -122,6 +122,24 @@ def test_network_policy_settings_reach_the_operator(render):
     assert env("--set", "networkPolicy.enabled=false")["DDP_OPERATOR_NETWORK_POLICY"] == "false"
 
 
+def test_the_diagnostics_image_is_the_operators_own_unless_set(render, helm_bin):
+    """The training pods' diagnostics sidecar copies its tools from this image (docs/diagnostics.md): by default the
+    operator's image, whatever image.* says; diagnostics.image.* overrides each part."""
+    def env(*args):
+        c = one(render(*args), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+        e = {e["name"]: e.get("value") for e in c["env"]}
+        return e["DDPJOB_DIAGNOSTICS_IMAGE"], e["DDPJOB_DIAGNOSTICS_IMAGE_PULL_POLICY"]
+    assert env() == ("localhost/ddp-operator:0.1.0", "IfNotPresent")
+    assert env("--set", "image.repository=registry.example/ddp", "--set", "image.tag=1.2",
+               "--set", "image.pullPolicy=Always") == ("registry.example/ddp:1.2", "Always")
+    assert env("--set", "diagnostics.image.repository=registry.example/tools", "--set", "diagnostics.image.tag=2.0",
+               "--set", "diagnostics.image.pullPolicy=Never") == ("registry.example/tools:2.0", "Never")
+    assert env("--set", "diagnostics.image.tag=0.2.0") == ("localhost/ddp-operator:0.2.0", "IfNotPresent")
+    proc = run([helm_bin, "template", "x", str(CHART), "--kube-version", KUBE_VERSION,
+                "--set", "diagnostics.image.tag=latest"], check=False)
+    assert proc.returncode != 0 and "diagnostics.image.tag=latest" in proc.stderr
+
+
 def test_namespace_scope_creates_only_namespaced_rbac(render):
     objs = render("--set", "rbac.scope=namespace", "--set", "watch.namespaces={team-a,team-b}")
     assert not by_kind(objs, "ClusterRole") and not by_kind(objs, "ClusterRoleBinding")
@@ -184,6 +202,8 @@ def test_metrics_off_removes_service_and_port(render):
     [
         (["--set", "replicaCount=two"], "replicaCount"),
         (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
+        (["--set", "diagnostics.image.pullPolicy=Sometimes"], "pullPolicy"),
+        (["--set", "diagnostics.image.registry=docker.io"], "registry"),
         (["--set", "rbac.scope=everywhere"], "scope"),
         (["--set", "operator.logFormat=xml"], "logFormat"),
         (["--set", "operator.verbose=loud"], "verbose"),

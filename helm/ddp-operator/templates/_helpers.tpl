@@ -49,6 +49,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository $tag }}
 {{- end }}
 
+{{/* The diagnostics sidecar's tools image: the operator's own unless diagnostics.image says otherwise. */}}
+{{- define "ddp-operator.diagnosticsImage" -}}
+{{- $repository := default .Values.image.repository .Values.diagnostics.image.repository }}
+{{- $tag := default (default .Chart.AppVersion .Values.image.tag) .Values.diagnostics.image.tag }}
+{{- printf "%s:%s" $repository $tag }}
+{{- end }}
+
 {{/* "true" when leader election is on: explicitly, or automatically with more than one replica. */}}
 {{- define "ddp-operator.leaderElection" -}}
 {{- $mode := .Values.operator.leaderElection.mode }}
@@ -65,6 +72,9 @@ would install an operator unable to see anything.
 {{- end }}
 {{- if eq .Values.image.tag "latest" }}
 {{- fail "image.tag=latest is refused: pin a version (leave it empty for the chart's appVersion)" }}
+{{- end }}
+{{- if eq .Values.diagnostics.image.tag "latest" }}
+{{- fail "diagnostics.image.tag=latest is refused: pin a version (leave it empty for the operator's)" }}
 {{- end }}
 {{- if and (gt (int .Values.replicaCount) 1) (eq .Values.operator.leaderElection.mode "off") }}
 {{- fail "replicaCount > 1 needs leader election (operator.leaderElection.mode auto or on): two active operators would both act on every DDPJob" }}
