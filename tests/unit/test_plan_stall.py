@@ -2,10 +2,9 @@
 once and fails the job when the same diagnosis comes back; a silent hang replaces the stuck pod; status.diagnosis."""
 
 import dataclasses
-from typing import Any
 
 from ddp_operator import names, stall
-from ddp_operator.plan import DELETE, Observed, plan
+from ddp_operator.plan import DELETE, plan
 from ddp_operator.stall import Diagnosis, PodDiagnosis, Worker
 
 from ddp_builders import NOW, later, make_job, observed, rdzv, trainer
@@ -14,17 +13,9 @@ INIT = "_new_process_group_helper (torch/distributed/distributed_c10d.py:2011)"
 ALLREDUCE = "allreduce (torch/distributed/distributed_c10d.py:2501)"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Observed(Observed):
-    """Observed with a `stall` field, while plan/types.py has none yet (dataclasses.replace keeps the class)."""
-    stall: Any = None
-
-
 def with_stall(obs, finding):
     """Observed with the shell's stall finding."""
-    if "stall" in {f.name for f in dataclasses.fields(Observed)}:
-        return dataclasses.replace(obs, stall=finding)
-    return _Observed(**{f.name: getattr(obs, f.name) for f in dataclasses.fields(Observed)}, stall=finding)
+    return dataclasses.replace(obs, stall=finding)
 
 
 def worker(rank, env_rank=None, phase="init", frame=INIT, user=None, pid=41):
@@ -221,17 +212,8 @@ def test_no_silent_hang_action_with_hang_detection_off():
 
 
 # --- a hang found by progress, with the sidecars' diagnoses (plan/hang.py) -------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class _HangObserved(Observed):
-    """Observed with `hang_diagnoses`, while plan/types.py has none yet."""
-    hang_diagnoses: Any = None
-
-
 def with_diagnoses(obs, diagnoses):
-    if "hang_diagnoses" in {f.name for f in dataclasses.fields(Observed)}:
-        return dataclasses.replace(obs, hang_diagnoses=diagnoses)
-    return _HangObserved(**{f.name: getattr(obs, f.name) for f in dataclasses.fields(Observed)},
-                         hang_diagnoses=diagnoses)
+    return dataclasses.replace(obs, hang_diagnoses=diagnoses)
 
 
 def test_a_hang_found_by_progress_records_the_diagnosis_and_names_the_stuck_frame():

@@ -40,8 +40,7 @@ def hang(ctx: Pass) -> bool:
         return True  # the reports are of another set of pods
     stuck = set(hangmod.stuck_pods((p.uid, p.index or 0, reports[p.uid]) for p in current))
     timeout = ctx.job.spec.failure_policy.hang_timeout_seconds
-    # Observed.hang_diagnoses (plan/types.py) may be older than this rule
-    diagnoses = getattr(ctx.observed, "hang_diagnoses", None)
+    diagnoses = ctx.observed.hang_diagnoses
     frames = {d.uid: stallmod.frame_of(d.diagnosis) for d in diagnoses or ()}
     deleting, found = [], []
     for p in sorted((p for p in current if p.uid in stuck), key=lambda p: p.index or 0):

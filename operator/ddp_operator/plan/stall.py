@@ -34,7 +34,7 @@ from ddp_operator.status import Event, get_condition
 
 def stall(ctx: Pass) -> bool:
     """Act on the shell's stall finding; False if the job failed."""
-    finding = getattr(ctx.observed, "stall", None)  # Observed.stall (plan/types.py) may be older than this rule
+    finding = ctx.observed.stall
     if finding is None:
         return True
     if finding.reason == names.REASON_PG_FORMED:
