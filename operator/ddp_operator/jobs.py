@@ -94,6 +94,7 @@ class JobObject:
     progress_written_at: float = 0.0
     hang_watch: Watch | None = None
     stall_watch: StallWatch | None = None  # the diagnostics sidecars' answers in this incarnation (stall.watch)
+    diagnosed_at: float = 0.0            # the sidecars last asked
     # What parse_job read (a private copy) and what it made of it: the parsed Job, or the SpecError's field and message.
     parsed: tuple[tuple, Job | tuple[str, str]] | None = None
 

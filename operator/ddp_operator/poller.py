@@ -23,9 +23,10 @@ own deadline, diagnose_each), its answer validated (stall.valid_diagnosis; inval
 once), and a stall.StallWatch kept in the record beside the hang watch. It is asked while the watch needs it: until
 the incarnation's process group formed (processGroupTimeoutSeconds, or a Stalled condition to clear), while a
 formed group of a script that never reported progress may hang silently (hangTimeoutSeconds), and for a progress
-hang check (the pods' diagnoses go with the reports). Meanwhile polls come at least every tenth of the clock's
-timeout (1-5 s) whatever progressPeriodSeconds says, and a poll is due the moment a clock's deadline is, so a stall
-is acted on within a poll interval and a probe deadline of it. Before handing a ProcessGroupNeverFormed or Hang
+hang check (the pods' diagnoses go with the reports). Meanwhile the sidecars are asked every tenth of the clock's
+timeout (1-5 s before the group formed, 1-30 s for the silent-hang clock: every ask is a py-spy dump of each worker)
+whatever progressPeriodSeconds says, and a poll is due the moment a clock's deadline is, so a stall is acted on
+within that pace and a probe deadline of it (progressPeriodSeconds 0 still turns every poll off). Before handing a ProcessGroupNeverFormed or Hang
 finding to a pass (`reconcile(..., stall=finding)`) the pods are asked again with `?log=<reason>`, which puts
 every worker's full stacks into the sidecars' logs, and that answer decides; a job whose condition Stalled is True
 and whose group is seen formed gets stall.formed_finding().
@@ -74,15 +75,21 @@ def _stalled(status: Mapping[str, Any]) -> bool:
     return (get_condition(list(status.get("conditions") or []), names.COND_STALLED) or {}).get("status") == "True"
 
 
-def _paced(timeout: float) -> float:
-    return max(hang.MIN_POLL_SECONDS, min(hang.MAX_POLL_SECONDS, timeout / 10.0))
+# The silent-hang clock of a formed group is asked about less often than the start-up one: it runs as long as the
+# training does, and each answer costs a py-spy dump of every worker (acted on within hangTimeoutSeconds + this).
+SILENT_HANG_MAX_POLL_SECONDS = 30.0
+
+
+def _paced(timeout: float, most: float = hang.MAX_POLL_SECONDS) -> float:
+    return max(hang.MIN_POLL_SECONDS, min(most, timeout / 10.0))
 
 
 def stall_interval(job: Job, status: Mapping[str, Any], w: stall.StallWatch | None,
                    current: tuple[str, ...]) -> float | None:
-    """Seconds between polls while a stall clock needs the sidecars asked (a tenth of its timeout, 1-5 s), or None
-    when none does: no sidecar, not Running, no polling at all (progressPeriodSeconds 0 turns every poll off), or a
-    formed group that reports progress (or whose hang rule is off)."""
+    """Seconds between asks of the sidecars while a stall clock needs them (a tenth of its timeout: 1-5 s until the
+    group formed, 1-30 s for a formed group's silent-hang clock), or None when none does: no sidecar, not Running,
+    no polling at all (progressPeriodSeconds 0 turns every poll off), or a formed group that reports progress (or
+    whose hang rule is off)."""
     if not job.spec.diagnostics.enabled or not job.spec.progress_period_seconds or not current or \
             status.get("phase") != names.PHASE_RUNNING:
         return None
@@ -92,7 +99,7 @@ def stall_interval(job: Job, status: Mapping[str, Any], w: stall.StallWatch | No
             return _paced(policy.process_group_timeout_seconds)
         return hang.MAX_POLL_SECONDS if _stalled(status) else None  # to see it form, and clear Stalled
     if not w.reporting and policy.hang_timeout_seconds:
-        return _paced(policy.hang_timeout_seconds)
+        return _paced(policy.hang_timeout_seconds, SILENT_HANG_MAX_POLL_SECONDS)
     return None
 
 
@@ -136,19 +143,28 @@ class ProgressPoller:
         record = self.jobs.record(key)
         with self.jobs.guard:
             obj = record.of(job.uid)
-            progress_at, written, w = obj.progress_at, obj.written, obj.stall_watch
+            progress_at, diagnosed_at, written, w = obj.progress_at, obj.diagnosed_at, obj.written, obj.stall_watch
         status = written or dict(body.get("status") or {})
         if status.get("phase") not in (names.PHASE_RUNNING, names.PHASE_RESTARTING):
             return None
-        current = hang.incarnation(self._running_trainers(key, job.uid)) if job.spec.diagnostics.enabled else ()
-        paces = [i for i in (_poll_interval(job), stall_interval(job, status, w, current)) if i is not None]
-        if not paces:
+        interval = _poll_interval(job)
+        if interval is None:
             return None
         now = time.monotonic()
-        if now - progress_at < min(paces) and not self.hang_check_due(key, body, now) and \
-                not stall_check_due(job, w, current, now):
-            return None
-        return body, job, status
+        if now - progress_at >= interval or self.hang_check_due(key, body, now):
+            return body, job, status
+        if self._diagnosis_due(key, job, status, w, diagnosed_at, now):
+            return body, job, status
+        return None
+
+    def _diagnosis_due(self, key: Key, job: Job, status: Mapping[str, Any], w: stall.StallWatch | None,
+                       diagnosed_at: float, now: float) -> bool:
+        """Whether the sidecars are due to be asked: a stall clock needs them and its pace is up, or its deadline is."""
+        if not job.spec.diagnostics.enabled:
+            return False
+        current = hang.incarnation(self._running_trainers(key, job.uid))
+        pace = stall_interval(job, status, w, current)
+        return pace is not None and (now - diagnosed_at >= pace or stall_check_due(job, w, current, now))
 
     def schedule(self, key: Key) -> None:
         """Hand a job's due progress poll to the pool unless one is still running for it. Never raises: the
@@ -192,12 +208,14 @@ class ProgressPoller:
         with self.jobs.guard:
             obj = record.of(uid)
             obj.progress_at = time.monotonic()
-            progress_ip = obj.progress_ip
+            progress_ip, w, diagnosed_at = obj.progress_ip, obj.stall_watch, obj.diagnosed_at
         trainers = self._running_trainers(key, uid)
         current = hang.incarnation(trainers)
         ips = {p["metadata"]["uid"]: p["status"]["podIP"] for p in trainers}
-        with self.jobs.guard:
-            asking = stall_interval(job, status, obj.stall_watch, current) is not None
+        asking = self._diagnosis_due(key, job, status, w, diagnosed_at, time.monotonic())
+        if asking:
+            with self.jobs.guard:
+                obj.diagnosed_at = time.monotonic()
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddp-diagnose") as side:
             # The sidecars are asked while the progress endpoints are: one poll costs one deadline, not two.
             asked = side.submit(self.diagnose, key, body, trainers) if asking else None

@@ -200,3 +200,22 @@ def test_the_pods_a_pass_creates_carry_the_operators_tools_image():
     for pod in trainers:
         tools = _init(pod)[names.DIAGNOSTICS_TOOLS_CONTAINER]
         assert (tools["image"], tools["imagePullPolicy"]) == ("registry.example/ddp-operator:1.2", "IfNotPresent")
+
+
+def test_a_template_fit_for_pod_security_restricted_stays_fit_with_the_sidecar():
+    """On by default, the sidecar must not push a hardened job out of a `restricted` namespace: every container of
+    the pod (init containers too) passes the level's container checks."""
+    body = job_body()
+    spec = body["spec"]["template"]["spec"]
+    spec["securityContext"] = {"runAsNonRoot": True, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}}
+    spec["containers"][0]["securityContext"] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    pod = render_trainer_pod(parse_job(body), 0, 0)
+    containers = pod["spec"]["containers"] + pod["spec"]["initContainers"]
+    assert {c["name"] for c in containers} >= {names.DIAGNOSTICS_CONTAINER, names.DIAGNOSTICS_TOOLS_CONTAINER}
+    for c in containers:
+        sc = c.get("securityContext") or {}
+        assert sc.get("allowPrivilegeEscalation") is False, c["name"]
+        assert sc.get("capabilities", {}).get("drop") == ["ALL"] and not sc["capabilities"].get("add"), c["name"]
+        assert _effective(pod, c, "runAsNonRoot") is True, c["name"]
+        assert _effective(pod, c, "seccompProfile")["type"] in ("RuntimeDefault", "Localhost"), c["name"]
+        assert _effective(pod, c, "runAsUser") != 0, c["name"]

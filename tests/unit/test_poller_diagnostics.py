@@ -107,7 +107,8 @@ def _condition(obj, kind):
 
 
 def _poll_now(r, key, obj):
-    obj.progress_at = 0.0
+    """A poll that asks the progress endpoints and (when a stall clock needs them) the sidecars, whatever the pace."""
+    obj.progress_at = obj.diagnosed_at = 0.0
     r.poller.poll(key)
 
 
@@ -121,7 +122,7 @@ def test_a_due_startup_deadline_hands_a_pass_the_never_formed_finding_after_the_
     assert w is not None and not w.formed and r.found == []  # not due yet: nothing handed in, nothing logged
     assert all(s.paths == [names.DIAGNOSTICS_PATH] for s in servers)
     obj.stall_watch = dataclasses.replace(w, started=time.monotonic() - 11)
-    obj.progress_at = time.monotonic()  # polled a moment ago: the deadline alone makes the poll due
+    obj.progress_at = obj.diagnosed_at = time.monotonic()  # polled a moment ago: the deadline alone makes it due
     assert r.poller.due(key) is not None
     r.poller.poll(key)
     (found,) = [f["stall"] for f in r.found if "stall" in f]
@@ -151,6 +152,12 @@ def test_an_invalid_diagnosis_is_one_event_and_its_valid_parts_are_kept(ports, s
     assert obj.stall_watch is not None and not obj.stall_watch.formed
 
 
+def _asked_at(r, key, obj, seconds_ago):
+    """Whether a poll is due when the pods were last polled and their sidecars asked `seconds_ago`."""
+    obj.progress_at = obj.diagnosed_at = time.monotonic() - seconds_ago
+    return r.poller.due(key) is not None
+
+
 def test_the_polls_keep_the_stall_pace_whatever_progress_period_seconds_says(ports, servers):
     r, key, obj = _running_job("slow", progressPeriodSeconds=600,
                                failurePolicy={"hangTimeoutSeconds": 0, "processGroupTimeoutSeconds": 300})
@@ -158,21 +165,33 @@ def test_the_polls_keep_the_stall_pace_whatever_progress_period_seconds_says(por
     pod1 = Sidecar("127.0.0.3", ports[1], _answer(_worker(42, 1, 1, "init")))
     servers += [pod0, pod1]
     _poll_now(r, key, obj)
-    obj.progress_at = time.monotonic()
-    assert r.poller.due(key) is None
-    obj.progress_at = time.monotonic() - 5.1  # not formed: every 5 s (300/10, at most 5), not every 600 s
-    assert r.poller.due(key) is not None
+    assert not _asked_at(r, key, obj, 0)
+    assert _asked_at(r, key, obj, 5.1)  # not formed: every 5 s (300/10, at most 5), not every 600 s
     # the start-up deadline makes a poll due the moment it is up, whatever the pace
-    obj.progress_at = time.monotonic()
     obj.stall_watch = dataclasses.replace(obj.stall_watch, started=time.monotonic() - 300)
-    assert r.poller.due(key) is not None
+    assert _asked_at(r, key, obj, 0)
     # once formed (and a formed group's hang rule off) the job is polled at progressPeriodSeconds again
     pod0.answer = _answer(_worker(41, 0, 0, "running", frame="forward (model.py:3)"))
     pod1.answer = _answer(_worker(42, 1, 1, "collective", frame=ALLREDUCE))
     _poll_now(r, key, obj)
     assert obj.stall_watch.formed and r.found == []
-    obj.progress_at = time.monotonic() - 5.1
-    assert r.poller.due(key) is None
+    assert not _asked_at(r, key, obj, 5.1)
+    assert pod0.paths == [names.DIAGNOSTICS_PATH] * 2
+
+
+def test_a_formed_script_that_reports_nothing_is_asked_at_a_tenth_of_the_hang_timeout(ports, servers):
+    r, key, obj = _running_job("plain", failurePolicy={"hangTimeoutSeconds": 1800})
+    servers += [Sidecar("127.0.0.2", ports[1], _answer(_worker(41, 0, 0, "running", frame="step (train.py:9)"))),
+                Sidecar("127.0.0.3", ports[1], _answer(_worker(42, 1, 1, "collective", frame=ALLREDUCE)))]
+    _poll_now(r, key, obj)
+    assert obj.stall_watch.formed and not obj.stall_watch.reporting
+    # its progress endpoint is polled every 5 s (hang detection); its sidecars at most every 30 s (1800/10, capped)
+    obj.progress_at, obj.diagnosed_at = time.monotonic() - 5.1, time.monotonic() - 5.1
+    r.poller.poll(key)
+    assert len(servers[0].paths) == 1
+    obj.progress_at, obj.diagnosed_at = time.monotonic() - 5.1, time.monotonic() - 30.1
+    r.poller.poll(key)
+    assert len(servers[0].paths) == 2
 
 
 def test_a_stalled_job_seen_formed_is_cleared(ports, servers):
