@@ -44,6 +44,7 @@ TOOLS_RESOURCES = {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"mem
 # The operator image's own user (operator/Dockerfile: USER 1000:1000); the files it copies are world-readable.
 TOOLS_USER = 1000
 PTRACE = "SYS_PTRACE"
+_ADMIN = "CAP_SYS_ADMIN"  # the one spelling the API server checks against allowPrivilegeEscalation: false
 # The trainer container's securityContext keys the sidecar copies: who it runs as, and what confines it.
 _COPIED_SECURITY = ("runAsUser", "runAsGroup", "runAsNonRoot", "seccompProfile", "appArmorProfile",
                     "seLinuxOptions")
@@ -106,8 +107,9 @@ def _template_leaves_room(pod: Mapping[str, Any]) -> None:
 # --- rendering ------------------------------------------------------------------------------------
 def sidecar_security_context(trainer_security: Mapping[str, Any] | None, ptrace: bool) -> dict:
     """The sidecar's securityContext: the trainer container's user and confinement, its capabilities (no fewer:
-    py-spy may only read a process whose capabilities it has), SYS_PTRACE added with `ptrace`, and never a privilege
-    escalation or a writable root filesystem."""
+    py-spy may only read a process whose capabilities it has), SYS_PTRACE added with `ptrace`, no privilege escalation
+    (unless the trainer adds CAP_SYS_ADMIN, which the API server refuses beside it) and a read-only root filesystem.
+    A privileged trainer is not copied: its workers' stacks then need `ptrace`."""
     trainer_security = trainer_security or {}
     out: dict[str, Any] = {k: copy.deepcopy(trainer_security[k]) for k in _COPIED_SECURITY if k in trainer_security}
     capabilities = copy.deepcopy(dict(trainer_security.get("capabilities") or {}))
@@ -116,7 +118,12 @@ def sidecar_security_context(trainer_security: Mapping[str, Any] | None, ptrace:
         capabilities["add"] = added + ([PTRACE] if PTRACE not in added else [])
     if capabilities:
         out["capabilities"] = capabilities
-    out["allowPrivilegeEscalation"] = False
+    if _ADMIN in (capabilities.get("add") or []):
+        # The API server refuses allowPrivilegeEscalation false beside it: the trainer's own setting, as it is.
+        if "allowPrivilegeEscalation" in trainer_security:
+            out["allowPrivilegeEscalation"] = trainer_security["allowPrivilegeEscalation"]
+    else:
+        out["allowPrivilegeEscalation"] = False
     out["readOnlyRootFilesystem"] = True
     return dict(sorted(out.items()))
 

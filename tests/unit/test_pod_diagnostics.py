@@ -219,3 +219,13 @@ def test_a_template_fit_for_pod_security_restricted_stays_fit_with_the_sidecar()
         assert _effective(pod, c, "runAsNonRoot") is True, c["name"]
         assert _effective(pod, c, "seccompProfile")["type"] in ("RuntimeDefault", "Localhost"), c["name"]
         assert _effective(pod, c, "runAsUser") != 0, c["name"]
+
+
+def test_a_trainer_with_cap_sys_admin_gets_a_sidecar_the_api_server_accepts():
+    """The API server refuses allowPrivilegeEscalation: false beside capabilities.add CAP_SYS_ADMIN: the sidecar, which
+    keeps the trainer's capabilities, takes the trainer's own setting then."""
+    body = job_body()
+    body["spec"]["template"]["spec"]["containers"][0]["securityContext"] = {"capabilities": {"add": ["CAP_SYS_ADMIN"]}}
+    sidecar = _containers(render_trainer_pod(parse_job(body), 0, 0))[names.DIAGNOSTICS_CONTAINER]
+    assert sidecar["securityContext"]["capabilities"] == {"add": ["CAP_SYS_ADMIN"]}
+    assert "allowPrivilegeEscalation" not in sidecar["securityContext"]
