@@ -154,8 +154,11 @@ def sidecar_container(trainer: Mapping[str, Any], ptrace: bool) -> dict:
         "image": trainer.get("image"),
         **({"imagePullPolicy": trainer["imagePullPolicy"]} if trainer.get("imagePullPolicy") else {}),
         "command": ["python3", SERVER, "--port", str(names.DIAGNOSTICS_PORT), "--py-spy", PY_SPY],
+        # CUDA images set NVIDIA_VISIBLE_DEVICES=all, which the NVIDIA runtime honours even in a container that
+        # requested no GPU: the sidecar needs none and gets none.
         "env": [{"name": names.ENV_PYTHONUNBUFFERED, "value": "1"},
-                {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}],
+                {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+                {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}],
         "ports": [{"name": PORT_NAME, "containerPort": names.DIAGNOSTICS_PORT, "protocol": "TCP"}],
         "resources": copy.deepcopy(SIDECAR_RESOURCES),
         "securityContext": sidecar_security_context(trainer.get("securityContext"), ptrace),

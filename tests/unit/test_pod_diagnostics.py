@@ -41,6 +41,8 @@ def test_every_trainer_pod_gets_the_sidecar_its_tools_and_a_shared_process_names
     assert sidecar["ports"] == [{"name": "diagnostics", "containerPort": 29402, "protocol": "TCP"}]
     assert sidecar["resources"] == {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "256Mi"}}
     assert sidecar["securityContext"]["allowPrivilegeEscalation"] is False
+    # a CUDA image's NVIDIA_VISIBLE_DEVICES=all would hand the sidecar every GPU of the node
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in sidecar["env"]
     assert {"name": "ddp-diagnostics", "mountPath": "/opt/ddp-diagnostics", "readOnly": True} in sidecar["volumeMounts"]
     tools = _init(pod)[names.DIAGNOSTICS_TOOLS_CONTAINER]
     assert tools["image"] == "localhost/ddp-operator:0.1.0"  # the operator's own image, when it is told none
