@@ -26,9 +26,9 @@ from ddp_operator import names
 
 DEADLINE_SECONDS = 2.0
 MAX_RESPONSE_BYTES = 65536
-# A diagnosis reads every worker's stack with py-spy first: more time than a progress report, and more bytes (up to
-# stall.MAX_WORKERS workers, each with two frames of up to 512 characters).
-DIAGNOSIS_DEADLINE_SECONDS = 5.0
+# A diagnosis reads every worker's stack with py-spy first (the sidecar gives py-spy at most 5 s): more time than a
+# progress report, and more bytes (up to stall.MAX_WORKERS workers, each with two frames of up to 512 characters).
+DIAGNOSIS_DEADLINE_SECONDS = 8.0
 # With ?log=<reason> the sidecar also dumps every thread of every worker, with locals, to its log before it answers.
 DIAGNOSIS_LOG_DEADLINE_SECONDS = 15.0
 MAX_DIAGNOSIS_BYTES = 262144
