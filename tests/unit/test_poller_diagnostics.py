@@ -259,3 +259,14 @@ def test_the_index_of_a_pod_is_its_labels_or_unknown():
     assert _index({"metadata": {"labels": {names.LABEL_NODE_INDEX: "x"}}}) == -1
     assert _index({"metadata": {}}) == -1
 
+
+
+def test_a_sidecars_answer_is_bounded_and_the_reason_quoted(ports, servers):
+    from ddp_operator import progress
+
+    big = Sidecar("127.0.0.2", ports[1], _answer(*[_worker(i + 1, i, i, "init", user="x" * 400) for i in range(700)]))
+    small = Sidecar("127.0.0.3", ports[1], _answer(_worker(41, 0, 0, "init")))
+    servers += [big, small]
+    assert progress.fetch_diagnosis("127.0.0.2") is None  # past MAX_DIAGNOSIS_BYTES: no answer, no memory held
+    assert progress.fetch_diagnosis("127.0.0.3", log="a b/c")["workers"][0]["pid"] == 41
+    assert small.paths == [f"{names.DIAGNOSTICS_PATH}?log=a%20b%2Fc"]
