@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from ddp_operator import stall
 from ddp_trainer.testing import free_port
 from ddp_trainer.testing_processes import descendants
 from tests.support.waiting import wait_for
@@ -185,6 +186,7 @@ def test_a_rank_claimed_twice_shows_both_workers_in_init_claiming_rank_0(tmp_pat
                           "both workers in init")
         print("scenario a:", _one_line(report))
     assert report["version"] == 1 and report["stacks"] == "ok"
+    assert stall.valid_diagnosis(report)[1] == (), "every field as the operator reads it"
     workers = run.by_env_rank(report)
     assert sorted(workers) == [0, 1]
     for env_rank, w in workers.items():

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from ddp_operator import names
+from ddp_operator import names, stall
 from ddp_operator.sidecar import diagnose as dg
 from ddp_trainer import launch
 
@@ -262,6 +262,18 @@ def test_a_sample_skips_vanished_workers_and_says_why_stacks_are_missing():
     missing = dg.take_sample("/nonexistent/py-spy", None, scan=lambda: procs, read=procs.get, now=lambda: 1.0)
     assert missing.report["stacks"] == "py-spy: not found at /nonexistent/py-spy"
     assert [w["rank"] for w in missing.report["workers"]] == [0, 1, 2]
+
+
+def test_an_answer_is_what_the_operator_reads_every_field_valid():
+    procs = {41: proc(41, env=wenv(0)), 42: proc(42, comm=launch.WORKER_NAME, ticks=3)}
+    files = {41: "hangs_0.json", 42: "never_joins_forked_1.json"}
+    sample = dg.take_sample("/bin/true", None, scan=lambda: procs, spy=lambda path, pid: (threads(files[pid]), None),
+                            read=procs.get)
+    diagnosis, invalid = stall.valid_diagnosis(json.loads(json.dumps(sample.report)))
+    assert invalid == ()
+    seen = [(w.pid, w.rank, w.env_rank, w.local_rank, w.world_size, w.phase, w.user_frame) for w in diagnosis.workers]
+    assert seen == [(41, 0, 0, 0, 2, "collective", "main (train.py:26)"),
+                    (42, 1, 1, 1, 2, "running", "wait_for_data (train.py:12)")]
 
 
 def test_concurrent_probes_share_one_sample_for_a_second():
