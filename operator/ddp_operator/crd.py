@@ -566,7 +566,7 @@ def _spec_schema() -> dict:
 
 
 # --- status ---------------------------------------------------------------------------------------
-_CONDITION_TYPES = tuple(dict.fromkeys(names.CONDITION_TYPES + (names.COND_STALLED,)))
+_CONDITION_TYPES = names.CONDITION_TYPES
 # status.diagnosis (docs/diagnostics.md): at most this many ranks, each string at most this long.
 MAX_DIAGNOSIS_RANKS = 64
 MAX_DIAGNOSIS_STRING = 512

@@ -170,13 +170,15 @@ def sidecar_container(trainer: Mapping[str, Any], ptrace: bool) -> dict:
 def add_sidecar(diagnostics: Diagnostics, spec: dict, annotations: dict) -> None:
     """Add the sidecar, its init container and volume to a rendered trainer pod's `spec` (a private copy) and the
     default-container annotation to its `annotations`; nothing when disabled. The template's own init containers
-    (native sidecars too) run after ours, its containers keep their order before ours."""
+    (native sidecars too) run after ours; its containers are left as they are."""
     if not diagnostics.enabled:
         return
     trainer = next(c for c in spec["containers"] if c["name"] == names.TRAINER_CONTAINER)
     spec["shareProcessNamespace"] = True
-    spec["initContainers"] = [tools_container(diagnostics.tools), *(spec.get("initContainers") or [])]
-    spec["containers"] = [*spec["containers"], sidecar_container(trainer, diagnostics.ptrace)]
+    # A native sidecar (an init container that keeps running, Kubernetes >= 1.29): a regular container that never
+    # exits would keep a finished pod Running, its trainer exited 0, forever.
+    sidecar = {**sidecar_container(trainer, diagnostics.ptrace), "restartPolicy": "Always"}
+    spec["initContainers"] = [tools_container(diagnostics.tools), sidecar, *(spec.get("initContainers") or [])]
     spec["volumes"] = [*(spec.get("volumes") or []),
                        {"name": names.DIAGNOSTICS_VOLUME, "emptyDir": {"sizeLimit": VOLUME_SIZE_LIMIT}}]
     annotations.setdefault(names.DEFAULT_CONTAINER_ANNOTATION, names.TRAINER_CONTAINER)

@@ -155,8 +155,10 @@ COND_REPLICA_FAILURE = "ReplicaFailure"
 # True while a pod of the job exists but the kubelet cannot start it: the kubelet's reason (ErrImagePull,
 # ImagePullBackOff, CreateContainerConfigError, ...) and message.
 COND_PODS_NOT_STARTING = "PodsNotStarting"
+# True while the job stalls without failing (docs/diagnostics.md; reasons below, by REASON_PG_NEVER_FORMED).
+COND_STALLED = "Stalled"
 CONDITION_TYPES = (COND_CREATED, COND_RUNNING, COND_RESTARTING, COND_SUSPENDED, COND_SUCCEEDED, COND_FAILED,
-                   COND_REPLICA_FAILURE, COND_PODS_NOT_STARTING)
+                   COND_REPLICA_FAILURE, COND_PODS_NOT_STARTING, COND_STALLED)
 
 # Condition reasons double as Event reasons.
 REASON_CREATED = "JobCreated"
@@ -201,7 +203,6 @@ REASON_RDZV_BACKEND_MISSING = "RendezvousBackendMissing"
 # A stall (docs/diagnostics.md): condition Stalled is True while the job's process group has not formed past
 # failurePolicy.processGroupTimeoutSeconds (reason ProcessGroupNeverFormed: the attempt's reason too, and the
 # failure's after a second identical diagnosis) or while a script that reports no progress is hung (reason Hang).
-COND_STALLED = "Stalled"
 REASON_PG_NEVER_FORMED = "ProcessGroupNeverFormed"
 REASON_PG_FORMED = "ProcessGroupFormed"  # Stalled=False once every rank joined
 

@@ -74,4 +74,4 @@ def test_what_the_operator_does_not_own_is_admitted(k):
     pods = k.wait_pods(PODS, timeout=60)
     env = {e.name: e.value for e in pods["job-0"].spec.containers[0].env}
     assert env["PET_NNODES"] == "2:2" and env["HF_HOME"] == "/c"
-    assert [v.name for v in pods["job-0"].spec.volumes] == ["data", "dshm"]
+    assert [v.name for v in pods["job-0"].spec.volumes] == ["data", "dshm", "ddp-diagnostics"]

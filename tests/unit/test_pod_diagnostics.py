@@ -15,7 +15,8 @@ from ddp_builders import IMAGE, job_body, make_job
 
 
 def _containers(pod):
-    return {c["name"]: c for c in pod["spec"]["containers"]}
+    """Every container of the pod by name, the init containers (ours: the tools and the native sidecar) too."""
+    return {c["name"]: c for c in pod["spec"]["containers"] + (pod["spec"].get("initContainers") or [])}
 
 
 def _init(pod):
@@ -36,6 +37,10 @@ def test_every_trainer_pod_gets_the_sidecar_its_tools_and_a_shared_process_names
     trainer = _containers(pod)[names.TRAINER_CONTAINER]
     # the trainer image's python3 runs the server the init container copied
     assert sidecar["image"] == trainer["image"] == IMAGE
+    # a native sidecar: it runs beside the trainer and ends with it, so a finished pod can succeed
+    assert sidecar["restartPolicy"] == "Always" and \
+        [c["name"] for c in spec["initContainers"]] == [names.DIAGNOSTICS_TOOLS_CONTAINER, names.DIAGNOSTICS_CONTAINER]
+    assert [c["name"] for c in spec["containers"]] == [names.TRAINER_CONTAINER]
     assert sidecar["command"] == ["python3", "/opt/ddp-diagnostics/diagnose.py", "--port", "29402",
                                   "--py-spy", "/opt/ddp-diagnostics/py-spy"]
     assert sidecar["ports"] == [{"name": "diagnostics", "containerPort": 29402, "protocol": "TCP"}]
@@ -133,8 +138,9 @@ def test_the_templates_own_init_containers_and_sidecars_keep_their_places():
                               {"name": "proxy", "image": "busybox", "restartPolicy": "Always"}]
     body["spec"]["template"]["metadata"] = {"annotations": {names.DEFAULT_CONTAINER_ANNOTATION: "log-shipper"}}
     pod = render_trainer_pod(parse_job(body), 0, 0)
-    assert [c["name"] for c in pod["spec"]["initContainers"]] == [names.DIAGNOSTICS_TOOLS_CONTAINER, "fetch", "proxy"]
-    assert [c["name"] for c in pod["spec"]["containers"]] == ["trainer", "log-shipper", names.DIAGNOSTICS_CONTAINER]
+    assert [c["name"] for c in pod["spec"]["initContainers"]] == \
+        [names.DIAGNOSTICS_TOOLS_CONTAINER, names.DIAGNOSTICS_CONTAINER, "fetch", "proxy"]
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["trainer", "log-shipper"]
     # a template that names its own default container keeps it
     assert pod["metadata"]["annotations"][names.DEFAULT_CONTAINER_ANNOTATION] == "log-shipper"
 
