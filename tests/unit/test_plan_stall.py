@@ -102,7 +102,7 @@ def test_a_pass_that_runs_twice_on_the_same_finding_does_not_fail_the_job():
                 and e.message == twice().message]  # said once
 
 
-def test_a_different_diagnosis_after_the_restart_restarts_again():
+def test_a_different_diagnosis_after_the_restart_restarts_again_counted_against_the_backoff_limit():
     job, status = _running()
     first = plan(job, status, with_stall(observed(rdzv(), trainer(0), trainer(1)), twice()), later(300))
     back = plan(job, first.status, pods("new-0", "new-1"), later(310))
@@ -113,7 +113,9 @@ def test_a_different_diagnosis_after_the_restart_restarts_again():
     assert ("Warning", names.REASON_PG_NEVER_FORMED, other.message) in [
         (e.type, e.reason, e.message) for e in again.events]
     assert again.status["diagnosis"]["message"] == other.message
-    assert len(again.status["attempts"]) == 4 and again.status.get("restarts", 0) == 0
+    # only the first restart is free: a script that never forms its group differently each time still ends
+    assert len(again.status["attempts"]) == 4 and again.status.get("restarts", 0) == 1
+    assert [a.get("counted") for a in again.status["attempts"]] == [False, False, True, True]
 
 
 def test_a_group_that_formed_clears_stalled_and_the_next_same_diagnosis_restarts_again():
@@ -249,3 +251,13 @@ def test_a_finding_for_a_job_whose_rule_was_turned_off_since_changes_nothing():
     status = plan(job, first.status, observed(rdzv(), trainer(0), trainer(1)), NOW).status
     p = plan(job, status, with_stall(observed(rdzv(), trainer(0), trainer(1)), silent_hang()), later(300))
     assert p.actions == () and "diagnosis" not in p.status
+
+
+def test_diagnoses_that_keep_changing_end_at_the_backoff_limit():
+    job, status = _running(backoffLimit=0)
+    first = plan(job, status, with_stall(observed(rdzv(), trainer(0), trainer(1)), twice()), later(300))
+    assert first.status["phase"] == names.PHASE_RESTARTING  # the first restart is free, whatever the limit
+    back = plan(job, first.status, pods("new-0", "new-1"), later(310))
+    again = plan(job, back.status, with_stall(pods("new-0", "new-1"), waits(("new-0", "new-1"))), later(620))
+    assert (again.status["phase"], again.status["reason"]) == (names.PHASE_FAILED, names.REASON_BACKOFF_LIMIT)
+    assert "never joined" in again.status["message"], again.status["message"]

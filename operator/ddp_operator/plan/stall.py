@@ -13,7 +13,7 @@ still asks for the rule (spec.diagnostics.enabled, the timeout not 0).
   backoffLimit; the job is Restarting). If Stalled is still True with the same diagnosis from an earlier
   incarnation (the pods were restarted once for it), no restart can fix it: the job fails with reason
   ProcessGroupNeverFormed. The same finding handed in again for the same pods (a pass that runs twice) changes
-  nothing; a different diagnosis restarts again.
+  nothing; a different diagnosis restarts again, counted against backoffLimit (only the first restart is free).
 - Hang (a silent hang): the stuck pods deleted as for a hang found by progress (plan/hang.py: attempt reason Hang,
   counted, the short grace period), Stalled=True with reason Hang, status.diagnosis written.
 - ProcessGroupFormed: Stalled=False (only if it was True); the last diagnosis stays in status.diagnosis.
@@ -27,7 +27,7 @@ from typing import Any, Mapping
 from ddp_operator import names
 from ddp_operator import stall as stallmod
 from ddp_operator.observed import PodState
-from ddp_operator.plan.failures import failure, incident
+from ddp_operator.plan.failures import failure, incident, over_budget
 from ddp_operator.plan.state import Pass
 from ddp_operator.status import Event, get_condition
 
@@ -116,16 +116,24 @@ def _never_formed(ctx: Pass, finding: stallmod.Finding, current: list[PodState])
         ctx.finish(names.PHASE_FAILED, names.REASON_PG_NEVER_FORMED,
                    f"{finding.message}; the same after a restart: fix the script")
         return False
+    # The first restart for a group that never formed is free; a further one (the group still not formed after a
+    # restart, with another diagnosis: a script that fails differently each time) counts against backoffLimit,
+    # so that such a job ends too.
+    repeated = earlier is not None and earlier.get("incarnation") != incarnation
     fresh = [p for p in current if not ctx.recorded(p)]
     if fresh:
-        incident(ctx, None)  # an incident, never counted against backoffLimit
+        incident(ctx, None)
         ctx.incident_reason = names.REASON_PG_NEVER_FORMED
-        ctx.incident_message = (f"{finding.message}; the process group did not form within "
-                                f"spec.failurePolicy.processGroupTimeoutSeconds: restarting every trainer pod "
-                                f"(not counted)")
+        what = (f"{finding.message}; the process group did not form within "
+                f"spec.failurePolicy.processGroupTimeoutSeconds")
+        ctx.incident_message = f"{what}: restarting every trainer pod" + ("" if repeated else " (not counted)")
+        if repeated and over_budget(ctx, what):
+            for p in fresh:
+                ctx.record(p, counted=True, reason=names.REASON_PG_NEVER_FORMED)
+            return False
     for p in sorted(current, key=lambda p: p.index or 0):
         if not ctx.recorded(p):
-            ctx.record(p, counted=False, reason=names.REASON_PG_NEVER_FORMED)
+            ctx.record(p, counted=repeated, reason=names.REASON_PG_NEVER_FORMED)
         # Workers blocked in init_process_group cannot act on SIGTERM: no grace period to wait out.
         ctx.delete(p, grace_seconds=names.HANG_DELETE_GRACE_SECONDS)
     _going(ctx, [p.uid for p in current])
