@@ -190,12 +190,14 @@ class StallWatch:
 
 
 def formed(diagnoses: Sequence[PodDiagnosis]) -> bool | None:
-    """True once no worker is in `init` and some worker is past it (every phase known); False while a worker is in
-    `init`; None when it cannot be told (no answer, no worker, no stacks)."""
+    """False while a worker is in `init`; True when none is and some worker waits in a collective, which only a
+    formed group can run; None when it cannot be told (no answer, no worker, no stacks, or every worker in its own
+    code: a script still loading its data before init_process_group looks exactly like one training between
+    collectives, so only a collective seen proves the group formed)."""
     workers = [w for d in diagnoses if d.diagnosis is not None for w in d.diagnosis.workers]
     if any(w.phase == PHASE_INIT for w in workers):
         return False
-    if workers and all(w.phase in (PHASE_COLLECTIVE, PHASE_RUNNING) for w in workers):
+    if any(w.phase == PHASE_COLLECTIVE for w in workers):
         return True
     return None
 

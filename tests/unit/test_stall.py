@@ -61,6 +61,22 @@ def test_hostile_answers_are_bounded_and_never_raise():
 INC = ("uid-0", "uid-1")
 
 
+def test_workers_still_in_their_own_code_before_init_have_not_formed_the_group():
+    """Every rank loading its data before init_process_group looks like ranks training between collectives: only a
+    collective seen proves the group formed, so the start-up clock keeps running and catches the rank that never
+    comes once the others wait in init."""
+    loading = [pod(0, worker(0, phase="running", user="load (train.py:5)")),
+               pod(1, worker(1, phase="running", user="wait_for_data (train.py:12)"))]
+    w = stall.watch(None, INC, loading, reporting=False, now=100.0)
+    assert not w.formed and stall.formed(loading) is None
+    waiting = [pod(0, worker(0)), pod(1, worker(1, phase="running", user="wait_for_data (train.py:12)"))]
+    w = stall.watch(w, INC, waiting, reporting=False, now=150.0)
+    assert not w.formed and stall.startup_due(w, 300, 400.0)
+    assert "global rank 1 of 2 never joined" in stall.startup_finding(waiting, 2).message
+    training = [pod(0, worker(0, phase="collective")), pod(1, worker(1, phase="running"))]
+    assert stall.watch(w, INC, training, reporting=False, now=160.0).formed
+
+
 def test_startup_is_due_only_while_not_formed_past_the_timeout():
     starting = [pod(0, worker(0)), pod(1, worker(1, phase="running", user="wait_for_data (train.py:12)"))]
     w = stall.watch(None, INC, starting, reporting=False, now=100.0)
