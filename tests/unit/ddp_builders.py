@@ -97,12 +97,17 @@ def later(seconds):
 
 
 class ProgressServer:
-    """A pod's side of the progress channel: GET /progress on one loopback address answering `report`."""
+    """A pod's side of an HTTP channel on one loopback address (GET /progress, or a diagnostics sidecar's
+    /diagnosis): answers `answer` as JSON (changeable between requests), records every path asked in `paths`."""
 
-    def __init__(self, ip, port, report):
+    def __init__(self, ip, port, answer):
+        self.answer, self.paths = answer, []
+        server = self
+
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server API)
-                body = json.dumps(report).encode()
+                server.paths.append(self.path)
+                body = json.dumps(server.answer).encode()
                 self.send_response(200)
                 self.end_headers()
                 self.wfile.write(body)
@@ -111,7 +116,7 @@ class ProgressServer:
                 pass
 
         self.server = http.server.HTTPServer((ip, port), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 
     def close(self):
         self.server.shutdown()

@@ -9,6 +9,8 @@ from ddp_operator import names
 from ddp_operator.k8s import ChildConflict
 from ddp_operator.reconciler import Reconciler
 
+from ddp_builders import job_body
+
 
 class FakeApi:
     def __init__(self, index):
@@ -61,3 +63,23 @@ def fake_reconciler(*jobs: dict, policies: bool = False) -> Reconciler:
     r = Reconciler(FakeApi(index))
     r.indexes = index
     return r
+
+
+def running_job(r, name, **spec):
+    """A job whose trainer pod i runs on 127.0.0.<i + 2>."""
+    body = job_body(name=name, **spec)
+    body["metadata"]["uid"] = f"uid-{name}"
+    key = ("ml", name)
+    r.indexes["ddpjobs_by_key"][key] = [body]
+    r.reconcile(*key)
+    trainers = sorted((p for p in r.indexes["pods_by_job"][key]
+                       if p["metadata"]["labels"][names.LABEL_ROLE] == names.ROLE_TRAINER),
+                      key=lambda p: p["metadata"]["name"])
+    for p in r.indexes["pods_by_job"][key]:
+        p["status"] = {"phase": "Running", "podIP": "127.0.0.9", "conditions": [{"type": "Ready", "status": "True"}]}
+    for i, p in enumerate(trainers):
+        p["status"]["podIP"] = f"127.0.0.{i + 2}"
+    r.reconcile(*key)
+    obj = r.jobs.get(key).objects[body["metadata"]["uid"]]
+    assert obj.written["phase"] == names.PHASE_RUNNING
+    return key, body, obj

@@ -10,32 +10,12 @@ import time
 from ddp_operator import names, progress
 from ddp_trainer.testing import free_port
 
-from fake_api import fake_reconciler
+from fake_api import fake_reconciler, running_job
 from ddp_builders import ProgressServer, job_body
 
 
 def _reconciler():
     return fake_reconciler()
-
-
-def _running_job(r, name, **spec):
-    """A job whose trainer pod i runs on 127.0.0.<i + 2>."""
-    body = job_body(name=name, **spec)
-    body["metadata"]["uid"] = f"uid-{name}"
-    key = ("ml", name)
-    r.indexes["ddpjobs_by_key"][key] = [body]
-    r.reconcile(*key)
-    trainers = sorted((p for p in r.indexes["pods_by_job"][key]
-                       if p["metadata"]["labels"][names.LABEL_ROLE] == names.ROLE_TRAINER),
-                      key=lambda p: p["metadata"]["name"])
-    for p in r.indexes["pods_by_job"][key]:
-        p["status"] = {"phase": "Running", "podIP": "127.0.0.9", "conditions": [{"type": "Ready", "status": "True"}]}
-    for i, p in enumerate(trainers):
-        p["status"]["podIP"] = f"127.0.0.{i + 2}"
-    r.reconcile(*key)
-    obj = r.jobs.get(key).objects[body["metadata"]["uid"]]
-    assert obj.written["phase"] == names.PHASE_RUNNING
-    return key, body, obj
 
 
 def _timed_poll(r, key, servers):
@@ -66,7 +46,7 @@ def test_an_unreachable_rank0_is_not_hung_while_another_pod_reports_a_newer_step
     port = free_port()
     monkeypatch.setattr(names, "PROGRESS_PORT", port)
     r = _reconciler()
-    key, body, obj = _running_job(r, "hung", failurePolicy={"hangTimeoutSeconds": 20})
+    key, body, obj = running_job(r, "hung", failurePolicy={"hangTimeoutSeconds": 20})
     servers = [ProgressServer("127.0.0.2", port, {"rank": 0, "step": 40}),
                ProgressServer("127.0.0.3", port, {"rank": 1, "step": 40})]
     try:
@@ -91,7 +71,7 @@ def test_the_pods_are_probed_at_once_and_a_silent_one_costs_one_deadline(monkeyp
     port = free_port()
     monkeypatch.setattr(names, "PROGRESS_PORT", port)
     r = _reconciler()
-    key, body, obj = _running_job(r, "wide", nodes=3, failurePolicy={"hangTimeoutSeconds": 20})
+    key, body, obj = running_job(r, "wide", nodes=3, failurePolicy={"hangTimeoutSeconds": 20})
     # pods 0 and 1 stopped, pod 2 answers as global rank 0 (after a re-rendezvous ranks need not follow indices)
     servers = [Silent("127.0.0.2", port), Silent("127.0.0.3", port),
                ProgressServer("127.0.0.4", port, {"rank": 0, "step": 12})]
@@ -104,7 +84,7 @@ def test_a_malformed_report_is_one_event_and_its_valid_fields_are_kept(monkeypat
     port = free_port()
     monkeypatch.setattr(names, "PROGRESS_PORT", port)
     r = _reconciler()
-    key, body, obj = _running_job(r, "odd", progressPeriodSeconds=1)
+    key, body, obj = running_job(r, "odd", progressPeriodSeconds=1)
     report = {"rank": 0, "step": 7, "metrics": [1], "recovery": {"at": 1e300, "resumedFrom": "peer"}}
     server = ProgressServer("127.0.0.2", port, report)
     try:
@@ -121,8 +101,8 @@ def test_a_malformed_report_is_one_event_and_its_valid_fields_are_kept(monkeypat
 
 def test_one_job_that_cannot_be_scheduled_never_stops_the_others_probes(monkeypatch, caplog):
     r = _reconciler()
-    a, _, _ = _running_job(r, "a", progressPeriodSeconds=1)
-    b, _, _ = _running_job(r, "b", progressPeriodSeconds=1)
+    a, _, _ = running_job(r, "a", progressPeriodSeconds=1)
+    b, _, _ = running_job(r, "b", progressPeriodSeconds=1)
     polled = threading.Event()
     real_due = r.poller.due
 

@@ -14,7 +14,7 @@ import pytest
 from ddp_operator import names
 from ddp_trainer.testing import free_port
 
-from fake_api import fake_reconciler
+from fake_api import fake_reconciler, running_job
 from ddp_builders import ProgressServer, job_body
 
 INIT = "_new_process_group_helper (torch/distributed/distributed_c10d.py:2011)"
@@ -30,30 +30,8 @@ def _answer(*workers):
     return {"version": 1, "time": 1733400000.5, "stacks": "ok", "workers": list(workers)}
 
 
-class Sidecar:
-    """A pod's diagnostics sidecar on one loopback address: answers `answer` (changeable), records every path asked."""
-
-    def __init__(self, ip, port, answer):
-        self.answer, self.paths = answer, []
-        sidecar = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server API)
-                sidecar.paths.append(self.path)
-                body = json.dumps(sidecar.answer).encode()
-                self.send_response(200)
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *_):
-                pass
-
-        self.server = http.server.HTTPServer((ip, port), Handler)
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+# A pod's diagnostics sidecar on one loopback address: answers `answer` (changeable), records every path asked.
+Sidecar = ProgressServer
 
 
 @pytest.fixture
@@ -76,22 +54,8 @@ def servers():
 def _running_job(name, **spec):
     """A reconciler with one Running job whose trainer pod i runs on 127.0.0.<i + 2>; its passes' stall and
     diagnoses arguments are recorded in `r.found`."""
-    body = job_body(name=name, **spec)
-    body["metadata"]["uid"] = f"uid-{name}"
     r = fake_reconciler()
-    key = ("ml", name)
-    r.indexes["ddpjobs_by_key"][key] = [body]
-    r.reconcile(*key)
-    trainers = sorted((p for p in r.indexes["pods_by_job"][key]
-                       if p["metadata"]["labels"][names.LABEL_ROLE] == names.ROLE_TRAINER),
-                      key=lambda p: p["metadata"]["name"])
-    for p in r.indexes["pods_by_job"][key]:
-        p["status"] = {"phase": "Running", "podIP": "127.0.0.9", "conditions": [{"type": "Ready", "status": "True"}]}
-    for i, p in enumerate(trainers):
-        p["status"]["podIP"] = f"127.0.0.{i + 2}"
-    r.reconcile(*key)
-    obj = r.jobs.get(key).objects[body["metadata"]["uid"]]
-    assert obj.written["phase"] == names.PHASE_RUNNING
+    key, _, obj = running_job(r, name, **spec)
     r.found = []
     real = r.poller.reconcile
 
