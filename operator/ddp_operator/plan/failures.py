@@ -21,7 +21,8 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from dataclasses import replace
+from typing import Any, Callable
 
 from ddp_operator import names
 from ddp_operator import spares as sparesmod
@@ -188,3 +189,30 @@ def describe(p: PodState) -> str:
     verb = "was deleted" if p.phase == "Gone" or (p.deleting and not p.terminal) else "failed"
     where = f" on node {p.node}" if p.node else ""
     return f"{verb}{' (' + ', '.join(details) + ')' if details else ''}{where}"
+
+
+def going(ctx: Pass, uids: list[str]) -> None:
+    """The pods are going as of this pass: the phase (phase.py) is Restarting, not Running."""
+    if uids:
+        ctx.observed = replace(ctx.observed, pods=tuple(
+            replace(p, deleting=True) if p.uid in uids else p for p in ctx.observed.pods))
+
+
+def delete_hung(ctx: Pass, stuck: list[PodState], what_of: Callable[[PodState], str]) -> list[str] | None:
+    """A hang's stuck pods, each put on record as a failure (reason Hang, `what_of(pod)` its message) and deleted at
+    once; the UIDs deleted, or None when a failure exceeded backoffLimit (the job failed)."""
+    deleting = []
+    for p in sorted(stuck, key=lambda p: p.index or 0):
+        what = what_of(p)
+        if not ctx.recorded(p):
+            counts = failure(ctx, p, what, reason=names.REASON_HANG)
+            if counts is None:
+                return None
+            ctx.incident_reason = names.REASON_HANG
+            ctx.incident_message = f"{what}; deleting it" + ("" if counts else " (not counted)")
+        # A stopped or stuck process cannot act on SIGTERM: waiting out the pod's grace period would only
+        # delay the recovery (measured: ~30 s), so the kubelet kills it at once.
+        ctx.delete(p, grace_seconds=names.HANG_DELETE_GRACE_SECONDS)
+        deleting.append(p.uid)
+    going(ctx, deleting)
+    return deleting

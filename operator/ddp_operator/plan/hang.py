@@ -10,12 +10,10 @@ stuck pod stands in and status.diagnosis records every rank's phase and frames.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from ddp_operator import hang as hangmod
 from ddp_operator import names
 from ddp_operator import stall as stallmod
-from ddp_operator.plan.failures import failure
+from ddp_operator.plan.failures import delete_hung
 from ddp_operator.plan.spares import hang_candidates
 from ddp_operator.plan.stall import diagnosis
 from ddp_operator.plan.state import Pass
@@ -42,28 +40,20 @@ def hang(ctx: Pass) -> bool:
     timeout = ctx.job.spec.failure_policy.hang_timeout_seconds
     diagnoses = ctx.observed.hang_diagnoses
     frames = {d.uid: stallmod.frame_of(d.diagnosis) for d in diagnoses or ()}
-    deleting, found = [], []
-    for p in sorted((p for p in current if p.uid in stuck), key=lambda p: p.index or 0):
+    found: dict[str, str] = {}
+
+    def what_of(p) -> str:
         answer = reports[p.uid]
         why = ("its progress endpoint did not answer" if answer is None
                else f"it reports step {answer.get('step')}")
-        what = (f"pod {p.name}: global rank 0's step did not change for spec.failurePolicy.hangTimeoutSeconds="
-                f"{timeout}; {why}") + (f"; it stands in {frames[p.uid]}" if frames.get(p.uid) else "")
-        counts = failure(ctx, p, what, reason=names.REASON_HANG)
-        if counts is None:
-            return False
-        ctx.incident_reason = names.REASON_HANG
-        ctx.incident_message = f"{what}; deleting it" + ("" if counts else " (not counted)")
-        # A stopped or stuck process cannot act on SIGTERM: waiting out the pod's grace period would only
-        # delay the recovery (measured: ~30 s), so the kubelet kills it at once.
-        ctx.delete(p, grace_seconds=names.HANG_DELETE_GRACE_SECONDS)
-        deleting.append(p.uid)
-        found.append(what)
+        found[p.uid] = (f"pod {p.name}: global rank 0's step did not change for spec.failurePolicy."
+                        f"hangTimeoutSeconds={timeout}; {why}") + \
+            (f"; it stands in {frames[p.uid]}" if frames.get(p.uid) else "")
+        return found[p.uid]
+    deleting = delete_hung(ctx, [p for p in current if p.uid in stuck], what_of)
+    if deleting is None:
+        return False
     if deleting and diagnoses is not None:
-        ctx.diagnosis = diagnosis(ctx, names.REASON_HANG, stallmod.cut("; ".join(found)),
+        ctx.diagnosis = diagnosis(ctx, names.REASON_HANG, stallmod.cut("; ".join(found[u] for u in deleting)),
                                   stallmod.describe(diagnoses))
-    if deleting:
-        # The pods are going as of this pass: the phase (phase.py) is Restarting, not Running.
-        ctx.observed = replace(ctx.observed, pods=tuple(
-            replace(p, deleting=True) if p.uid in deleting else p for p in ctx.observed.pods))
     return True

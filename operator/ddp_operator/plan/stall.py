@@ -21,13 +21,12 @@ still asks for the rule (spec.diagnostics.enabled, the timeout not 0).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Mapping
 
 from ddp_operator import names
 from ddp_operator import stall as stallmod
 from ddp_operator.observed import PodState
-from ddp_operator.plan.failures import failure, incident, over_budget
+from ddp_operator.plan.failures import delete_hung, going, incident, over_budget
 from ddp_operator.plan.state import Pass
 from ddp_operator.status import Event, get_condition
 
@@ -99,12 +98,6 @@ def _earlier(ctx: Pass, finding: stallmod.Finding) -> Mapping[str, Any] | None:
     return prev if prev.get("reason") == finding.reason else None
 
 
-def _going(ctx: Pass, uids: list[str]) -> None:
-    """The pods are going as of this pass: the phase (phase.py) is Restarting, not Running."""
-    ctx.observed = replace(ctx.observed, pods=tuple(
-        replace(p, deleting=True) if p.uid in uids else p for p in ctx.observed.pods))
-
-
 def _never_formed(ctx: Pass, finding: stallmod.Finding, current: list[PodState]) -> bool:
     incarnation = stallmod.incarnation_id(finding.stuck)
     earlier = _earlier(ctx, finding)
@@ -136,7 +129,7 @@ def _never_formed(ctx: Pass, finding: stallmod.Finding, current: list[PodState])
             ctx.record(p, counted=repeated, reason=names.REASON_PG_NEVER_FORMED)
         # Workers blocked in init_process_group cannot act on SIGTERM: no grace period to wait out.
         ctx.delete(p, grace_seconds=names.HANG_DELETE_GRACE_SECONDS)
-    _going(ctx, [p.uid for p in current])
+    going(ctx, [p.uid for p in current])
     return True
 
 
@@ -147,15 +140,5 @@ def _silent_hang(ctx: Pass, finding: stallmod.Finding, current: list[PodState]) 
                               incarnation=stallmod.incarnation_id(p.uid for p in current))
     what = (f"{finding.message}; no stack nor CPU time moved for spec.failurePolicy.hangTimeoutSeconds={timeout} "
             f"(the script reports no progress)")
-    deleting = []
-    for p in sorted((p for p in current if p.uid in finding.stuck), key=lambda p: p.index or 0):
-        if not ctx.recorded(p):
-            counts = failure(ctx, p, f"pod {p.name}: {what}", reason=names.REASON_HANG)
-            if counts is None:
-                return False
-            ctx.incident_reason = names.REASON_HANG
-            ctx.incident_message = f"{what}; deleting pod {p.name}" + ("" if counts else " (not counted)")
-        ctx.delete(p, grace_seconds=names.HANG_DELETE_GRACE_SECONDS)
-        deleting.append(p.uid)
-    _going(ctx, deleting)
-    return True
+    deleting = delete_hung(ctx, [p for p in current if p.uid in finding.stuck], lambda p: f"pod {p.name}: {what}")
+    return deleting is not None
