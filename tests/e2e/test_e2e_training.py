@@ -1,7 +1,7 @@
 """Real training on a real cluster: DDPJobs of the digits example run torchrun in the trainer image, and the
 operator keeps them alive through pod kills and a scale-up.
 
-Each test is one job in its own namespace. Runs are slowed with the example's step delay only as much as a
+Each test runs in its own namespace; jobs that mostly wait on their pods run side by side. Runs are slowed with the example's step delay only as much as a
 kill or a scale-up in the middle of training needs: the machine has two cores, shared with the control
 plane. "Rank 0" is whichever pod serves the progress endpoint (torch elastic assigns ranks at rendezvous,
 not by pod index).
@@ -30,17 +30,6 @@ def _assert_accuracy(kubectl, ns, job):
     return acc
 
 
-def test_two_node_digits_job_succeeds_with_accuracy(kubectl, ns):
-    h.apply(kubectl, ns, h.digits_job("digits", nodes=2))
-    st = h.wait_phase(kubectl, ns, "digits", "Succeeded", SUCCEED_TIMEOUT)
-    _assert_accuracy(kubectl, ns, "digits")
-    assert st.get("restarts", 0) == 0, st
-    conditions = {c["type"]: c["status"] for c in st.get("conditions", [])}
-    assert conditions.get("Succeeded") == "True", st
-    # Both nodes trained in one group of world size 2.
-    assert ((st.get("progress") or {}).get("worldSize")) == 2, st.get("progress")
-
-
 def _assert_last_recovery(st: dict, rec) -> None:
     """status.lastRecovery tells the user what the logs say: where the state came from and the steps lost."""
     last = st.get("lastRecovery") or {}
@@ -49,47 +38,45 @@ def _assert_last_recovery(st: dict, rec) -> None:
     assert last.get("fault") in ("NodeFailed", "NodeDisrupted"), last
 
 
-def test_killed_worker_pod_is_replaced_and_training_resumes(kubectl, ns):
-    h.apply(kubectl, ns, h.digits_job("kw", nodes=2, step_delay=STEP_DELAY))
-    rank0, prog = h.wait_rank0_step(kubectl, ns, "kw", KILL_AT_STEP, 240)
-    before = _pod_uids(kubectl, ns, "kw")
-    victim = next(name for name in before if name != rank0)
-    killed_at = h.kill_pod(kubectl, ns, victim)
-
-    # Replaced under the same name (stable DNS identity), by a new pod.
-    h.wait_for(lambda: (lambda uids: uids.get(victim) not in (None, before[victim]))(_pod_uids(kubectl, ns, "kw")),
-               60, f"a replacement for {victim}")
-    rec = h.recovery_after(kubectl, ns, "kw", killed_at, prog["step"], 180)
-    assert rec.resumed_from > 0, f"training started over instead of resuming: {rec}"
-    # rank 0 survived: the replacement got the state from its peer's snapshot, at most the step in flight lost
-    assert rec.source == "peer", rec
-    assert rec.steps_lost is not None and rec.steps_lost <= 1, rec
-
-    st = h.wait_phase(kubectl, ns, "kw", "Succeeded", SUCCEED_TIMEOUT)
-    assert st.get("restarts") == 1, f"expected exactly one counted restart: {st}"
-    _assert_last_recovery(st, rec)
-    _assert_accuracy(kubectl, ns, "kw")
-    print(f"worker kill at step {prog['step']}: {rec}")
+def _kill(kubectl, ns, job, rank0_pod: bool) -> tuple[str, float, dict, str]:
+    """Kill job's rank-0 pod or its other pod once rank 0 reached KILL_AT_STEP: (victim, killed at, progress, uid)."""
+    rank0, prog = h.wait_rank0_step(kubectl, ns, job, KILL_AT_STEP, 240)
+    before = _pod_uids(kubectl, ns, job)
+    victim = rank0 if rank0_pod else next(name for name in before if name != rank0)
+    return victim, h.kill_pod(kubectl, ns, victim), prog, before[victim]
 
 
-def test_killed_rank0_pod_job_still_succeeds(kubectl, ns):
-    h.apply(kubectl, ns, h.digits_job("k0", nodes=2, step_delay=STEP_DELAY))
-    rank0, prog = h.wait_rank0_step(kubectl, ns, "k0", KILL_AT_STEP, 240)
-    uid = _pod_uids(kubectl, ns, "k0")[rank0]
-    killed_at = h.kill_pod(kubectl, ns, rank0)
+def test_killed_pods_are_replaced_and_training_resumes_and_an_untouched_job_succeeds(kubectl, ns):
+    """Three digits jobs side by side (they mostly wait on their pods): `digits` untouched, `kw` loses its worker
+    pod (rank 0 survives), `k0` its rank-0 pod. Each killed pod is replaced under the same name by a new pod, the
+    group resumes from the survivor's peer snapshot with at most the step in flight lost, exactly one restart is
+    counted, status.lastRecovery says what the logs say, and every job reaches its accuracy."""
+    for job, delay in (("digits", 0.0), ("kw", STEP_DELAY), ("k0", STEP_DELAY)):
+        h.apply(kubectl, ns, h.digits_job(job, nodes=2, step_delay=delay))
+    kills = {job: _kill(kubectl, ns, job, rank0_pod=job == "k0") for job in ("kw", "k0")}
 
-    h.wait_for(lambda: _pod_uids(kubectl, ns, "k0").get(rank0) not in (None, uid), 60, f"a replacement for {rank0}")
-    rec = h.recovery_after(kubectl, ns, "k0", killed_at, prog["step"], 180)
-    # the group re-formed around the survivor's state: resumed, not started over
-    assert rec.source != "fresh" and rec.resumed_from > 0, f"training started over instead of resuming: {rec}"
-    # pod 1 survived with its snapshot and handed it to the new rank 0's pod
-    assert rec.source == "peer", rec
-    assert rec.steps_lost is not None and rec.steps_lost <= 1, rec
-    st = h.wait_phase(kubectl, ns, "k0", "Succeeded", SUCCEED_TIMEOUT)
-    assert st.get("restarts") == 1, f"expected exactly one counted restart: {st}"
-    _assert_last_recovery(st, rec)
-    _assert_accuracy(kubectl, ns, "k0")
-    print(f"rank-0 kill at step {prog['step']}: {rec}")
+    for job, (victim, killed_at, prog, uid) in kills.items():
+        # Replaced under the same name (stable DNS identity), by a new pod.
+        h.wait_for(lambda: _pod_uids(kubectl, ns, job).get(victim) not in (None, uid), 60,
+                   f"{job}: a replacement for {victim}")
+        rec = h.recovery_after(kubectl, ns, job, killed_at, prog["step"], 180)
+        # the group re-formed around the survivor's state: resumed, not started over; the state came from the
+        # surviving pod's snapshot (for k0, pod 1 handed it to the new rank 0's pod)
+        assert rec.source == "peer" and rec.resumed_from > 0, f"{job}: training started over instead of resuming: {rec}"
+        assert rec.steps_lost is not None and rec.steps_lost <= 1, rec
+        st = h.wait_phase(kubectl, ns, job, "Succeeded", SUCCEED_TIMEOUT)
+        assert st.get("restarts") == 1, f"{job}: expected exactly one counted restart: {st}"
+        _assert_last_recovery(st, rec)
+        _assert_accuracy(kubectl, ns, job)
+        print(f"{job}: {'rank-0' if job == 'k0' else 'worker'} kill at step {prog['step']}: {rec}")
+
+    st = h.wait_phase(kubectl, ns, "digits", "Succeeded", SUCCEED_TIMEOUT)
+    _assert_accuracy(kubectl, ns, "digits")
+    assert st.get("restarts", 0) == 0, st
+    conditions = {c["type"]: c["status"] for c in st.get("conditions", [])}
+    assert conditions.get("Succeeded") == "True", st
+    # Both nodes trained in one group of world size 2.
+    assert ((st.get("progress") or {}).get("worldSize")) == 2, st.get("progress")
 
 
 def test_scale_two_to_three_mid_run(kubectl, ns):
