@@ -6,6 +6,8 @@
 Each round, in a fresh namespace each:
 - DDPJob: `kubectl apply` of a digits DDPJob -> every training pod Running, and -> the first training step
   (the timestamp of rank 0's first `event=step` log line).
+- DDPJob without diagnostics: the same with `spec.diagnostics.enabled: false` (no sidecar, no tools init container):
+  what the diagnostics sidecar costs a start, paired by round (diagnostics_cost_s_paired_p50).
 - Baseline: the very same objects applied by hand with `kubectl apply`, without the operator: the headless
   Service, the rendezvous-store pod and the training pods, rendered by the operator's own pure functions
   (ddp_operator.service/rdzv/pod) minus the owner reference, so both runs start identical pods with the
@@ -17,13 +19,13 @@ Goal (issue 4): delta_s = apply_to_first_step_s - baseline_first_step_s <= 2 s (
 
 Judged (goals_missed; the exit status is 1 when one is missed): every round of both kinds reached its first step, and
 in every DDPJob round the operator made each child exactly once -- its Service, the rendezvous-store pod, the N
-training pods and the NetworkPolicy where it makes one: the UIDs seen under each name (every pod of the job at every
+training pods and the NetworkPolicy where it makes one (in the rounds without diagnostics too): the UIDs seen under each name (every pod of the job at every
 poll, every child once more when the first step was logged) number one, nothing else carries the job's label, no
 container restarted and the job's status.attempts is empty (the operator saw no pod end). The pods are listed by
 the poll that waits for the first step anyway (one list call for all of them, in both kinds of round), the rest in
 one list call after it: nothing is waited for.
 The last line is one JSON object: apply_to_running_s, apply_to_first_step_s, baseline_first_step_s,
-baseline_running_s, delta_s, rounds, goals_missed.
+baseline_running_s, delta_s, no_diagnostics_first_step_s, diagnostics_cost_s_paired_p50, rounds, goals_missed.
 """
 
 from __future__ import annotations
@@ -137,28 +139,48 @@ def measure(k: h.Kubectl, ns: str, apply: callable, nodes: int, seen: Children |
             "first_step_s": results.difference(first_step_at, t0)}
 
 
+def without_diagnostics(manifest: dict) -> dict:
+    """The job with spec.diagnostics.enabled false: no diagnostics sidecar, no tools init container."""
+    return {**manifest, "spec": {**manifest["spec"], "diagnostics": {"enabled": False}}}
+
+
+def ddpjob_round(k: h.Kubectl, manifest: dict, label: str, nodes: int) -> dict:
+    """One DDPJob round in a fresh namespace: its times, the children the operator made and its attempts."""
+    ns = h.new_namespace(k, label)
+    try:
+        seen = Children()
+        out = measure(k, ns, lambda: h.apply(k, ns, manifest), nodes, seen)
+        seen.look(k, ns)  # the Service and the NetworkPolicy, which no poll lists
+        out["children"] = seen.summary()
+        out["attempts"] = len(h.status(k, ns, JOB).get("attempts") or [])
+        return out
+    finally:
+        h.delete_namespace(k, ns, wait=True)
+
+
 def goals_missed(result: dict) -> list[str]:
     """Every round reached its first step; in every DDPJob round each child was made exactly once, nothing else
     carries the job's label, no container restarted and the operator recorded no attempt ([]: all held)."""
     expected, optional = set(result["children_expected"]), set(result["children_optional"])
     out = []
     for i, r in enumerate(result["rounds"]):
-        for side in ("ddpjob", "baseline"):
+        for side in ("ddpjob", "no_diagnostics", "baseline"):
             out += results.goal(r[side]["first_step_s"] is not None, f"round {i} {side}: first_step_s",
                                 r[side]["first_step_s"], f"a first step within {TIMEOUT:.0f} s")
-        op = r["ddpjob"]
-        made = op["children"]
-        for key in sorted(expected | set(made)):
-            c = made.get(key, {"created": 0, "restarts": 0})
-            at = f"round {i} ddpjob: {key}"
-            if key in expected or key in optional:
-                want = "exactly once" if key in expected else "exactly once where the operator makes one"
-                out += results.goal(c["created"] == 1, f"{at} created", c["created"], want)
-            else:
-                out += results.goal(False, f"{at} created", c["created"], "0: not a child the operator makes")
-            out += results.goal(c["restarts"] == 0, f"{at} restarts", c["restarts"], "0")
-        out += results.goal(op["attempts"] == 0, f"round {i} ddpjob: status.attempts", op["attempts"],
-                            "0 (no pod ended)")
+        for side in ("ddpjob", "no_diagnostics"):
+            op = r[side]
+            made = op["children"]
+            for key in sorted(expected | set(made)):
+                c = made.get(key, {"created": 0, "restarts": 0})
+                at = f"round {i} {side}: {key}"
+                if key in expected or key in optional:
+                    want = "exactly once" if key in expected else "exactly once where the operator makes one"
+                    out += results.goal(c["created"] == 1, f"{at} created", c["created"], want)
+                else:
+                    out += results.goal(False, f"{at} created", c["created"], "0: not a child the operator makes")
+                out += results.goal(c["restarts"] == 0, f"{at} restarts", c["restarts"], "0")
+            out += results.goal(op["attempts"] == 0, f"round {i} {side}: status.attempts", op["attempts"],
+                                "0 (no pod ended)")
     return out
 
 
@@ -173,16 +195,10 @@ def main() -> int:
     try:
         for i in range(a.rounds):
             manifest = h.digits_job(JOB, nodes=a.nodes, epochs=1)
-            ns = h.new_namespace(k, f"bench-startup-op-{i}")
-            try:
-                seen = Children()
-                ddpjob = measure(k, ns, lambda: h.apply(k, ns, manifest), a.nodes, seen)
-                seen.look(k, ns)  # the Service and the NetworkPolicy, which no poll lists
-                ddpjob["children"] = seen.summary()
-                ddpjob["attempts"] = len(h.status(k, ns, JOB).get("attempts") or [])
-            finally:
-                h.delete_namespace(k, ns, wait=True)
+            ddpjob = ddpjob_round(k, manifest, f"bench-startup-op-{i}", a.nodes)
             h.log(f"round {i}: DDPJob {ddpjob}")
+            bare = ddpjob_round(k, without_diagnostics(manifest), f"bench-startup-nodiag-{i}", a.nodes)
+            h.log(f"round {i}: DDPJob without diagnostics {bare}")
             ns = h.new_namespace(k, f"bench-startup-base-{i}")
             try:
                 objs = baseline_objects(manifest, ns)
@@ -190,7 +206,7 @@ def main() -> int:
             finally:
                 h.delete_namespace(k, ns, wait=True)
             h.log(f"round {i}: baseline {base}")
-            rounds.append({"ddpjob": ddpjob, "baseline": base})
+            rounds.append({"ddpjob": ddpjob, "no_diagnostics": bare, "baseline": base})
     finally:
         op.stop()
     op_first = median([r["ddpjob"]["first_step_s"] for r in rounds])
@@ -205,6 +221,11 @@ def main() -> int:
         # The same, paired by round (both halves of a round share the machine's load at the time).
         "delta_s_paired_p50": median([results.difference(r["ddpjob"]["first_step_s"], r["baseline"]["first_step_s"])
                                       for r in rounds]),
+        # What the diagnostics sidecar costs a start (its tools init container and the sidecar), paired by round.
+        "no_diagnostics_first_step_s": median([r["no_diagnostics"]["first_step_s"] for r in rounds]),
+        "diagnostics_cost_s_paired_p50": median([results.difference(r["ddpjob"]["first_step_s"],
+                                                                    r["no_diagnostics"]["first_step_s"])
+                                                 for r in rounds]),
         "goal": {"delta_s": 2, "children": "each created exactly once, none restarted"},
         "nodes": a.nodes,
         "children_expected": expected,

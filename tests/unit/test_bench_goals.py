@@ -95,6 +95,7 @@ def startup_result() -> dict:
     made = {key: {"created": 1, "restarts": 0} for key in expected + optional}
     return {"children_expected": expected, "children_optional": optional,
             "rounds": [{"ddpjob": {"first_step_s": 6.1, "children": made, "attempts": 0},
+                        "no_diagnostics": {"first_step_s": 5.8, "children": copy.deepcopy(made), "attempts": 0},
                         "baseline": {"first_step_s": 5.9}}]}
 
 
@@ -119,6 +120,9 @@ def test_startup_every_child_once_and_every_first_step_passes():
     (("ddpjob", "children", "NetworkPolicy/st", "created"), 2, "NetworkPolicy/st created"),
     (("ddpjob", "children", "Pod/st-2"), {"created": 1, "restarts": 0}, "Pod/st-2 created"),
     (("ddpjob", "attempts"), 1, "status.attempts"),
+    (("no_diagnostics", "first_step_s"), None, "round 0 no_diagnostics: first_step_s"),
+    (("no_diagnostics", "children", "Pod/st-0", "created"), 2, "round 0 no_diagnostics: Pod/st-0 created"),
+    (("no_diagnostics", "attempts"), 1, "round 0 no_diagnostics: status.attempts"),
 ])
 def test_startup_a_child_not_made_exactly_once_or_a_round_without_its_first_step_fails(path, bad, figure):
     one_miss(startup.goals_missed(changed(startup_result(), ("rounds", 0, *path), bad)), figure)
