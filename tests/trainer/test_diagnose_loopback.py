@@ -251,7 +251,9 @@ def test_log_prints_every_workers_full_stacks_to_the_servers_stdout(hung):
     log = out[out.index("=== stacks: x"):]
     assert log.count("--- worker pid") == 2
     assert "load_batch (train.py:" in log and "_engine_run_backward (torch/autograd/graph.py:" in log
-    assert "step = 3" in log  # with the locals
+    # torch's locals are shown, the script's own are not (they may hold its secrets)
+    assert "inputs = " in log or "t_outputs = " in log, log
+    assert "step = 3" not in log, log
 
 
 def test_workers_forked_by_ddp_trainer_launch_are_found_with_their_ranks(tmp_path):

@@ -357,7 +357,8 @@ class Sampler:
 
 
 def format_stacks(reason: str, when: float, entries: List[Entry]) -> str:
-    """Every worker's full stacks (all threads, with locals), as `?log=<reason>` prints them."""
+    """Every worker's full stacks (all threads), as `?log=<reason>` prints them; the locals of library frames only,
+    never the script's own (they may hold its secrets, and whoever reads the pod's logs would read them)."""
     n, stamp = len(entries), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when))
     lines = [f"=== stacks: {reason} at {stamp} ({n} worker{'' if n == 1 else 's'}) ==="]
     for w, threads, why in entries:
@@ -369,7 +370,8 @@ def format_stacks(reason: str, when: float, entries: List[Entry]) -> str:
             lines.append(f'Thread {t.os_tid} "{_printable(t.name, 100)}" ({"active" if t.active else "idle"})')
             for f in t.frames:
                 lines.append("    " + frame_text(f))
-                lines.extend(f"        {_printable(k, 100)} = {_printable(v, MAX_REPR)}" for k, v in f.locals)
+                if not is_user(f):
+                    lines.extend(f"        {_printable(k, 100)} = {_printable(v, MAX_REPR)}" for k, v in f.locals)
     lines.append("=== end of stacks ===")
     return "\n".join(lines) + "\n"
 
