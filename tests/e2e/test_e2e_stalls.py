@@ -27,8 +27,8 @@ import time
 
 from tests.e2e import harness as h
 
-PG_TIMEOUT = 20
-HANG_TIMEOUT = 20
+PG_TIMEOUT = 15
+HANG_TIMEOUT = 15
 # A diagnosis is acted on within a poll (2 s here) and a probe deadline of the deadline; pods of three jobs start
 # side by side on two cores.
 ACT_WITHIN = 20
@@ -117,14 +117,14 @@ def stuck_on_io(step):
 
 def on_step(step, start):
     if step == 0:
-        time.sleep(6)  # a long first step (compilation, a cold cache): not a hang
+        time.sleep(5)  # a long first step (compilation, a cold cache): not a hang
     if step == %(block)d and start == 0 and dist.get_rank() == 1:
         stuck_on_io(step)
 
 
 def main():
     args = parse()
-    time.sleep(8)  # slow data loading before init, shorter than the deadline: not a stall
+    time.sleep(10)  # slow data loading before init, shorter than the deadline: not a stall
     dist.init_process_group("gloo")
     train(args, on_step)
 
