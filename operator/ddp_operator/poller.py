@@ -271,10 +271,12 @@ class ProgressPoller:
 
     # --- the diagnostics sidecars (stall.py) ------------------------------------------------------
     def diagnose(self, key: Key, body: Mapping[str, Any], trainers: list[Mapping[str, Any]],
-                 log_reason: str | None = None) -> tuple[stall.PodDiagnosis, ...]:
+                 log_reason: str | None = None, timeout: float | None = None) -> tuple[stall.PodDiagnosis, ...]:
         """Every running trainer pod's diagnosis, its sidecars asked at once (`log_reason`: they log full stacks
-        first); invalid fields are dropped, with an InvalidReport Event once."""
-        answers = progress.diagnose_each({p["metadata"]["uid"]: p["status"]["podIP"] for p in trainers}, log_reason)
+        first; `timeout`: each one's deadline, else progress.fetch_diagnosis's); invalid fields are dropped, with an
+        InvalidReport Event once."""
+        answers = progress.diagnose_each({p["metadata"]["uid"]: p["status"]["podIP"] for p in trainers}, log_reason,
+                                         timeout)
         out = []
         for p in trainers:
             pod = p["metadata"]["uid"]
@@ -410,7 +412,7 @@ class ProgressPoller:
         if not job.spec.diagnostics.enabled:
             self.reconcile(*key, hang_reports=reports)
             return
-        diagnoses = self.diagnose(key, body, trainers, names.REASON_HANG)
+        diagnoses = self.diagnose(key, body, trainers, names.REASON_HANG, progress.HANG_DIAGNOSIS_DEADLINE_SECONDS)
         frames = {d.name: stall.frame_of(d.diagnosis) for d in diagnoses}
         log.warning("[%s/%s] the pods stand in %s (full stacks: kubectl logs <pod> -c %s)", *key, frames,
                     names.DIAGNOSTICS_CONTAINER)

@@ -31,6 +31,9 @@ MAX_RESPONSE_BYTES = 65536
 DIAGNOSIS_DEADLINE_SECONDS = 8.0
 # With ?log=<reason> the sidecar also dumps every thread of every worker, with locals, to its log before it answers.
 DIAGNOSIS_LOG_DEADLINE_SECONDS = 15.0
+# A hang is acted on at once: its diagnoses wait no longer than this (a pod frozen whole, its sidecar with it, never
+# answers; the hang is then recorded without that pod's stacks rather than 15 s later).
+HANG_DIAGNOSIS_DEADLINE_SECONDS = 3.0
 MAX_DIAGNOSIS_BYTES = 262144
 
 
@@ -121,10 +124,11 @@ def probe_each(targets: Mapping[str, str], timeout: float = DEADLINE_SECONDS) ->
     return _each(targets, lambda ip: fetch(ip, timeout))
 
 
-def diagnose_each(targets: Mapping[str, str], log: str | None = None) -> dict[str, Mapping[str, Any] | None]:
+def diagnose_each(targets: Mapping[str, str], log: str | None = None,
+                  timeout: float | None = None) -> dict[str, Mapping[str, Any] | None]:
     """Every pod's diagnostics sidecar's answer (key -> answer, None when it did not answer), asked as probe_each
-    asks for progress: in parallel, each with its own deadline."""
-    return _each(targets, lambda ip: fetch_diagnosis(ip, log))
+    asks for progress: in parallel, each with its own deadline (`timeout`, else fetch_diagnosis's)."""
+    return _each(targets, lambda ip: fetch_diagnosis(ip, log, timeout))
 
 
 def _each(targets: Mapping[str, str],

@@ -6,6 +6,7 @@ suite's conftest when several test directories run together."""
 import copy
 import http.server
 import json
+import socket
 import threading
 from datetime import datetime, timedelta, timezone
 
@@ -121,3 +122,16 @@ class ProgressServer:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
+
+
+class Silent:
+    """A pod whose process is stopped: the kernel accepts the connection, nobody ever answers."""
+
+    def __init__(self, ip, port):
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((ip, port))
+        self.sock.listen(16)
+
+    def close(self):
+        self.sock.close()

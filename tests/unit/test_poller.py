@@ -3,7 +3,6 @@ deadline), a newer step from any pod resets the hang clock, a malformed report i
 failure to schedule never stops the others' probes."""
 
 import dataclasses
-import socket
 import threading
 import time
 
@@ -11,7 +10,7 @@ from ddp_operator import names, progress
 from ddp_trainer.testing import free_port
 
 from fake_api import fake_reconciler, running_job
-from ddp_builders import ProgressServer, job_body
+from ddp_builders import ProgressServer, Silent, job_body
 
 
 def _reconciler():
@@ -27,19 +26,6 @@ def _timed_poll(r, key, servers):
     finally:
         for s in servers:
             s.close()
-
-
-class Silent:
-    """A pod whose process is stopped: the kernel accepts the connection, nobody ever answers."""
-
-    def __init__(self, ip, port):
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((ip, port))
-        self.sock.listen(16)
-
-    def close(self):
-        self.sock.close()
 
 
 def test_an_unreachable_rank0_is_not_hung_while_another_pod_reports_a_newer_step(monkeypatch):

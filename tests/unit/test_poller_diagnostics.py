@@ -4,18 +4,15 @@ progress hang carry the pods' diagnoses, a Stalled job that formed is cleared, a
 the polls keep the stall clocks' pace whatever progressPeriodSeconds says."""
 
 import dataclasses
-import http.server
-import json
-import threading
 import time
 
 import pytest
 
-from ddp_operator import names
+from ddp_operator import names, progress
 from ddp_trainer.testing import free_port
 
 from fake_api import fake_reconciler, running_job
-from ddp_builders import ProgressServer, job_body
+from ddp_builders import ProgressServer, Silent, job_body
 
 INIT = "_new_process_group_helper (torch/distributed/distributed_c10d.py:2011)"
 ALLREDUCE = "allreduce (torch/distributed/distributed_c10d.py:2501)"
@@ -207,6 +204,24 @@ def test_a_progress_hang_check_hands_in_the_pods_diagnoses(ports, servers):
     assert servers[3].paths[-1] == f"{names.DIAGNOSTICS_PATH}?log={names.REASON_HANG}"
     assert r.api.deleted == ["hung-1"]  # a tie on step 40: the highest index
     assert obj.written["diagnosis"]["reason"] == names.REASON_HANG
+
+
+def test_a_pod_frozen_whole_is_acted_on_without_waiting_for_its_sidecar(ports, servers):
+    """Pod 1 frozen with its sidecar (one cgroup): neither answers. The hang is acted on within the hang's short
+    diagnosis deadline, not the 15 s a logged diagnosis may take otherwise."""
+    r, key, obj = _running_job("frozen", failurePolicy={"hangTimeoutSeconds": 20})
+    servers += [ProgressServer("127.0.0.2", ports[0], {"rank": 0, "step": 40}),
+                Sidecar("127.0.0.2", ports[1], _answer(_worker(41, 0, 0, "collective", frame=ALLREDUCE))),
+                Silent("127.0.0.3", ports[0]), Silent("127.0.0.3", ports[1])]
+    _poll_now(r, key, obj)
+    obj.hang_watch = dataclasses.replace(obj.hang_watch, since=time.monotonic() - 21)
+    started = time.monotonic()
+    _poll_now(r, key, obj)
+    took = time.monotonic() - started
+    assert r.api.deleted == ["frozen-1"], r.api.deleted  # the pod that did not answer
+    assert took < progress.DIAGNOSIS_LOG_DEADLINE_SECONDS, f"the hang waited {took:.1f} s for a frozen sidecar"
+    (found,) = [f for f in r.found if "hang_reports" in f]
+    assert [d.diagnosis is None for d in found["diagnoses"]] == [False, True]
 
 
 def test_without_the_sidecar_nobody_is_asked(ports, servers):
