@@ -217,29 +217,31 @@ class ProgressPoller:
             with self.jobs.guard:
                 obj.diagnosed_at = time.monotonic()
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddp-diagnose") as side:
-            # The sidecars are asked while the progress endpoints are: one poll costs one deadline, not two.
+            # The sidecars are asked while the progress endpoints are: one poll costs one deadline, not two. The
+            # progress is acted on first: a sidecar that does not answer (its pod frozen) never delays a hang check.
             asked = side.submit(self.diagnose, key, body, trainers) if asking else None
             answers = progress.probe_each(ips)
+            reports = {pod: self._checked(key, body, trainers, pod, answer) for pod, answer in answers.items()}
+            preferred = next((pod for pod, ip in ips.items() if ip == progress_ip), None)
+            found = progress.rank0(reports, preferred)
+            report = found[1] if found is not None else None
+            with self.jobs.guard:
+                if found is not None:
+                    obj.progress_ip = ips[found[0]]
+                others = [r for pod, r in reports.items() if found is None or pod != found[0]]
+                obj.hang_watch = hang.watch(obj.hang_watch, current, report, time.monotonic(), others)
+            if report is not None:
+                self._write_progress(key, job, status, report)
+            hung = self.hang_check_due(key, body, time.monotonic())
+            if hung:
+                self._hang_check(key, job, body, trainers, reports)
             diagnoses = asked.result() if asked is not None else None
-        reports = {pod: self._checked(key, body, trainers, pod, answer) for pod, answer in answers.items()}
-        preferred = next((pod for pod, ip in ips.items() if ip == progress_ip), None)
-        found = progress.rank0(reports, preferred)
-        report = found[1] if found is not None else None
-        with self.jobs.guard:
-            if found is not None:
-                obj.progress_ip = ips[found[0]]
-            others = [r for pod, r in reports.items() if found is None or pod != found[0]]
-            obj.hang_watch = hang.watch(obj.hang_watch, current, report, time.monotonic(), others)
-        if report is not None:
-            self._write_progress(key, job, status, report)
         if diagnoses is not None:
             reporting = any(r is not None and "step" in r for r in reports.values())
             with self.jobs.guard:
                 obj.stall_watch = stall.watch(obj.stall_watch, current, diagnoses, reporting, time.monotonic())
-        if self.hang_check_due(key, body, time.monotonic()):
-            self._hang_check(key, job, body, trainers, reports)
-        elif diagnoses is not None:
-            self._stall_check(key, job, body, status, trainers, diagnoses)
+            if not hung:
+                self._stall_check(key, job, body, status, trainers, diagnoses)
 
     def _invalid(self, key: Key, body: Mapping[str, Any], trainers: list[Mapping[str, Any]], pod: str,
                  invalid: tuple[str, ...], source: str) -> None:

@@ -206,9 +206,11 @@ def test_a_progress_hang_check_hands_in_the_pods_diagnoses(ports, servers):
     assert obj.written["diagnosis"]["reason"] == names.REASON_HANG
 
 
-def test_a_pod_frozen_whole_is_acted_on_without_waiting_for_its_sidecar(ports, servers):
+def test_a_pod_frozen_whole_is_acted_on_without_waiting_for_its_sidecar(ports, servers, monkeypatch):
     """Pod 1 frozen with its sidecar (one cgroup): neither answers. The hang is acted on within the hang's short
     diagnosis deadline, not the 15 s a logged diagnosis may take otherwise."""
+    monkeypatch.setattr(progress, "DIAGNOSIS_DEADLINE_SECONDS", 2.0)  # the first poll's wait for the frozen one
+    monkeypatch.setattr(progress, "HANG_DIAGNOSIS_DEADLINE_SECONDS", 1.0)
     r, key, obj = _running_job("frozen", failurePolicy={"hangTimeoutSeconds": 20})
     servers += [ProgressServer("127.0.0.2", ports[0], {"rank": 0, "step": 40}),
                 Sidecar("127.0.0.2", ports[1], _answer(_worker(41, 0, 0, "collective", frame=ALLREDUCE))),
@@ -222,6 +224,30 @@ def test_a_pod_frozen_whole_is_acted_on_without_waiting_for_its_sidecar(ports, s
     assert took < progress.DIAGNOSIS_LOG_DEADLINE_SECONDS, f"the hang waited {took:.1f} s for a frozen sidecar"
     (found,) = [f for f in r.found if "hang_reports" in f]
     assert [d.diagnosis is None for d in found["diagnoses"]] == [False, True]
+
+
+def test_a_sidecar_that_does_not_answer_never_delays_a_hang_check(ports, servers, monkeypatch):
+    """The sidecars are still asked every poll (no collective seen yet: the group is not known to have formed) and
+    pod 1's never answers: the hang is handed to a pass as soon as the progress probes are in, not after the
+    sidecars' deadline."""
+    monkeypatch.setattr(progress, "DIAGNOSIS_DEADLINE_SECONDS", 3.0)
+    monkeypatch.setattr(progress, "HANG_DIAGNOSIS_DEADLINE_SECONDS", 0.5)
+    r, key, obj = _running_job("slow", failurePolicy={"hangTimeoutSeconds": 20})
+    servers += [ProgressServer("127.0.0.2", ports[0], {"rank": 0, "step": 40}),
+                ProgressServer("127.0.0.3", ports[0], {"rank": 1, "step": 40}),
+                Sidecar("127.0.0.2", ports[1], _answer(_worker(41, 0, 0, "running", frame="step (train.py:9)"))),
+                Silent("127.0.0.3", ports[1])]
+    _poll_now(r, key, obj)
+    assert not obj.stall_watch.formed
+    obj.hang_watch = dataclasses.replace(obj.hang_watch, since=time.monotonic() - 21)
+    acted = []
+    real = r.poller.reconcile
+    r.poller.reconcile = lambda *a, **kw: (acted.append(time.monotonic()), real(*a, **kw))[1]
+    started = time.monotonic()
+    _poll_now(r, key, obj)
+    assert r.api.deleted == ["slow-1"] and len(acted) == 1, (r.api.deleted, acted)
+    assert acted[0] - started < 2.5, \
+        f"the hang waited {acted[0] - started:.1f} s for the sidecars' regular diagnosis"
 
 
 def test_without_the_sidecar_nobody_is_asked(ports, servers):
