@@ -221,12 +221,15 @@ def watch(prev: StallWatch | None, incarnation: tuple[str, ...], diagnoses: Sequ
     time grew by more than CPU_MOVE_CORES cores since it last restarted; a probe nobody answered changes nothing."""
     cpu = _cpu_total(diagnoses)
     fingerprint = _fingerprint(diagnoses)
-    is_formed = formed(diagnoses) is True
+    # A training step reported is as good a proof as a collective seen: the sidecars need not be asked again.
+    is_formed = formed(diagnoses) is True or reporting
     if prev is None or prev.incarnation != incarnation:
         return StallWatch(incarnation, now, is_formed, reporting, fingerprint, now, cpu)
     reporting = prev.reporting or reporting
+    is_formed = is_formed or reporting
     if all(d.diagnosis is None for d in diagnoses):
-        return StallWatch(incarnation, prev.started, prev.formed, reporting, prev.fingerprint, prev.since, prev.cpu)
+        return StallWatch(incarnation, prev.started, prev.formed or reporting, reporting, prev.fingerprint, prev.since,
+                          prev.cpu)
     if not prev.formed and is_formed:
         return StallWatch(incarnation, prev.started, True, reporting, fingerprint, now, cpu)
     elapsed = max(now - prev.since, 0.0)

@@ -119,6 +119,22 @@ def test_a_subgroup_made_after_init_is_a_collective_and_claims_nothing():
     assert (r["phase"], r["rank"], r["worldSize"]) == ("collective", 1, 2)
 
 
+def test_a_script_still_importing_torch_distributed_is_running_not_in_a_collective():
+    """Module code of torch.distributed run by an import at the top of the script: no collective, so no proof that
+    the group formed (CI once took such a sample for one and then judged two ranks in init a silent hang)."""
+    lib = "/opt/venv/lib/python3.11/site-packages/torch/distributed/"
+    frames = (dg.Frame("<module>", lib + "distributed_c10d.py", "torch/distributed/distributed_c10d.py", 40, ()),
+              dg.Frame("_call_with_frames_removed", "<frozen importlib._bootstrap>", "<frozen importlib._bootstrap>",
+                       241, ()),
+              dg.Frame("_find_and_load", "<frozen importlib._bootstrap>", "<frozen importlib._bootstrap>", 1176, ()),
+              dg.Frame("<module>", lib + "__init__.py", "torch/distributed/__init__.py", 80, ()),
+              dg.Frame("<module>", "/script/train.py", "train.py", 3, ()))
+    assert dg.phase(frames) == "running"
+    waiting = (dg.Frame("all_reduce", lib + "distributed_c10d.py", "torch/distributed/distributed_c10d.py", 2800, ()),
+               dg.Frame("main", "/script/train.py", "train.py", 30, ()))
+    assert dg.phase(waiting) == "collective"
+
+
 def test_the_digest_follows_the_frames_not_their_locals():
     base = report("hangs_1.json", wenv(1))["digest"]
     other_local = _with_frames("hangs_1.json", lambda fs: _set_local(fs, "load_batch", "step", "4"))

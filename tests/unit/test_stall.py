@@ -77,6 +77,18 @@ def test_workers_still_in_their_own_code_before_init_have_not_formed_the_group()
     assert stall.watch(w, INC, training, reporting=False, now=160.0).formed
 
 
+def test_a_reported_training_step_proves_the_group_formed():
+    """A script that reports progress formed its group, whatever the samples show (a worker sleeping between steps
+    is never seen in a collective): the start-up clock stops, and the poller stops asking the sidecars."""
+    sleeping = [pod(0, worker(0, phase="running", user="step (train.py:9)")),
+                pod(1, worker(1, phase="running", user="step (train.py:9)"))]
+    w = stall.watch(None, INC, sleeping, reporting=False, now=100.0)
+    assert not w.formed
+    w = stall.watch(w, INC, sleeping, reporting=True, now=102.0)
+    assert w.formed and not stall.startup_due(w, 300, 10 ** 6)
+    assert stall.watch(None, INC, [pod(0, silent=True)], reporting=True, now=1.0).formed
+
+
 def test_startup_is_due_only_while_not_formed_past_the_timeout():
     starting = [pod(0, worker(0)), pod(1, worker(1, phase="running", user="wait_for_data (train.py:12)"))]
     w = stall.watch(None, INC, starting, reporting=False, now=100.0)

@@ -1,18 +1,14 @@
-"""The diagnostics sidecar's server (docs/diagnostics.md, "The sidecar"): what each torchrun worker of this pod does.
+"""The diagnostics sidecar's server: what each torchrun worker of this pod does (docs/diagnostics.md, "The sidecar",
+says what every field of the answer means and how it is read).
 
 `python3 diagnose.py [--port 29402] [--py-spy PATH] [--root-pid PID] [--host 0.0.0.0]` runs in the TRAINER's image as
 the trainer's user, in the pod's shared process namespace: any python3 >= 3.8, its standard library only.
 Workers: processes whose /proc environ has TORCHELASTIC_RUN_ID, RANK and LOCAL_RANK (torchrun's), or that
-ddp_trainer.launch forked from its forkserver (named WORKER_NAME: their environ is the agent's, their ranks are read
-from torch's elastic `_wrap` frame); not the agent (its children have other ranks), nor a worker's own children.
-`GET /diagnosis`: per worker, from `py-spy dump --json --locals` of its main thread (all workers at once): `phase`
-(init while init_process_group is on the stack; collective while the code the user's innermost frame called is
-torch.distributed or autograd's backward, where DDP's all-reduce waits; else running; unknown without stacks),
-`frame`, `userFrame` (innermost outside torch, the standard library and site-packages), `digest` (of the frames, not
-their locals), the claimed `rank`/`worldSize` (_new_process_group_helper's group_rank/group_size inside
-init_process_group, else its rank/world_size unless -1, else `envRank`/WORLD_SIZE), `cpuSeconds` (/proc stat).
-A sample is kept CACHE_S: probes that come together run py-spy once. `?log=<reason>` also prints every worker's full
-stacks to stdout. Nothing read is trusted: a process gone mid-read is skipped, output that is not a dump is a reason.
+ddp_trainer.launch forked from its forkserver (named WORKER_NAME: their ranks are read from torch's elastic `_wrap`
+frame); not the agent, nor a worker's own children. `GET /diagnosis` reads every worker's main thread with
+`py-spy dump --json --locals` (all at once; a sample is kept CACHE_S) and /proc; `?log=<reason>` also prints every
+worker's full stacks to stdout. Nothing read is trusted: a process gone mid-read is skipped, output that is not a
+dump is a reason.
 """
 
 from __future__ import annotations
@@ -211,7 +207,11 @@ def phase(frames: Tuple[Frame, ...]) -> str:
         return (_in(f, "torch/autograd/") or _in(f, "torch/_tensor.py")) and "backward" in f.name
 
     user = next((i for i, f in enumerate(frames) if is_user(f)), len(frames))
-    return "collective" if any(waits(f) for f in frames[:user]) else "running"
+    called = frames[:user]
+    # An import (module code run by importlib: `import torch.distributed` at the top of a script) is no collective.
+    if any(f.name == "<module>" or "importlib" in f.filename for f in called):
+        return "running"
+    return "collective" if any(waits(f) for f in called) else "running"
 
 
 def _num(text: Optional[str], low: int = 0) -> Optional[int]:
