@@ -319,7 +319,7 @@ class ProgressPoller:
                                       lambda ds: stall.startup_finding(ds, world))
             restarted = dataclasses.replace(w, started=time.monotonic())
             timeout = policy.process_group_timeout_seconds
-        elif stall_check_due(job, w, current, now):
+        elif stall.silent_hang_due(w, policy.hang_timeout_seconds, now):
             finding = self._confirmed(key, body, trainers, diagnoses, names.REASON_HANG, stall.hang_finding)
             restarted = dataclasses.replace(w, since=time.monotonic())
             timeout = policy.hang_timeout_seconds
