@@ -40,6 +40,9 @@ summary() { # exit status
     [[ -x $kind ]] && { "$kind" delete cluster --name "$KIND_NAME" >/dev/null 2>&1 || true; }
     python3 hack/docker.py down >/dev/null 2>&1 || true
   fi
+  if [[ -f $TMP/shared-up ]]; then  # stage 3 stopped before it removed the shared operator and Kueue
+    "$PY" -m tests.e2e.shared_release down >/dev/null 2>&1 || true
+  fi
   rm -rf "$TMP"
   log "stage times:"
   printf '  %s\n' "${STAGES[@]}" >&2
@@ -109,21 +112,64 @@ prepare_kind() { # (set -e does not hold in a function called with ||: every ste
 background later prepare_kind
 pid_later=$BG_PID
 
-t0=$SECONDS
-log "stage 3: the tiers that use the cluster"
-rc=0
-pytest_run cluster tests/cluster tests/integration tests/chart tests/e2e tests/benchmarks \
-  --ignore=tests/e2e/test_e2e_node_loss.py --ignore=tests/benchmarks/test_trainer_benchmarks_run.py || rc=$?
-record "stage 3: cluster, integration, chart, e2e, benchmarks" $((SECONDS - t0))
-"$PY" hack/test_times.py --top 10 .test-results/*.xml >&2 || true
-((rc == 0)) || exit "$rc"
-finished later "$pid_later"
+# Stage 3 in three steps: (a) the tiers that restart the cluster or install charts of their own, alone; (b) two
+# pytest runs side by side, whose jobs mostly sleep: the e2e tier | the integration tier (its own operators, in
+# ddp-it-* namespaces the shared operator excludes), then the benchmark smoke tests; both against one operator and
+# one Kueue installed before them (tests/e2e/shared_release.py; DDPJOB_OPERATOR=installed); (c) the control-plane
+# faults (an API server restart, a NotReady node: nothing else may run on the cluster) beside stage 4's kind test.
+CONTROL_PLANE=tests/benchmarks/test_cluster_benchmarks_run.py::test_faults_of_the_control_plane_and_the_node
+lane() { # name cmd...: a command in the background at normal priority, its output prefixed [name]; pid in LANE_PID
+  local name=$1; shift
+  ( "$@" > >(sed -u "s/^/[$name] /") 2>&1 ) &
+  LANE_PID=$!
+  BG_PIDS+=("$LANE_PID")
+}
+e2e_lane() {
+  touch "$TMP/shared-up"
+  "$PY" -m tests.e2e.shared_release up
+  pytest_run e2e tests/e2e --ignore=tests/e2e/test_e2e_node_loss.py --ignore=tests/e2e/test_e2e_network_policy.py
+}
 
+t0=$SECONDS
+log "stage 3a: the embedded cluster's own tests and the chart's"
+rc=0
+pytest_run cluster tests/cluster tests/chart || rc=$?
+record "stage 3a: cluster, chart" $((SECONDS - t0))
+((rc == 0)) || exit "$rc"
+
+t0=$SECONDS
+log "stage 3b: side by side: the shared operator and Kueue, then the e2e tier | integration, benchmark smoke tests"
+export DDPJOB_OPERATOR=installed
+lane e2e e2e_lane
+pid_e2e=$LANE_PID
+lane more pytest_run more tests/integration tests/e2e/test_e2e_network_policy.py \
+  tests/benchmarks/test_cluster_benchmarks_run.py --deselect="$CONTROL_PLANE"
+pid_more=$LANE_PID
+rc_e2e=0 rc_more=0
+wait "$pid_e2e" || rc_e2e=$?
+wait "$pid_more" || rc_more=$?
+record "stage 3b: e2e | integration, benchmarks" $((SECONDS - t0))
+((rc_e2e == 0)) || log "the e2e tier failed (exit $rc_e2e); its output is above, prefixed [e2e]"
+((rc_more == 0)) || log "the integration tier or a benchmark smoke test failed (exit $rc_more); prefixed [more]"
+((rc_e2e == 0 && rc_more == 0)) || exit 1
+
+t0=$SECONDS
+finished later "$pid_later"
 if [[ -n ${DDPJOB_SKIP_KIND:-} && ${CI:-} != true ]]; then
   log "stage 4 skipped (DDPJOB_SKIP_KIND)"
-  exit 0
+else
+  log "stage 4: a lost node on kind (make kind-node-loss), beside stage 3c"
+  lane kind env KIND_CLUSTER_NAME=$KIND_NAME KIND_DELETE=1 make --no-print-directory kind-node-loss
+  pid_kind=$LANE_PID
 fi
-t0=$SECONDS
-log "stage 4: a lost node on kind (make kind-node-loss)"
-KIND_CLUSTER_NAME=$KIND_NAME KIND_DELETE=1 make --no-print-directory kind-node-loss
-record "stage 4: kind node loss" $((SECONDS - t0))
+log "stage 3c: the control plane's faults (alone on the embedded cluster)"
+pytest_run control-plane "$CONTROL_PLANE" || rc=$?
+record "stage 3c: control-plane faults" $((SECONDS - t0))
+"$PY" -m tests.e2e.shared_release down && rm -f "$TMP/shared-up"
+"$PY" hack/test_times.py --top 10 .test-results/*.xml >&2 || true
+((rc == 0)) || exit "$rc"
+if [[ -n ${pid_kind:-} ]]; then
+  wait "$pid_kind" || rc=$?
+  record "stage 4: kind node loss (beside 3c)" $((SECONDS - t0))
+  ((rc == 0)) || { log "the kind node-loss test failed (exit $rc); its output is above, prefixed [kind]"; exit "$rc"; }
+fi

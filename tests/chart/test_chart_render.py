@@ -210,6 +210,7 @@ def test_metrics_off_removes_service_and_port(render):
         (["--set", "metrics.port=70000"], "port"),
         (["--set", "metrics.enabled=yes-please"], "enabled"),
         (["--set", "watch.namespaces=team-a"], "namespaces"),
+        (["--set", "watch.exclude={Team-*}"], "exclude"),
         (["--set", "unknownKey=1"], "unknownKey"),
         (["--set", "image.registry=docker.io"], "registry"),
         (["--set", "securityContext.runAsRoot=true"], "runAsRoot"),
@@ -230,8 +231,11 @@ def test_values_schema_rejects(helm_bin, args, expected):
         (["--set", "replicaCount=2", "--set", "operator.leaderElection.mode=off"],
          "replicaCount > 1 needs leader election"),
         (["--set", "image.tag=latest"], "image.tag=latest is refused"),
+        (["--set", "watch.namespaces={team-a}", "--set", "watch.exclude={team-b}"],
+         "watch.exclude applies when watching every namespace"),
     ],
-    ids=["namespace-scope-without-namespaces", "replicas-without-leader-election", "latest-tag"],
+    ids=["namespace-scope-without-namespaces", "replicas-without-leader-election", "latest-tag",
+         "exclude-with-namespaces"],
 )
 def test_inconsistent_values_fail_with_the_fix(helm_bin, args, expected):
     proc = run([helm_bin, "template", "x", str(CHART), "--kube-version", KUBE_VERSION, *args], check=False)
@@ -324,3 +328,17 @@ def test_admission_policy_needs_kubernetes_1_30(helm_bin):
     proc = run([helm_bin, "template", "x", str(CHART), "--kube-version", "1.29.5"], check=False)
     assert proc.returncode != 0 and "admissionPolicy.enabled=false" in proc.stderr, proc.stderr
     run([helm_bin, "template", "x", str(CHART), "--kube-version", "1.29.5", "--set", "admissionPolicy.enabled=false"])
+
+
+def test_excluded_namespaces_are_left_to_others(render):
+    """watch.exclude: one kopf pattern (a leading exclusion: every other namespace), and the admission policy skips
+    those namespaces too, as another operator (e.g. the integration tests' own) handles them."""
+    objs = render("--set", "watch.exclude={ddp-it-*,sand?x}")
+    (deploy,) = by_kind(objs, "Deployment")
+    args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith("--namespace")] == ["--namespace=!ddp-it-*,!sand?x"], args
+    policy, binding = _admission(objs)
+    conditions = {c["name"]: c["expression"] for c in policy["spec"]["matchConditions"]}
+    assert conditions["watched-namespace"] == '!request.namespace.matches("^(ddp-it-.*|sand.x)$")', conditions
+    assert "matchResources" not in binding["spec"], binding
+    assert "watched-namespace" not in str(render()), "no exclusion by default"

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from ddp_cluster import CRD, NS_PREFIX, JobNamespace, Operator, _api, wait_for
+from tests.support.kube import foreign_operators_paused_in
 
 
 def pytest_collection_modifyitems(config, items):
@@ -39,7 +40,16 @@ def api(cluster):
 
 
 @pytest.fixture(scope="session")
-def operator(api, cluster, tmp_path_factory, foreign_operators_paused):
+def operators_watching_ours_paused(kubectl):
+    """Other DDPJob operators that would handle ddp-it-* namespaces, scaled to 0 for the session; one that excludes
+    them (the e2e tests' shared operator: chart value watch.exclude) keeps running, so these tests can run beside
+    the e2e tier."""
+    with foreign_operators_paused_in(kubectl, namespace=NS_PREFIX + "any") as paused:
+        yield paused
+
+
+@pytest.fixture(scope="session")
+def operator(api, cluster, tmp_path_factory, operators_watching_ours_paused):
     op = Operator(tmp_path_factory.mktemp("operator") / "operator.log", cluster.kubeconfig)
     op.start()
     yield op

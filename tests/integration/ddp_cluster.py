@@ -13,12 +13,12 @@ import yaml
 
 from tests.support import waiting
 from tests.support.processes import OperatorProcess
-from tests.support.suite import REPO
+from tests.support.suite import INTEGRATION_NS_PREFIX, REPO
 
 # The suite passes the cluster fixture's kubeconfig; the default is never an arbitrary $KUBECONFIG.
 KUBECONFIG = pathlib.Path(os.environ.get("DDPJOB_TEST_KUBECONFIG") or REPO / ".cluster" / "kubeconfig")
 CRD = REPO / "manifests" / "base" / "crd.yaml"
-NS_PREFIX = "ddp-it-"
+NS_PREFIX = INTEGRATION_NS_PREFIX
 GROUP, VERSION, PLURAL = "ddp.dev", "v1alpha1", "ddpjobs"
 NOWHERE = {"ddp.dev/test-node": "nowhere"}
 

@@ -6,6 +6,7 @@ the tests' (`not_the_tests`), and other DDPJob operators paused while the tests 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 import subprocess
@@ -188,10 +189,30 @@ def create_test_namespace(kubectl: Kubectl, name: str) -> str:
     return name
 
 
+def watches(patterns: list[str], namespace: str) -> bool:
+    """Whether an operator started with these `--namespace` patterns handles `namespace` (none: every one). kopf's
+    rule for each pattern: comma-separated globs; a leading exclusion (`!x`) implies `*` before it; an inclusion
+    after the first matches only what the first matched; an exclusion un-matches."""
+    def one(pattern: str) -> bool:
+        globs = [g.strip() for g in pattern.split(",")]
+        if globs[0].startswith("!"):
+            globs.insert(0, "*")
+        matches = first = fnmatch.fnmatch(namespace, globs[0])
+        for glob in globs[1:]:
+            if glob.startswith("!"):
+                matches = matches and not fnmatch.fnmatch(namespace, glob[1:])
+            else:
+                matches = matches or (first and fnmatch.fnmatch(namespace, glob))
+        return matches
+    return not patterns or any(one(p) for p in patterns)
+
+
 @contextlib.contextmanager
-def foreign_operators_paused_in(kubectl: Kubectl):
+def foreign_operators_paused_in(kubectl: Kubectl, namespace: str | None = None):
     """Scale every DDPJob operator Deployment that watches all namespaces (or globs) and does not live in
-    a test namespace to 0; on exit, restore the replica count of each one nobody restored meanwhile."""
+    a test namespace to 0; on exit, restore the replica count of each one nobody restored meanwhile. With
+    `namespace` (one the tests will use), only those whose patterns handle it: e.g. the e2e tests' shared operator,
+    which excludes the integration tests' `ddp-it-*`, keeps running beside them."""
     test_namespaces = {n["metadata"]["name"] for n in kubectl.json("get", "namespaces")["items"]
                        if n["metadata"].get("labels", {}).get(TEST_LABEL) == "true"}
     paused = []
@@ -201,6 +222,8 @@ def foreign_operators_paused_in(kubectl: Kubectl):
         scoped = [a.split("=", 1)[1] for a in args if a.startswith("--namespace=")]
         if ns in test_namespaces or (scoped and not any(set("*?!,") & set(a) for a in scoped)):
             continue  # the tests' own, or one that watches named namespaces only
+        if namespace is not None and not watches(scoped, namespace):
+            continue  # it leaves the tests' namespaces alone
         replicas = d["spec"].get("replicas", 1)
         if replicas:
             print(f"pausing the DDPJob operator {ns}/{name} (watches every namespace) until the session ends")

@@ -16,6 +16,11 @@ TIER_TIMEOUTS = {"unit": 60, "bootstrap": 900, "trainer": 300, "gpu": 600, "clus
                  "chart": 600, "e2e": 600, "benchmarks": 1500}
 
 
+# The integration tier's namespaces (its operators watch only these); the e2e tests' shared operator excludes them
+# (chart value watch.exclude), so both tiers run side by side in `make test`.
+INTEGRATION_NS_PREFIX = "ddp-it-"
+
+
 def tier_timeout(path: Path) -> int:
     """The time limit of a test in `path` (a file under tests/), by its tier (directory)."""
     parts = path.resolve().relative_to(REPO / "tests").parts

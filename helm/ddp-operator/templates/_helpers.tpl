@@ -70,6 +70,9 @@ would install an operator unable to see anything.
 {{- if and (eq .Values.rbac.scope "namespace") (not .Values.watch.namespaces) }}
 {{- fail "rbac.scope=namespace needs watch.namespaces (e.g. --set 'watch.namespaces={team-a}'); leave rbac.scope=cluster to watch every namespace" }}
 {{- end }}
+{{- if and .Values.watch.exclude .Values.watch.namespaces }}
+{{- fail "watch.exclude applies when watching every namespace: leave watch.namespaces empty, or list only the namespaces to watch there" }}
+{{- end }}
 {{- if eq .Values.image.tag "latest" }}
 {{- fail "image.tag=latest is refused: pin a version (leave it empty for the chart's appVersion)" }}
 {{- end }}
@@ -144,4 +147,20 @@ written back on eviction and when the job finishes. */}}
   resources: [leases]
   resourceNames: [{{ .Values.operator.leaderElection.leaseName }}]
   verbs: [get, update]
+{{- end }}
+
+{{/*
+watch.exclude as one kopf namespace pattern ("!a,!b-*": every namespace but those), and as one RE2 expression
+for the admission policy's CEL ("^(a|b-.*)$"); namespace names have no other character special to either.
+*/}}
+{{- define "ddp-operator.excludePattern" -}}
+{{- $parts := list }}
+{{- range .Values.watch.exclude }}{{ $parts = append $parts (printf "!%s" .) }}{{ end }}
+{{- join "," $parts }}
+{{- end }}
+
+{{- define "ddp-operator.excludeRegex" -}}
+{{- $parts := list }}
+{{- range .Values.watch.exclude }}{{ $parts = append $parts (. | replace "*" ".*" | replace "?" ".") }}{{ end }}
+{{- printf "^(%s)$" (join "|" $parts) }}
 {{- end }}
