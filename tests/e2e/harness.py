@@ -52,7 +52,7 @@ from tests.support.kube import (  # noqa: E402  the suite's cluster helpers, sha
 )
 from tests.support.kube import connect as _connect  # noqa: E402
 from tests.support.processes import OperatorProcess  # noqa: E402
-from tests.support.suite import INTEGRATION_NS_PREFIX  # noqa: E402
+from tests.support.suite import OWN_OPERATOR_NS_PREFIXES  # noqa: E402
 from tests.support.waiting import wait_for  # noqa: E402
 
 TAG = "0.1.0"
@@ -187,9 +187,9 @@ class Operator:
             wait_for(lambda: self.k("get", "namespace", OPERATOR_NS, check=False).returncode != 0
                      or self.k.json("get", "namespace", OPERATOR_NS)["status"].get("phase") != "Terminating",
                      180, f"namespace {OPERATOR_NS} to finish terminating")
-        # Not the integration tier's namespaces: its own operators handle those, beside this one (make test).
+        # Not the namespaces of the tests with operators of their own: those run beside this one (make test).
         values: dict[str, Any] = {"kueue": {"enabled": self.kueue},
-                                  "watch": {"exclude": [INTEGRATION_NS_PREFIX + "*"]}}
+                                  "watch": {"exclude": [p + "*" for p in OWN_OPERATOR_NS_PREFIXES]}}
         digest = image_id(self.cluster, OPERATOR_IMAGE)
         if digest:
             # The tag stays 0.1.0 across local rebuilds; the digest as an annotation rolls the Pod

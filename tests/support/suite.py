@@ -16,9 +16,12 @@ TIER_TIMEOUTS = {"unit": 60, "bootstrap": 900, "trainer": 300, "gpu": 600, "clus
                  "chart": 600, "e2e": 600, "benchmarks": 1500}
 
 
-# The integration tier's namespaces (its operators watch only these); the e2e tests' shared operator excludes them
-# (chart value watch.exclude), so both tiers run side by side in `make test`.
+# The namespaces of the tests that run operators of their own (the integration tier; the kwok simulation of
+# tests/benchmarks/scale_sim.py); the e2e tests' shared operator excludes them (chart value watch.exclude), so those
+# tests run beside the e2e tier in `make test`.
 INTEGRATION_NS_PREFIX = "ddp-it-"
+SIM_NS_PREFIX = "ddp-sim-"
+OWN_OPERATOR_NS_PREFIXES = (INTEGRATION_NS_PREFIX, SIM_NS_PREFIX)
 
 
 def tier_timeout(path: Path) -> int:
