@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from tests.chart.conftest import CHART, KUBE_VERSION, MANIFESTS, SAMPLES, VALUES_ALL, documents
+from tests.support.kube import wait_crd_established
 
 pytestmark = pytest.mark.cluster
 
@@ -30,7 +31,7 @@ def _served(kubectl, api_version: str) -> bool:
 def crd_installed(kubectl):
     """The DDPJob CRD, as every install path ships it (apply is a no-op when it is already there)."""
     kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    kubectl("wait", "--for=condition=Established", "crd/ddpjobs.ddp.dev", "--timeout=60s")
+    wait_crd_established(kubectl, "ddpjobs.ddp.dev")
 
 
 def _server_dry_run(kubectl, objs: list[dict], namespace: str) -> str:

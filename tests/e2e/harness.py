@@ -49,6 +49,7 @@ from tests.support.kube import (  # noqa: E402  the suite's cluster helpers, sha
     create_test_namespace,
     dump_namespace,
     ensure_image,
+    wait_crd_established,
 )
 from tests.support.kube import connect as _connect  # noqa: E402
 from tests.support.processes import OperatorProcess  # noqa: E402
@@ -145,7 +146,7 @@ class Operator:
             return self
         # The CRD as the repository has it now: helm installs crds/ once and never upgrades them.
         self.k("apply", "--server-side", "--force-conflicts", "--field-manager=ddp-e2e", "-f", str(CRD_FILE))
-        self.k("wait", "--for=condition=Established", "crd/ddpjobs.ddp.dev", "--timeout=60s")
+        wait_crd_established(self.k, "ddpjobs.ddp.dev")
         if self.mode == "helm":
             self._helm_install()
         else:

@@ -179,6 +179,16 @@ def connect() -> Cluster:
     return Cluster(str(embedded.KUBECONFIG), embedded=True)
 
 
+def wait_crd_established(kubectl: Kubectl, name: str, timeout: float = 60) -> None:
+    """Wait until CRD `name` is Established. (`kubectl wait --for=condition=Established` fails at once on a CRD
+    created a moment ago, whose status has no conditions yet.)"""
+    def established():
+        crd = kubectl.json("get", "crd", name)
+        return any(c.get("type") == "Established" and c.get("status") == "True"
+                   for c in (crd.get("status") or {}).get("conditions") or [])
+    wait_for(established, timeout, f"CRD {name} Established")
+
+
 def create_test_namespace(kubectl: Kubectl, name: str) -> str:
     """Create a labelled test namespace and wait until it accepts pods."""
     kubectl("create", "namespace", name)
