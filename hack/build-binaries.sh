@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds every Go component of the embedded cluster from the Go module proxy into a cache directory
 # keyed by the versions in hack/versions.env, so a second run is a no-op. Never writes into the repo.
-#   hack/build-binaries.sh [component...]   components: kube etcd coredns helm kube-router kueue kind
-#   (default: all but kind, which only the kind cluster of hack/kind_node.py needs)
+#   hack/build-binaries.sh [component...]   components: kube etcd coredns helm kube-router kueue kind kwok
+#   (default: all but kind, which only the kind cluster of hack/kind_node.py needs, and kwok, which only the
+#   control-plane simulation of hack/kwok.py needs)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=hack/versions.env
@@ -234,6 +235,17 @@ GO
   rm -rf "$out"; mv "$out.tmp" "$out"; log "kind done"
 }
 
+build_kwok() {
+  local out="$CACHE_ROOT/kwok-$KWOK_VERSION"
+  [[ -x $out/kwok ]] && { log "kwok cached"; return; }
+  # The controller only (never kwokctl, which downloads binaries): hack/kwok.py runs it against the embedded
+  # cluster with stages of its own. kwok's go.mod has no replace directives, so `go install` builds it as released.
+  rm -rf "$out.tmp"; mkdir -p "$out.tmp"
+  log "building kwok $KWOK_VERSION (cold: a few minutes on 2 cores)"
+  GOBIN="$out.tmp" CGO_ENABLED=0 go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+  rm -rf "$out"; mv "$out.tmp" "$out"; log "kwok done"
+}
+
 components=("$@"); [[ ${#components[@]} -gt 0 ]] || components=(etcd coredns helm kube-router kube kueue)
 for c in "${components[@]}"; do
   case $c in
@@ -244,6 +256,7 @@ for c in "${components[@]}"; do
     kube-router) build_kube_router ;;
     kueue) build_kueue ;;
     kind) build_kind ;;
+    kwok) build_kwok ;;
     *) echo "unknown component $c" >&2; exit 2 ;;
   esac
 done
