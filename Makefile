@@ -7,7 +7,7 @@ export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)
         test test-unit test-trainer test-gpu test-cluster test-integration test-e2e test-chart \
         demo demo-down kind-e2e kind-node-loss kueue-up kueue-down \
         bench-trainer-recovery bench-baselines bench-overhead bench-resident-commit bench-e2e-recovery bench-startup bench-api \
-        bench-scale bench-faults bench-kueue bench-node-loss bench-report
+        bench-scale bench-faults bench-kueue bench-node-loss bench-rdzv-scale bench-report
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-24s %s\n", $$1, $$2}'
@@ -119,6 +119,9 @@ bench-faults: ## every fault once on the cluster: store/agent/worker/operator lo
 bench-node-loss: ## a kind worker stopped and frozen under a training job (docs/bench/node_loss.json)
 	hack/install-deps.sh --docker
 	KIND_RECORD=1 hack/kind-e2e.sh --node-loss
+
+bench-rdzv-scale: ## the c10d rendezvous with 8-512 agents on loopback, torch's handler vs ddpjob-c10d (docs/bench/rdzv_scale.json)
+	$(PY) tests/benchmarks/rdzv_scale.py --record
 
 bench-report: ## rewrite the README's Measured table and docs/recovery.md's baselines from docs/bench/*.json
 	$(PY) tests/benchmarks/report.py --write

@@ -79,3 +79,15 @@ def test_resident_commit_benchmark_quick():
     assert result["exact"] is True, result  # every model's file read back equals the live state
     for m in result["models"].values():
         assert m["resident_bytes"] >= 12 * m["params"] and m["commit_ms"] > 0, m  # weights + Adam's moments
+
+
+def test_rdzv_scale_quick():
+    """The rendezvous with 8 and 32 agents against the rdzv pod's own store, torch's c10d handler and ddpjob-c10d, one
+    loss each (a replacement at once, rule 4's take-over, a spare): every member of every round got a rank, ranks
+    0..N-1 once each, nobody left behind, the newcomer in the new round (rdzv_scale.goals_missed)."""
+    result = _run("rdzv_scale.py")
+    assert result["agents"] == [8, 32], result["agents"]
+    for key in ("form_s_by_agents", "reform_s_by_agents", "store_ops_per_agent_by_agents", "state_bytes_by_agents"):
+        assert set(result[key]) == {"8", "32"}, (key, result[key])
+        assert all(set(by_run) == set(result["runs"]) for by_run in result[key].values()), (key, result[key])
+    assert result["goals_missed"] == [], result["goals_missed"]
