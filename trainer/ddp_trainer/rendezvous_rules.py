@@ -38,9 +38,14 @@ def _priority(state: Any, node: Any) -> tuple[bool, float]:
 
 
 def _remember(state: Any, nodes: Any) -> None:
+    """Number the agents not numbered yet after every one that is, in the given order: one look at the order (the
+    write that completes a round of N remembers N; a look per agent made it N²/2)."""
     order = dict(getattr(state, _ORDER, {}))
+    last = max(order.values(), default=0)
     for node in nodes:
-        order.setdefault(node, max(order.values(), default=0) + 1)
+        if node not in order:
+            last += 1
+            order[node] = last
     setattr(state, _ORDER, order)
 
 
