@@ -142,7 +142,10 @@ def on_pod(event: Mapping[str, Any], namespace: str, labels: Mapping[str, str], 
     key = (namespace, labels[names.LABEL_JOB_NAME])
     if event.get("type") == "DELETED":
         r.jobs.tombstone(key, body)
-    _pass(r, *key)
+    try:
+        r.child_changed(*key)  # coalesced: one pass serves every event that came while it waited
+    except Exception:
+        pass  # logged, and a wake-up is scheduled
 
 
 # --- Kueue (only with --kueue: without Kueue's CRDs or the RBAC for them there is nothing to watch) ---------

@@ -106,6 +106,7 @@ class JobRecord:
     wakeup: float | None = None          # time.monotonic() of the next pass asked for
     last_pass: float = 0.0
     probing: bool = False                # a progress poll is in the pool
+    waiting: bool = False                # a pass for a child's event waits to start (Reconciler.child_changed)
     tombstones: dict[str, dict] = field(default_factory=dict)  # pod UID -> the pod as last seen, until a pass saw it
     created: dict[str, Created] = field(default_factory=dict)  # pod name -> created, not yet in the index
     policy_created: tuple[str, float] | None = None  # the NetworkPolicy created, not yet in the index: (UID, when)

@@ -215,6 +215,8 @@ class Reconciler:
         found = {k: v for k, v in (("hang_reports", hang_reports), ("hang_diagnoses", diagnoses), ("stall", stall))
                  if v is not None}
         with record.lock:
+            with self.jobs.guard:
+                record.waiting = False  # this pass reads the indexes from here on: it sees every event so far
             started = time.monotonic()
             try:
                 result = self._reconcile(key, body, **found)
@@ -236,6 +238,18 @@ class Reconciler:
                 metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
             metrics.RECONCILES.labels("ok").inc()
             return result
+
+    def child_changed(self, namespace: str, name: str) -> None:
+        """A pass for an event of one of the job's children, unless a pass of the job already waits to start: that
+        one reads the indexes (kopf updates them before it calls a handler) once it starts, so it sees this event
+        too. A job of N pods starting sends a few events per pod and each pass reads all N: one pass per event would
+        cost O(N^2); coalesced, a burst costs the pass running and one more."""
+        record = self.jobs.record((namespace, name))
+        with self.jobs.guard:
+            if record.waiting:
+                return
+            record.waiting = True
+        self.reconcile(namespace, name)
 
     def _reconcile(self, key: Key, body: Mapping[str, Any] | None, **found: Any) -> Plan | None:
         """The pass; `found`: the Observed fields the poller hands in (hang_reports, hang_diagnoses, stall)."""
