@@ -16,6 +16,9 @@ RECONCILES = Counter("ddpjob_reconcile_total", "Reconcile passes, by result.", [
 RECONCILE_SECONDS = Histogram("ddpjob_reconcile_seconds", "Duration of a reconcile pass.",
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
 API_WRITES = Counter("ddpjob_api_writes_total", "Kubernetes API writes by the operator.", ["verb", "kind"])
+PROGRESS_POLL_SECONDS = Histogram("ddpjob_progress_poll_seconds",
+                                  "Duration of one job's progress poll (every trainer pod and sidecar asked).",
+                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120))
 PROGRESS_WRITES = Counter("ddpjob_progress_writes_total", "Status writes that only carry trainer progress.")
 MEMORY_ENTRIES = Gauge("ddpjob_operator_state_entries",
                        "Per-job state the operator holds in memory (job records, job objects, polls in flight), "

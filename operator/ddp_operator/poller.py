@@ -189,12 +189,14 @@ class ProgressPoller:
                 record.probing = False
 
     def _poll_isolated(self, key: Key, record: JobRecord) -> None:
+        started = time.monotonic()
         try:
             self.poll(key)
         except BaseException as e:  # noqa: BLE001 - RecursionError, OverflowError...: this job only
             log.warning("[%s/%s] progress poll failed: %s", *key, describe_error(e) if isinstance(e, Exception)
                         else type(e).__name__)
         finally:
+            metrics.PROGRESS_POLL_SECONDS.observe(time.monotonic() - started)
             with self.jobs.guard:
                 record.probing = False
 

@@ -1,8 +1,9 @@
 """The trainer's progress channel (docs/contract.md): probe GET :29401/progress on the job's pods; and the diagnostics
 sidecar's GET :29402/diagnosis (docs/diagnostics.md).
 
-Every pod's local rank 0 answers for itself, naming its global `rank`. `probe_each` asks every pod at once, each
-probe with its own deadline (one pod that never answers costs one deadline, never hides the others); `rank0`
+Every pod's local rank 0 answers for itself, naming its global `rank`. `probe_each` asks every pod at once (up to
+MAX_PARALLEL_PROBES, on one event loop: a poll of a job of 1,000 pods costs one deadline however many never answer),
+each probe with its own deadline (one pod that never answers costs one deadline, never hides the others); `rank0`
 picks global rank 0's report from the answers (a report without `rank`, from a trainer that serves on rank 0
 alone, is rank 0's); `probe` is the two together. `diagnose_each` asks every pod's diagnostics sidecar the same way
 (with `log`, the sidecar first prints every worker's full stacks to its own log, headed by that reason).
@@ -15,12 +16,11 @@ all (a malformed status line, JSON nested too deep, numbers out of range) means 
 
 from __future__ import annotations
 
+import asyncio
 import json
-import socket
 import time
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 from ddp_operator import names
 
@@ -37,7 +37,8 @@ HANG_DIAGNOSIS_DEADLINE_SECONDS = 3.0
 MAX_DIAGNOSIS_BYTES = 262144
 
 
-def _get(ip: str, port: int, deadline: float, path: str | None = None, limit: int = MAX_RESPONSE_BYTES) -> bytes:
+async def _get(ip: str, port: int, deadline: float, path: str | None = None,
+               limit: int = MAX_RESPONSE_BYTES) -> bytes:
     """The raw HTTP response (head and body) of GET `path` (the progress path by default), read until EOF, the cap,
     or the deadline."""
     def remaining() -> float:
@@ -46,20 +47,29 @@ def _get(ip: str, port: int, deadline: float, path: str | None = None, limit: in
             raise TimeoutError("progress probe deadline")
         return left
 
-    with socket.create_connection((ip, port), timeout=remaining()) as sock:
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), remaining())
+    try:
         host = f"[{ip}]" if ":" in ip else ip
-        sock.settimeout(remaining())
-        sock.sendall(f"GET {path or names.PROGRESS_PATH} HTTP/1.0\r\nHost: {host}:{port}\r\n"
+        writer.write(f"GET {path or names.PROGRESS_PATH} HTTP/1.0\r\nHost: {host}:{port}\r\n"
                      f"Accept: application/json\r\nConnection: close\r\n\r\n".encode())
+        await asyncio.wait_for(writer.drain(), remaining())
         data = bytearray()
         while True:
-            sock.settimeout(remaining())
-            chunk = sock.recv(16384)
+            chunk = await asyncio.wait_for(reader.read(16384), remaining())
             if not chunk:
                 return bytes(data)
             data += chunk
             if len(data) > limit:
                 raise ValueError("response too large")
+    finally:
+        writer.transport.abort()  # never waits on a pod that does not read
+
+
+async def _answer(ip: str, port: int, deadline: float, path: str | None, limit: int) -> Mapping[str, Any] | None:
+    try:
+        return _report(await _get(ip, port, deadline, path, limit))
+    except Exception:  # noqa: BLE001 - whatever a pod sends back, it is only "no answer"
+        return None
 
 
 def _report(raw: bytes) -> Mapping[str, Any] | None:
@@ -75,21 +85,19 @@ def _report(raw: bytes) -> Mapping[str, Any] | None:
 def fetch(ip: str, timeout: float = DEADLINE_SECONDS, *, deadline: float | None = None) -> Mapping[str, Any] | None:
     """The JSON progress report served at ip, or None if nothing (valid) answers by the deadline."""
     end = deadline if deadline is not None else time.monotonic() + timeout
-    try:
-        return _report(_get(ip, names.PROGRESS_PORT, end))
-    except Exception:  # noqa: BLE001 - whatever a pod sends back, it is only "no report"
-        return None
+    return asyncio.run(_answer(ip, names.PROGRESS_PORT, end, None, MAX_RESPONSE_BYTES))
+
+
+def _diagnosis_path(log: str | None) -> str:
+    return names.DIAGNOSTICS_PATH + (f"?log={urllib.parse.quote(log, safe='')}" if log else "")
 
 
 def fetch_diagnosis(ip: str, log: str | None = None, timeout: float | None = None) -> Mapping[str, Any] | None:
     """The JSON answer of the diagnostics sidecar at ip (`log`: the reason it is asked to log full stacks for), or
     None if nothing (valid JSON) answers by the deadline. Checking its fields is stall.valid_diagnosis's."""
     timeout = timeout or (DIAGNOSIS_LOG_DEADLINE_SECONDS if log else DIAGNOSIS_DEADLINE_SECONDS)
-    path = names.DIAGNOSTICS_PATH + (f"?log={urllib.parse.quote(log, safe='')}" if log else "")
-    try:
-        return _report(_get(ip, names.DIAGNOSTICS_PORT, time.monotonic() + timeout, path, MAX_DIAGNOSIS_BYTES))
-    except Exception:  # noqa: BLE001 - whatever a pod sends back, it is only "no answer"
-        return None
+    return asyncio.run(_answer(ip, names.DIAGNOSTICS_PORT, time.monotonic() + timeout, _diagnosis_path(log),
+                               MAX_DIAGNOSIS_BYTES))
 
 
 def is_rank0(report: Mapping[str, Any]) -> bool:
@@ -114,29 +122,41 @@ def probe(ips: Iterable[str], preferred: str | None = None,
     return rank0(probe_each({ip: ip for ip in ips}, timeout), preferred)
 
 
-MAX_PARALLEL_PROBES = 32
+# Probes in flight at once per probe_each/diagnose_each (one socket each): at least names.MAX_NODES, so every pod of
+# the largest job is asked at once and a poll costs one deadline, however many pods never answer.
+MAX_PARALLEL_PROBES = 1024
 
 
 def probe_each(targets: Mapping[str, str], timeout: float = DEADLINE_SECONDS) -> dict[str, Mapping[str, Any] | None]:
     """Every pod's own report (key, e.g. the pod's UID, -> report, None when it did not answer), asked in
     parallel, each with its own deadline: a stuck pod costs one deadline, not one per pod after it. More pods
     than MAX_PARALLEL_PROBES take a deadline per batch."""
-    return _each(targets, lambda ip: fetch(ip, timeout))
+    port = names.PROGRESS_PORT
+    return _each(targets, lambda ip: _answer(ip, port, time.monotonic() + timeout, None, MAX_RESPONSE_BYTES))
 
 
 def diagnose_each(targets: Mapping[str, str], log: str | None = None,
                   timeout: float | None = None) -> dict[str, Mapping[str, Any] | None]:
     """Every pod's diagnostics sidecar's answer (key -> answer, None when it did not answer), asked as probe_each
     asks for progress: in parallel, each with its own deadline (`timeout`, else fetch_diagnosis's)."""
-    return _each(targets, lambda ip: fetch_diagnosis(ip, log, timeout))
+    seconds = timeout or (DIAGNOSIS_LOG_DEADLINE_SECONDS if log else DIAGNOSIS_DEADLINE_SECONDS)
+    port, path = names.DIAGNOSTICS_PORT, _diagnosis_path(log)
+    return _each(targets, lambda ip: _answer(ip, port, time.monotonic() + seconds, path, MAX_DIAGNOSIS_BYTES))
 
 
 def _each(targets: Mapping[str, str],
-          get: Callable[[str], Mapping[str, Any] | None]) -> dict[str, Mapping[str, Any] | None]:
+          ask: Callable[[str], Awaitable[Mapping[str, Any] | None]]) -> dict[str, Mapping[str, Any] | None]:
+    """Every target asked on one event loop of this thread, MAX_PARALLEL_PROBES at a time; each probe's deadline
+    starts when it does."""
     if not targets:
         return {}
-    names_ = list(targets)
-    with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_PROBES, len(names_)),
-                            thread_name_prefix="ddp-probe-each") as pool:
-        answers = list(pool.map(lambda n: get(targets[n]), names_))
-    return dict(zip(names_, answers))
+    keys = list(targets)
+
+    async def every() -> list[Mapping[str, Any] | None]:
+        slots = asyncio.Semaphore(MAX_PARALLEL_PROBES)
+
+        async def one(ip: str) -> Mapping[str, Any] | None:
+            async with slots:
+                return await ask(ip)
+        return await asyncio.gather(*(one(targets[k]) for k in keys))
+    return dict(zip(keys, asyncio.run(every())))
