@@ -200,7 +200,8 @@ def argv(kubeconfig: Path = KUBECONFIG, config: Path = CONFIG) -> list[str]:
     key, value = MANAGED_ANNOTATION
     return [str(binary()), f"--kubeconfig={kubeconfig}", f"--config={config}",
             f"--manage-nodes-with-annotation-selector={key}={value}", f"--cidr={DEFAULT_CIDR}",
-            f"--node-ip={NODE_IP}", f"--node-lease-duration-seconds={LEASE_SECONDS}", "--server-address="]
+            f"--node-ip={NODE_IP}", f"--node-lease-duration-seconds={LEASE_SECONDS}", "--node-port=0",
+            "--server-address="]
 
 
 def running() -> bool:

@@ -88,6 +88,7 @@ class JobObject:
     """What is kept of one job object (one UID)."""
     written: dict | None = None          # the status last written: newer than the watch's copy
     written_at: float = 0.0
+    count_writes: int = 0                # count-only status writes in a row (reconciler.coalesce_window)
     phase: str | None = None             # for the per-phase job gauge
     progress_at: float = 0.0             # rank 0 last probed
     progress_ip: str | None = None       # where rank 0 answered last

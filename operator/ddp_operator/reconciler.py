@@ -8,7 +8,7 @@ it decides anything.
 
 API writes are kept minimal (the bench-api goal): no finalizers (no kopf timers/daemons; wake-ups come from
 an in-process ticker), kopf's handler state lives in two annotations under ddp.dev (handlers.py), pod-count-only
-status changes are coalesced for STATUS_COALESCE_SECONDS, and progress polling (poller.py) writes at most once per
+status changes are coalesced (for STATUS_COALESCE_SECONDS, doubling with each count-only write in a row: coalesce_window), and progress polling (poller.py) writes at most once per
 spec.progressPeriodSeconds, only when the step moved forward. A child that cannot be created is retried on its own
 schedule (backoff.py) while the rest of the pass goes on. The plan holds every pod back until the job's own
 NetworkPolicy exists: a pass creates a missing policy first and plans again on the outcome, so a fresh job still
@@ -54,6 +54,7 @@ log = logging.getLogger("ddp_operator")
 
 COMPONENT = "ddp-operator"
 STATUS_COALESCE_SECONDS = 2.0
+STATUS_COALESCE_MAX_SECONDS = 30.0
 CREATED_MEMORY_SECONDS = 30.0
 TICK_SECONDS = 1.0
 RESYNC_SECONDS = 300.0
@@ -65,6 +66,13 @@ NODE_CACHE_SECONDS = 5.0
 FLAVOR_CACHE_SECONDS = 30.0
 # Status fields that only count pods: a change in them alone may wait a moment to be batched.
 _COUNT_FIELDS = frozenset({"nodes", "nodesReady", "message"})
+
+
+def coalesce_window(streak: int) -> float:
+    """How long a count-only status change waits to be batched after `streak` count-only writes in a row: doubling
+    from STATUS_COALESCE_SECONDS up to STATUS_COALESCE_MAX_SECONDS, so a job that takes long to start (a large one)
+    costs a few writes, not one per window."""
+    return min(STATUS_COALESCE_MAX_SECONDS, STATUS_COALESCE_SECONDS * 2.0 ** min(streak, 16))
 
 
 @dataclass(frozen=True)
@@ -322,11 +330,13 @@ class Reconciler:
         if new == prev:
             return
         changed = {k for k in set(prev) | set(new) if prev.get(k) != new.get(k)}
+        counts_only = changed <= _COUNT_FIELDS
         record = self.jobs.record(key)
         with self.jobs.guard:
             since = time.monotonic() - record.of(uid).written_at
-        if not force and changed <= _COUNT_FIELDS and since < STATUS_COALESCE_SECONDS:
-            self.jobs.wake(key, STATUS_COALESCE_SECONDS - since)
+            window = coalesce_window(record.of(uid).count_writes)
+        if not force and counts_only and since < window:
+            self.jobs.wake(key, window - since)
             return
         patch = {k: new.get(k) for k in changed}  # None removes a key (merge patch)
         self.api.patch_status(key[0], key[1], patch)
@@ -334,6 +344,7 @@ class Reconciler:
             obj = record.of(uid)
             obj.written = copy.deepcopy(dict(new))
             obj.written_at = time.monotonic()
+            obj.count_writes = obj.count_writes + 1 if counts_only and not force else 0
         if "phase" in changed:
             log.info("[%s/%s] phase %s -> %s: %s", *key, prev.get("phase"), new.get("phase"), new.get("message", ""))
 

@@ -212,8 +212,7 @@ def replace_one(sim: Sim, ns: str, job: str, n: int, rng: random.Random) -> floa
     if uid is None:
         return None
     sim.replaced_ok.add(uid)
-    t0 = time.time()
-    sim.k("delete", "pod", name, "-n", ns, "--wait=false", timeout=60)
+    t0 = w.delete(name)
     try:
         t1 = wait_until(lambda: any(u != uid and nm == name for u, nm in w.live(job).items()), 60,
                         f"a replacement of {ns}/{name}", interval=0.02)
@@ -323,7 +322,7 @@ def restart(sim: Sim, ns: str) -> dict:
     uid = next((u for u, nm in w.live(JOB).items() if nm == probe), None)
     t0 = time.time()
     sim.op.start()
-    sim.k("delete", "pod", probe, "-n", ns, "--wait=false", timeout=60)
+    w.delete(probe)
     sim.replaced_ok.add(uid or "")
     t1 = wait_until(lambda: any(u != uid and nm == probe for u, nm in w.live(JOB).items()), 180,
                     "the probe pod replaced after the restart", interval=0.05)

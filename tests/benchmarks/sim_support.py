@@ -64,6 +64,8 @@ class PodWatch(threading.Thread):
                                                           resource_version=version, timeout_seconds=300,
                                                           allow_watch_bookmarks=True, _preload_content=False)
                 for line in iter_resp_lines(self._resp):
+                    if not line:
+                        continue
                     ev = json.loads(line)
                     if ev.get("type") == "ERROR":
                         version = ""  # expired: list again
@@ -94,6 +96,13 @@ class PodWatch(threading.Thread):
                 self.running[uid] = now
             if kind == "DELETED":
                 self.gone.setdefault(uid, now)
+
+    def delete(self, name: str) -> float:
+        """Delete pod `name` of this namespace (default grace period, as `kubectl delete pod` does); when it was
+        asked (epoch seconds, just before the request)."""
+        at = time.time()
+        self.api.delete_namespaced_pod(name, self.namespace)
+        return at
 
     def stop(self) -> None:
         self.stopped.set()

@@ -47,7 +47,7 @@ def test_the_controller_runs_pinned_with_loopback_addresses_and_a_heartbeat_insi
     # kwok renews a Lease every quarter of its duration; the controller manager waits 20 s (hack/components.py)
     assert int(flags["--node-lease-duration-seconds"]) / 4 < 20
     assert "--node-monitor-grace-period=20s" in components.argv_for("kube-controller-manager")
-    assert flags["--server-address"] == ""  # kwok serves nothing on this machine
+    assert flags["--server-address"] == "" and flags["--node-port"] == "0"  # kwok serves nothing on this machine
 
 
 def test_the_stages_make_nodes_ready_pods_running_and_deleted_pods_gone():
