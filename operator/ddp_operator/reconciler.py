@@ -27,6 +27,7 @@ import copy
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any, Callable, Mapping
@@ -55,6 +56,7 @@ log = logging.getLogger("ddp_operator")
 COMPONENT = "ddp-operator"
 STATUS_COALESCE_SECONDS = 2.0
 STATUS_COALESCE_MAX_SECONDS = 30.0
+CREATE_WORKERS = 8  # a pass's pod creates in flight at once
 CREATED_MEMORY_SECONDS = 30.0
 TICK_SECONDS = 1.0
 RESYNC_SECONDS = 300.0
@@ -248,10 +250,9 @@ class Reconciler:
             return result
 
     def child_changed(self, namespace: str, name: str) -> None:
-        """A pass for an event of one of the job's children, unless a pass of the job already waits to start: that
-        one reads the indexes (kopf updates them before it calls a handler) once it starts, so it sees this event
-        too. A job of N pods starting sends a few events per pod and each pass reads all N: one pass per event would
-        cost O(N^2); coalesced, a burst costs the pass running and one more."""
+        """A pass for a child's event, unless one of the job's passes waits to start: that one reads the indexes
+        (kopf updates them before it calls a handler) when it starts, so it sees this event too. One O(N) pass per
+        pod event cost a job of N pods O(N^2); coalesced, a burst costs the pass running and one more."""
         record = self.jobs.record((namespace, name))
         with self.jobs.guard:
             if record.waiting:
@@ -377,26 +378,40 @@ class Reconciler:
 
     def _execute(self, namespace: str, key: Key, body: Mapping, result: Plan) -> None:
         self.backoff.forget_stale(key, {a.name for a in result.actions if a.verb == CREATE})
-        for action in result.actions:
-            if action.verb == CREATE:
-                self._create(key, action)
-            elif action.kind == names.WORKLOAD_KIND:
-                self._workload_write(namespace, key, action)
-            elif action.verb == DELETE and action.kind == "NetworkPolicy":
-                log.info("[%s/%s] deleting NetworkPolicy %s", *key, action.name)
-                self.api.delete_network_policy(namespace, action.name, action.uid)
-            elif action.verb == DELETE:
-                log.info("[%s/%s] deleting pod %s", *key, action.name)
-                self.api.delete_pod(namespace, action.name, action.uid, grace_seconds=action.grace_seconds)
-            elif action.verb == FORCE_DELETE:
-                log.warning("[%s/%s] force-deleting pod %s (stuck Terminating, or on a NotReady or lost node)", *key, action.name)
-                self.api.delete_pod(namespace, action.name, action.uid, force=True)
-            elif action.verb == PATCH:
-                log.info("[%s/%s] patching pod %s: %s", *key, action.name, action.body)
-                self.api.patch_pod(namespace, action.name, action.uid, action.body or {})
-            elif action.verb == DELETE_JOB:
-                log.info("[%s/%s] ttlSecondsAfterFinished expired; deleting the job", *key)
-                self.api.delete_job(namespace, action.name, body["metadata"]["uid"])
+        actions, i = list(result.actions), 0
+        while i < len(actions):
+            j = i
+            while j < len(actions) and actions[j].verb == CREATE and actions[j].kind == "Pod":
+                j += 1
+            if j - i > 1:
+                # A run of pod creates side by side (one after the other, a job of N pods waited N round trips)
+                with ThreadPoolExecutor(min(CREATE_WORKERS, j - i), thread_name_prefix="ddp-create") as pool:
+                    list(pool.map(lambda action: self._create(key, action), actions[i:j]))
+                i = j
+                continue
+            self._act(namespace, key, body, actions[i])
+            i += 1
+
+    def _act(self, namespace: str, key: Key, body: Mapping, action: Any) -> None:
+        if action.verb == CREATE:
+            self._create(key, action)
+        elif action.kind == names.WORKLOAD_KIND:
+            self._workload_write(namespace, key, action)
+        elif action.verb == DELETE and action.kind == "NetworkPolicy":
+            log.info("[%s/%s] deleting NetworkPolicy %s", *key, action.name)
+            self.api.delete_network_policy(namespace, action.name, action.uid)
+        elif action.verb == DELETE:
+            log.info("[%s/%s] deleting pod %s", *key, action.name)
+            self.api.delete_pod(namespace, action.name, action.uid, grace_seconds=action.grace_seconds)
+        elif action.verb == FORCE_DELETE:
+            log.warning("[%s/%s] force-deleting pod %s (stuck Terminating, or on a NotReady or lost node)", *key, action.name)
+            self.api.delete_pod(namespace, action.name, action.uid, force=True)
+        elif action.verb == PATCH:
+            log.info("[%s/%s] patching pod %s: %s", *key, action.name, action.body)
+            self.api.patch_pod(namespace, action.name, action.uid, action.body or {})
+        elif action.verb == DELETE_JOB:
+            log.info("[%s/%s] ttlSecondsAfterFinished expired; deleting the job", *key)
+            self.api.delete_job(namespace, action.name, body["metadata"]["uid"])
 
     def _created(self, key: Key, action: Any, created: dict) -> None:
         """Remember a created pod or NetworkPolicy until the watch shows it: the next pass does not create it
