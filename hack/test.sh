@@ -52,6 +52,8 @@ summary() { # exit status
 TMP=$(mktemp -d /tmp/ddpjob-test-XXXXXX)
 BG_PIDS=()
 trap 'summary $?' EXIT
+trap 'exit 143' TERM  # a stopped run cleans up too (the EXIT trap)
+trap 'exit 130' INT
 
 # background NAME CMD...: CMD at low CPU priority, its output prefixed with [NAME]; its pid in BG_PID
 background() {

@@ -58,6 +58,7 @@ class Needs:
     cluster: set[tuple[str, str, str]] = field(default_factory=set)     # only a ClusterRole can grant
     leader: set[tuple[str, str, str]] = field(default_factory=set)      # the Lease, release namespace
     kueue: set[tuple[str, str, str]] = field(default_factory=set)       # only with the Kueue integration
+    patterns: set[tuple[str, str, str]] = field(default_factory=set)    # only with namespace globs (watch.exclude)
     calls: list[str] = field(default_factory=list)                      # every client call found
 
 
@@ -186,6 +187,8 @@ def needs() -> Needs:
     # kopf, run cluster-wide (no exact namespaces: __main__.exact_namespaces), scans CRDs so that it notices
     # the DDPJob CRD being (re)installed without a restart.
     n.cluster |= {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
+    # kopf, given namespace globs (the chart's watch.exclude), lists and watches Namespaces to find those that match.
+    n.patterns |= {("", "namespaces", v) for v in ("list", "watch")}
     return n
 
 

@@ -341,4 +341,8 @@ def test_excluded_namespaces_are_left_to_others(render):
     conditions = {c["name"]: c["expression"] for c in policy["spec"]["matchConditions"]}
     assert conditions["watched-namespace"] == '!request.namespace.matches("^(ddp-it-.*|sand.x)$")', conditions
     assert "matchResources" not in binding["spec"], binding
+    # kopf lists and watches Namespaces to find those the globs leave to it (tests/rbac_needs.py)
+    (role,) = by_kind(objs, "ClusterRole")
+    needs = rbac_needs.needs()
+    assert rbac_needs.granted(role["rules"]) == needs.namespaced | needs.cluster | needs.patterns
     assert "watched-namespace" not in str(render()), "no exclusion by default"
