@@ -6,12 +6,14 @@
 #   2. the embedded cluster up (seconds once its binaries exist); behind stage 3, at low priority, what only later
 #      tests need: the Kueue manager, kind's binaries, Docker's package and the whole kind cluster of stage 4
 #      (KIND_PREPARE=1 hack/kind-e2e.sh: engine, node image, nodes, images, chart, warm-up)
-#   3. pytest over the tiers that use the cluster (cluster, integration, chart, e2e, benchmark smoke)
+#   3. the tiers that use the cluster: (a) cluster and chart, alone; (b) side by side, against one operator and one
+#      Kueue installed once: the e2e tier | the integration tier, then the benchmark smoke tests; (c) the faults of
+#      the control plane, alone on the embedded cluster, and beside them
 #   4. a node lost on that kind cluster (make kind-node-loss, KIND_CLUSTER_NAME=ddpjob-test), deleted afterwards
 # Each pytest run writes JUnit XML under .test-results/; hack/test_times.py turns it into the per-directory table
 # of docs/testing.md.
 # Knobs: PYTEST_ARGS (extra pytest arguments for every pytest run); not under CI=true: DDPJOB_SKIP_KIND=1 (stop
-# after stage 3), DDPJOB_TEST_CLUSTER_ONLY=1 (stage 1 only builds: the cluster tiers again after a fix elsewhere).
+# stage 4), DDPJOB_TEST_CLUSTER_ONLY=1 (stage 1 only builds: the cluster tiers again after a fix elsewhere).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
