@@ -62,8 +62,9 @@ RUNS = ["c10d:replace", "ddpjob-c10d:replace", "ddpjob-c10d:take_over", "ddpjob-
 QUICK_RUNS = ["c10d:replace", "ddpjob-c10d:take_over", "ddpjob-c10d:spare"]
 KEEP_ALIVE_S, KEEP_ALIVE_ATTEMPTS = 1, 3  # the operator's defaults (crd.DEFAULTS)
 LAUNCH_POLL_S = 0.1  # ddp_trainer.launch's join-loop turn (DDPJOB_RDZV_POLL_SECONDS' default)
-FIGURES = ("form_s", "reform_s", "ops_per_agent_form", "ops_per_agent_reform", "store_cpu_s_reform", "state_bytes",
-           "cas_lost_per_agent_reform")
+FIGURES = ("form_s", "reform_s", "ops_per_agent_form", "ops_per_agent_reform", "bytes_per_agent_reform",
+           "store_cpu_s_reform", "state_bytes", "cas_lost_per_agent_reform", "idle_ops_per_agent_per_s",
+           "idle_bytes_per_agent_per_s", "idle_store_cpu_s_per_s")
 
 
 # --- the store ----------------------------------------------------------------------------------------------------
@@ -95,22 +96,25 @@ def _counting_store_class():
 
         def __init__(self, inner: Any) -> None:
             super().__init__()
-            self.inner, self.ops, self.cas_lost = inner, {}, 0
+            self.inner, self.ops, self.cas_lost, self.bytes = inner, {}, 0, 0
 
-        def _n(self, op: str) -> None:
+        def _n(self, op: str, *sizes: Any) -> None:
+            """Count the operation and the bytes of keys and values it moved either way."""
             self.ops[op] = self.ops.get(op, 0) + 1
+            self.bytes += sum(len(x) for x in sizes)
 
         def set(self, k, v):
-            self._n("set")
+            self._n("set", k, v)
             return self.inner.set(k, v)
 
         def get(self, k):
-            self._n("get")
-            return self.inner.get(k)
+            out = self.inner.get(k)
+            self._n("get", k, out)
+            return out
 
         def compare_set(self, k, expected, desired):
-            self._n("compare_set")
             out = self.inner.compare_set(k, expected, desired)
+            self._n("compare_set", k, expected, desired, out)
             if expected not in ("", b"") and out != (desired.encode() if isinstance(desired, str) else desired):
                 self.cas_lost += 1
             return out
@@ -120,16 +124,17 @@ def _counting_store_class():
             return self.inner.add(k, n)
 
         def check(self, keys):
-            self._n("check")
+            self._n("check", *keys)
             return self.inner.check(keys)
 
         def wait(self, keys, *timeout):
-            self._n("wait")
+            self._n("wait", *keys)
             return self.inner.wait(keys, *timeout)
 
         def multi_get(self, keys):
-            self._n("multi_get")
-            return self.inner.multi_get(keys)
+            out = self.inner.multi_get(keys)
+            self._n("multi_get", *keys, *out)
+            return out
 
         def multi_set(self, keys, values):
             self._n("multi_set")
@@ -239,7 +244,8 @@ class _Worker:
         for store in self.stores:
             for op, n in store.ops.items():
                 ops[op] = ops.get(op, 0) + n
-        return {"ops": ops, "cas_lost": sum(s.cas_lost for s in self.stores), "cpu_s": cpu_seconds()}
+        return {"ops": ops, "cas_lost": sum(s.cas_lost for s in self.stores), "bytes": sum(s.bytes for s in self.stores),
+                "cpu_s": cpu_seconds()}
 
     def drop(self) -> None:
         for agent in self.agents.values():
@@ -304,11 +310,12 @@ class Workers:
 
     def counters(self) -> dict[str, Any]:
         ops: dict[str, int] = {}
-        total = {"cas_lost": 0, "cpu_s": 0.0}
+        total = {"cas_lost": 0, "bytes": 0, "cpu_s": 0.0}
         for c in self.call("counters"):
             for op, n in c["ops"].items():
                 ops[op] = ops.get(op, 0) + n
             total["cas_lost"] += c["cas_lost"]
+            total["bytes"] += c["bytes"]
             total["cpu_s"] += c["cpu_s"]
         return {"ops": ops, **total}
 
@@ -347,6 +354,7 @@ def round_facts(got: dict[int, Any], members: list[int], world: int, newcomer: i
 def _delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     ops = {op: n - before["ops"].get(op, 0) for op, n in after["ops"].items() if n - before["ops"].get(op, 0)}
     return {"ops": ops, "ops_total": sum(ops.values()), "cas_lost": after["cas_lost"] - before["cas_lost"],
+            "bytes": after["bytes"] - before["bytes"],
             "agents_cpu_s": round(after["cpu_s"] - before["cpu_s"], 2)}
 
 
@@ -398,6 +406,7 @@ def one_run(run: str, n: int, procs: int, idle_s: float) -> dict[str, Any]:
         c2, s2 = workers.counters(), cpu()
         idle = _delta(c2, c1)
         out["idle"] = {"s": idle_s, "ops_per_agent_per_s": round(idle["ops_total"] / len(agents) / idle_s, 2),
+                       "bytes_per_agent_per_s": round(idle["bytes"] / len(agents) / idle_s),
                        "store_cpu_s_per_s": round((s2 - s1) / idle_s, 3), "ops": idle["ops"]}
 
         victim = next(aid for aid, r in got.items() if r["rank"] == 1)
@@ -445,16 +454,20 @@ def _gather(workers: Workers, ids: list[int], deadline: float, enough: int | Non
 
 def figures(r: dict[str, Any]) -> dict[str, Any]:
     """The per-run figures the JSON's tables hold (None where not measured)."""
-    form, reform = r.get("form") or {}, r.get("reform") or {}
+    form, reform, idle = r.get("form") or {}, r.get("reform") or {}, r.get("idle") or {}
     agents = r.get("agents") or 1
     return {
         "form_s": form.get("s"),
         "reform_s": reform.get("s"),
         "ops_per_agent_form": round(form["ops_total"] / agents, 1) if "ops_total" in form else None,
         "ops_per_agent_reform": round(reform["ops_total"] / agents, 1) if "ops_total" in reform else None,
+        "bytes_per_agent_reform": round(reform["bytes"] / agents) if "bytes" in reform else None,
         "store_cpu_s_reform": reform.get("store_cpu_s"),
         "state_bytes": reform.get("state_bytes", form.get("state_bytes")),
         "cas_lost_per_agent_reform": round(reform["cas_lost"] / agents, 2) if "cas_lost" in reform else None,
+        "idle_ops_per_agent_per_s": idle.get("ops_per_agent_per_s"),
+        "idle_bytes_per_agent_per_s": idle.get("bytes_per_agent_per_s"),
+        "idle_store_cpu_s_per_s": idle.get("store_cpu_s_per_s"),
     }
 
 
@@ -467,6 +480,10 @@ def summarize(runs: dict[str, dict[str, Any]], agents: list[int]) -> dict[str, A
         "reform_s_by_agents": table["reform_s"],
         "store_ops_per_agent_by_agents": table["ops_per_agent_reform"],
         "store_ops_per_agent_form_by_agents": table["ops_per_agent_form"],
+        "store_bytes_per_agent_by_agents": table["bytes_per_agent_reform"],
+        "training_ops_per_agent_per_s_by_agents": table["idle_ops_per_agent_per_s"],
+        "training_bytes_per_agent_per_s_by_agents": table["idle_bytes_per_agent_per_s"],
+        "training_store_cpu_s_per_s_by_agents": table["idle_store_cpu_s_per_s"],
         "store_cpu_s_by_agents": table["store_cpu_s_reform"],
         "state_bytes_by_agents": table["state_bytes"],
         "cas_lost_per_agent_by_agents": table["cas_lost_per_agent_reform"],

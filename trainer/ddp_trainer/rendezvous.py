@@ -94,6 +94,16 @@ This backend is the c10d handler with these rules added:
    (``num_nodes_waiting()``, every monitor interval: 0.1 s) keeps torch's 1 s cache, or the longer interval of a large
    job, so training costs no more reads than before. Rule 6 applies wherever this module's executor runs.
 
+7. A heartbeat is a key of the agent's own, not a rewrite of the shared state (``rendezvous_rules.Beats``). torch
+   keeps every agent's last heartbeat in the state, so each heartbeat was a compare-and-set of the whole state, O(N)
+   bytes, per agent per keep-alive interval: O(N^2) bytes a second through the store, and N agents' writes racing
+   each other (make bench-rdzv-scale, docs/scale.md). Now an agent's heartbeat sets ``<state key>/beat/<agent>`` to
+   the time, and whoever reads the state lays those keys over its heartbeat times before torch's sanitizer judges
+   them (two store calls per read), so a silent agent expires exactly as before. The state is written when the
+   membership changes, and by an agent's first heartbeat in a new round (rule 5 records there that it heard of the
+   round). Rule 7 applies wherever this module's executor runs; every agent of a job runs the same one, and an agent
+   that writes no key (not under this executor) keeps its heartbeats in the state, as torch does.
+
 Everything else (heartbeats, admitting a redundant
 agent when a participant drops out, closing at the end) is torch's. A redundant agent still ends when a
 participant closes the rendezvous at the end of the training: torch raises RendezvousGracefulExitError there,
@@ -119,6 +129,7 @@ import logging
 import os
 import random
 import time
+from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 
 from . import env as envmod
@@ -127,7 +138,7 @@ from . import env as envmod
 from .rendezvous_rules import (  # noqa: F401
     BACKEND, GONE_KEPT, SPARE_RELEASED, _COMPLETED, _GONE, _LAST, _ORDER, _POD, _READ, TakenOver, _completed_at, _heard,
     _not_taken_over, _priority, _priority_key, _remember, _round_complete, _round_completed, _say_released, _Size,
-    _spare_aware, POLL_BASE_S, poll_interval, take_over, taken_over, wanted_nodes,
+    _spare_aware, POLL_BASE_S, poll_interval, take_over, taken_over, wanted_nodes, Beats, _beating,
 )
 
 log = logging.getLogger(__name__)
@@ -148,9 +159,10 @@ def kept_from_expiry(state: Any, me: Any, now: float) -> set[Any]:
     return kept
 
 
-def _guard_expiry(holder: Any, me: Any) -> bool:
+def _guard_expiry(holder: Any, me: Any, beats: Beats | None = None) -> bool:
     """Rule 5 on torch's state holder: its sanitizer, which drops the agents whose heartbeats expired after every
-    sync, does not see the heartbeats of the agents ``kept_from_expiry``. False where the holder is not torch's."""
+    sync, does not see the heartbeats of the agents ``kept_from_expiry``; and rule 7: it sees those in the agents'
+    heartbeat keys (``beats``). False where the holder is not torch's."""
     sanitize = getattr(holder, "_sanitize", None)
     if sanitize is None or not hasattr(holder, "_state"):
         log.warning("%s: this torch's rendezvous state holder has no _sanitize; a slow agent may leave a round as "
@@ -158,8 +170,12 @@ def _guard_expiry(holder: Any, me: Any) -> bool:
         return False
 
     def guarded() -> None:
-        beats = holder._state.last_heartbeats
-        hidden = {n: beats.pop(n) for n in kept_from_expiry(holder._state, me, time.time()) if n in beats}
+        if beats is not None:  # rule 7, before torch's sanitizer judges with the same expiry
+            settings = holder._settings
+            beats.overlay(holder._state, datetime.now(timezone.utc) - settings.keep_alive_interval *
+                          settings.keep_alive_max_attempt)
+        beats_now = holder._state.last_heartbeats
+        hidden = {n: beats_now.pop(n) for n in kept_from_expiry(holder._state, me, time.time()) if n in beats_now}
         try:
             sanitize()
         finally:
@@ -187,6 +203,22 @@ def _paced(holder: Any, seconds: float) -> Iterator[None]:
         holder._cache_duration = max(TORCH_CACHE_S, seconds)
 
 
+@contextlib.contextmanager
+def _fresh_for_beats(holder: Any, settings: Any, on: bool) -> Iterator[None]:
+    """Rule 7 on a heartbeat: it reads the state when the holder's copy is a keep-alive interval old, as torch's
+    heartbeat did (its compare-and-set returned the state), so an agent's view of who expired stays as fresh as
+    before; it only no longer writes it. Nothing when ``on`` is False or the holder is not torch's."""
+    cache = getattr(holder, "_cache_duration", None)
+    if not on or cache is None:
+        yield
+        return
+    holder._cache_duration = min(cache, settings.keep_alive_interval.total_seconds())
+    try:
+        yield
+    finally:
+        holder._cache_duration = cache
+
+
 @functools.cache
 def _executor_class(spares: bool = True) -> type:
     """torch's operation executor with this backend's rules: 1-3 (hot spares, ddpjob-c10d) when ``spares``, rule 4
@@ -203,7 +235,9 @@ def _executor_class(spares: bool = True) -> type:
 
             def __init__(self, node: Any, state_holder: Any, settings: Any) -> None:
                 super().__init__(node, state_holder, settings)
-                _guard_expiry(state_holder, node)  # rule 5
+                self.beats = Beats.of(state_holder)  # rule 7
+                if not _guard_expiry(state_holder, node, self.beats):  # rule 5 (and 7: judged with the keys)
+                    self.beats = None
                 # rule 6: the base, and a jitter drawn once so that agents started together do not read in lockstep
                 self.poll_base = envmod.get_float(envmod.RDZV_POLL, POLL_BASE_S, minimum=0.0)
                 self.poll_jitter = random.random()
@@ -212,10 +246,14 @@ def _executor_class(spares: bool = True) -> type:
                 joining = isinstance(state_handler, dr._RendezvousJoinOp)
                 if joining and self.spares:
                     state_handler = _spare_aware(state_handler, self.size)
+                keeping = isinstance(state_handler, dr._RendezvousKeepAliveOp)
+                if self.beats is not None and (joining or keeping):
+                    state_handler = _beating(state_handler, self.beats, joining)  # rule 7
                 if self.pod is not None:
                     state_handler = _not_taken_over(state_handler, joining, self.pod)
                 if not joining:
-                    super().run(state_handler, deadline, update_deadline)
+                    with _fresh_for_beats(self._state_holder, self._settings, keeping and self.beats is not None):
+                        super().run(state_handler, deadline, update_deadline)
                     return
                 # rule 6, with the round size in force (rule 3 may change it between joins)
                 with _paced(self._state_holder, poll_interval(self._settings.max_nodes, self.poll_base,
@@ -225,6 +263,8 @@ def _executor_class(spares: bool = True) -> type:
             def _keep_alive(self) -> None:
                 # every write that enters a list or sends a heartbeat ends here (torch's add operations call it)
                 super()._keep_alive()
+                if self.beats is not None:
+                    self.beats.enter(self._state, self._node)  # rule 7: its key exists before it is read
                 _heard(self._state, self._node)  # rule 5
                 if self.pod is not None:
                     take_over(self._state, self._node, self.pod, self._settings)
@@ -267,8 +307,8 @@ def create_handler(params: Any) -> Any:
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 
-    needed = ("_DistributedRendezvousOpExecutor", "_RendezvousJoinOp", "_RendezvousContext", "_Action",
-              "_should_keep_alive", "_NodeDesc")
+    needed = ("_DistributedRendezvousOpExecutor", "_RendezvousJoinOp", "_RendezvousKeepAliveOp", "_RendezvousContext",
+              "_Action", "_should_keep_alive", "_NodeDesc")
     missing = [n for n in needed if not hasattr(dr, n)]
     if missing:
         raise RuntimeError(f"rendezvous backend {BACKEND}: this torch lacks {', '.join(missing)}; "
@@ -316,8 +356,8 @@ def enable_take_over(handler: Any, pod: str | None) -> bool:
         return False
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    needed = ("_remove_participant_epilogue", "_DistributedRendezvousOpExecutor", "_RendezvousJoinOp", "_Action",
-              "_NodeDesc")
+    needed = ("_remove_participant_epilogue", "_DistributedRendezvousOpExecutor", "_RendezvousJoinOp",
+              "_RendezvousKeepAliveOp", "_Action", "_NodeDesc")
     if not isinstance(handler, dr.DynamicRendezvousHandler) or not all(hasattr(dr, n) for n in needed) or \
             not all(hasattr(handler, a) for a in ("_op_executor", "_this_node", "_state_holder", "_settings")):
         log.warning("%s: a replacement cannot take its predecessor's place here (not torch's dynamic rendezvous); "

@@ -1,7 +1,7 @@
 """The rules of the ``ddpjob-c10d`` rendezvous backend (numbered in ``ddp_trainer.rendezvous``'s docstring) as
 decisions and writes on torch's shared rendezvous state: who may join and where it waits (rules 1 and 2), the group
 size that follows the job (rule 3), the take-over of a recreated pod's predecessor (rule 4), the round-start
-records (rule 5) and how often a waiting agent reads the state (rule 6). ``ddp_trainer.rendezvous`` wires them into torch's operation executor and handler; torch's own
+records (rule 5), how often a waiting agent reads the state (rule 6) and heartbeats in keys of their own (rule 7). ``ddp_trainer.rendezvous`` wires them into torch's operation executor and handler; torch's own
 classes are imported only where a rule needs them (torch is imported lazily).
 """
 
@@ -13,6 +13,7 @@ import logging
 import math
 import sys
 import time
+from datetime import datetime, timezone
 from typing import Any, Callable
 
 BACKEND = "ddpjob-c10d"
@@ -30,6 +31,7 @@ _GONE = "ddpjob_gone"    # state attribute: the nodes a newer agent of their pod
 GONE_KEPT = 64           # how many of those the state remembers
 _COMPLETED = "ddpjob_completed"  # state attribute: (round, time.time()) of the write that completed the round (rule 5)
 _READ = "ddpjob_read"            # state attribute: the participants that sent a heartbeat in that round (rule 5)
+_BEATS = "ddpjob_beats"          # state attribute: the agents whose heartbeats are in keys of their own (rule 7)
 
 
 def _priority(state: Any, node: Any) -> tuple[bool, float]:
@@ -261,3 +263,88 @@ def _not_taken_over(op: Callable[[Any, float], Any], joining: bool, pod: str) ->
         return _Action.FINISH
 
     return checked
+
+
+class Beats:
+    """Rule 7: an agent's heartbeats in a store key of its own (``<state key>/beat/<agent>``: the time, a few bytes), not
+    in the shared state. torch keeps them in the state, so every heartbeat was a compare-and-set of the whole state,
+    O(N) bytes, once per keep-alive interval per agent (O(N²) bytes a second, and the writes of N agents racing each
+    other); the state is now written only when the membership changes, and once per round by rule 5. Whoever reads
+    the state lays the keys of the agents it lists over its heartbeat times (``overlay``: two store calls, O(N) bytes
+    like the state itself) before torch's sanitizer judges them, so a silent agent expires exactly as before."""
+
+    def __init__(self, store: Any, key: str) -> None:
+        self._store, self._prefix = store, f"{key}/beat/"
+        self.created = False  # this agent's key exists (made before the agent first enters the state)
+
+    @classmethod
+    def of(cls, holder: Any) -> "Beats | None":
+        """The beats of torch's c10d state holder (its backend's store and key, its keep-alive settings); None for any
+        other."""
+        backend = getattr(holder, "_backend", None)
+        store, key = getattr(backend, "_store", None), getattr(backend, "_key", None)
+        if store is None or not isinstance(key, str) or not hasattr(holder, "_settings"):
+            return None
+        return cls(store, key)
+
+    def key(self, node: Any) -> str:
+        return self._prefix + str(node)  # torch's <address>_<pid>_<n>
+
+    def send(self, node: Any) -> None:
+        self._call("set", self.key(node), repr(time.time()))
+        self.created = True
+
+    def enter(self, state: Any, me: Any) -> None:
+        """In a state write of ``me`` (it enters a list or sends a heartbeat there): its key exists (made now, the
+        first time), so readers may read it; agents no longer listed are forgotten. An agent that writes no key (not
+        under this executor) is never in the set, and its heartbeats in the state stand as torch's."""
+        if not self.created:
+            self.send(me)
+        keyed = getattr(state, _BEATS, set())
+        if me not in keyed or not keyed <= state.last_heartbeats.keys():
+            setattr(state, _BEATS, {n for n in keyed if n in state.last_heartbeats} | {me})
+
+    def overlay(self, state: Any, expired: datetime) -> None:
+        """Every listed agent whose heartbeat in the state is older than ``expired`` (torch's sanitizer would drop it)
+        gets the later of that and its key's: while a round forms, the state's own are fresh and nothing is read."""
+        keyed = getattr(state, _BEATS, set())  # their keys exist: an agent makes its key before it enters the state
+        nodes = [n for n, beat in state.last_heartbeats.items() if beat < expired and n in keyed]
+        keys = [self.key(n) for n in nodes]
+        if not keys:
+            return
+        for node, raw in zip(nodes, self._call("multi_get", keys)):
+            try:
+                beat = datetime.fromtimestamp(float(raw), timezone.utc)
+            except (ValueError, OverflowError, OSError, TypeError):
+                continue  # not a time: the state's own heartbeat stands
+            if beat > state.last_heartbeats[node]:
+                state.last_heartbeats[node] = beat
+
+    def _call(self, op: str, *args: Any) -> Any:
+        from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+        try:
+            return getattr(self._store, op)(*args)
+        except (ValueError, RuntimeError, TimeoutError) as exc:  # as torch's c10d backend reports a store failure
+            raise RendezvousConnectionError(f"{BACKEND}: the heartbeat keys' store call {op} failed") from exc
+
+
+def _unheard(state: Any, me: Any) -> bool:
+    """Rule 5 still wants ``me``'s next heartbeat written into the state: it has not heard of its new round yet."""
+    return _completed_at(state) is not None and me in state.participants and me not in getattr(state, _READ, set())
+
+
+def _beating(op: Callable[[Any, float], Any], beats: Beats, joining: bool) -> Callable[[Any, float], Any]:
+    """Rule 7 on an operation: a heartbeat it decides on goes to the agent's key, not into the state (unless rule 5
+    wants it there); the local copy of the state records it, so the agent does not send it again at the next turn."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action
+
+    def beat(ctx: Any, deadline: float) -> Any:
+        action = op(ctx, deadline)
+        if action != _Action.KEEP_ALIVE or _unheard(ctx.state, ctx.node):
+            return action
+        beats.send(ctx.node)
+        ctx.state.last_heartbeats[ctx.node] = datetime.now(timezone.utc)  # local only: no state write
+        return _Action.SYNC if joining else _Action.FINISH
+
+    return beat
