@@ -104,6 +104,15 @@ This backend is the c10d handler with these rules added:
    round). Rule 7 applies wherever this module's executor runs; every agent of a job runs the same one, and an agent
    that writes no key (not under this executor) keeps its heartbeats in the state, as torch does.
 
+8. A re-form takes about one write of the state per agent, not three. Every write is a compare-and-set of the whole
+   state, O(N) bytes, on the one key all agents write, so writes go one after another and the losers retry: torch's
+   re-form took, per survivor, one write to leave the round, one to enter the wait list and one to enter the new
+   round. Now an agent that leaves a round still running (``next_rendezvous``' exit) enters the wait list in the same
+   write, and the write of the first agent that enters a new round admits every agent waiting for it, by rule 2's
+   priority, up to max_nodes (``rendezvous_rules.admit_waiting``): the others find themselves participants at their
+   next read. Rule 8 applies wherever this module's executor runs, to rounds of more than ``BATCH_ABOVE_NODES`` (8)
+   nodes: a small job's writes are a few KB, and its rendezvous stays torch's step for step.
+
 Everything else (heartbeats, admitting a redundant
 agent when a participant drops out, closing at the end) is torch's. A redundant agent still ends when a
 participant closes the rendezvous at the end of the training: torch raises RendezvousGracefulExitError there,
@@ -138,7 +147,8 @@ from . import env as envmod
 from .rendezvous_rules import (  # noqa: F401
     BACKEND, GONE_KEPT, SPARE_RELEASED, _COMPLETED, _GONE, _LAST, _ORDER, _POD, _READ, TakenOver, _completed_at, _heard,
     _not_taken_over, _priority, _priority_key, _remember, _round_complete, _round_completed, _say_released, _Size,
-    _spare_aware, POLL_BASE_S, poll_interval, take_over, taken_over, wanted_nodes, Beats, _beating,
+    _spare_aware, POLL_BASE_S, poll_interval, take_over, taken_over, wanted_nodes, Beats, _beating, admit_waiting,
+    batched,
 )
 
 log = logging.getLogger(__name__)
@@ -272,6 +282,18 @@ def _executor_class(spares: bool = True) -> type:
             def _mark_rendezvous_complete(self) -> None:
                 super()._mark_rendezvous_complete()
                 _round_completed(self._state)  # rule 5
+
+            def _add_to_participants(self) -> None:
+                super()._add_to_participants()
+                admit_waiting(self._state, self._settings, self._mark_rendezvous_complete)  # rule 8
+
+            def _remove_from_participants(self) -> None:
+                super()._remove_from_participants()
+                # rule 8: an agent that leaves a round still running (next_rendezvous' exit) enters the wait list in
+                # the same write, the step torch's join takes next in a write of its own
+                if self._state.complete and not self._state.closed and batched(self._settings):
+                    self._state.wait_list.add(self._node)
+                    self._keep_alive()
 
         return Executor
 

@@ -1,7 +1,8 @@
 """The rules of the ``ddpjob-c10d`` rendezvous backend (numbered in ``ddp_trainer.rendezvous``'s docstring) as
 decisions and writes on torch's shared rendezvous state: who may join and where it waits (rules 1 and 2), the group
 size that follows the job (rule 3), the take-over of a recreated pod's predecessor (rule 4), the round-start
-records (rule 5), how often a waiting agent reads the state (rule 6) and heartbeats in keys of their own (rule 7). ``ddp_trainer.rendezvous`` wires them into torch's operation executor and handler; torch's own
+records (rule 5), how often a waiting agent reads the state (rule 6), heartbeats in keys of their own (rule 7) and
+re-forms in few writes (rule 8). ``ddp_trainer.rendezvous`` wires them into torch's operation executor and handler; torch's own
 classes are imported only where a rule needs them (torch is imported lazily).
 """
 
@@ -348,3 +349,39 @@ def _beating(op: Callable[[Any, float], Any], beats: Beats, joining: bool) -> Ca
         return _Action.SYNC if joining else _Action.FINISH
 
     return beat
+
+
+# Rule 8 applies to rounds of more than this many nodes: a small job's writes are a few KB, and its rendezvous stays
+# torch's, step for step.
+BATCH_ABOVE_NODES = 8
+
+
+def batched(settings: Any) -> bool:
+    """Whether rule 8 applies to a round of these settings."""
+    return settings.max_nodes > BATCH_ABOVE_NODES
+
+
+def admit_waiting(state: Any, settings: Any, complete: Callable[[], None]) -> list[Any]:
+    """Rule 8, in the write of an agent that entered a round not complete yet: every agent waiting for the round (the
+    wait list, and the redundancy list: a spare moves to the wait list only at its next poll) enters it too, by rule
+    2's priority, up to max_nodes, with torch's own bookkeeping (the last call's deadline at min_nodes, ``complete``
+    at max_nodes). They are alive (the sanitizer just judged their heartbeats) and asked for the round; each finds
+    itself a participant at its next read instead of writing the state itself: the N writes of O(N) bytes that a
+    re-form took one after another become one. Returns the agents admitted."""
+    if state.complete or state.closed or not batched(settings):
+        return []
+    waiting = sorted(state.wait_list | state.redundancy_list, key=lambda n: (_priority(state, n), repr(n)),
+                     reverse=True)
+    admitted = []
+    for node in waiting:
+        if len(state.participants) >= settings.max_nodes or state.complete:
+            break
+        state.wait_list.discard(node)
+        state.redundancy_list.discard(node)
+        state.participants[node] = 0
+        admitted.append(node)
+        if len(state.participants) == settings.min_nodes:
+            state.deadline = datetime.now(timezone.utc) + settings.timeout.last_call
+        if len(state.participants) == settings.max_nodes:
+            complete()
+    return admitted
