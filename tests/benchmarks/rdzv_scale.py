@@ -248,8 +248,14 @@ class _Worker:
                 "cpu_s": cpu_seconds()}
 
     def drop(self) -> None:
-        for agent in self.agents.values():
+        """End a run: its rendezvous closed (a spare waiting in it ends at its next read), every heartbeat stopped."""
+        for i, agent in enumerate(self.agents.values()):
             agent["handler"]._stop_heartbeats()
+            if i == 0:
+                try:
+                    agent["handler"].set_closed()
+                except Exception:  # noqa: BLE001 (a run cut short: nothing to close)
+                    pass
         self.agents.clear()
 
 
@@ -358,33 +364,46 @@ def _delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
             "agents_cpu_s": round(after["cpu_s"] - before["cpu_s"], 2)}
 
 
-def one_run(run: str, n: int, procs: int, idle_s: float) -> dict[str, Any]:
-    from torch.distributed import TCPStore
+class Store:
+    """The rdzv pod's store program in a subprocess on a free loopback port, and a client of its own."""
 
-    from ddp_trainer.testing import free_port
+    def __init__(self) -> None:
+        from torch.distributed import TCPStore
 
+        from ddp_trainer.testing import free_port
+
+        self.port = free_port()
+        command, env = store_command(self.port)
+        self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc.stdout.readline()  # "rendezvous store listening on :<port>"
+        self.client = TCPStore("127.0.0.1", self.port, is_master=False)
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.proc.pid)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def one_run(run: str, n: int, workers: Workers, store: Store, idle_s: float) -> dict[str, Any]:
+    """One group of N on the shared store (a run id of its own): formed, trained, one member lost, re-formed; closed
+    at the end (a spare still waiting ends with it), its agents dropped."""
     backend, scenario = run.split(":")
-    port = free_port()
-    command, env = store_command(port)
-    store = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    workers = Workers(procs)
+    port, procs = store.port, len(workers.conns)
+    run_id = f"bench-{backend}-{scenario}-{n}"
+    spare = scenario == "spare"
+    agents = list(range(n + (1 if spare else 0)))
+    pods = scenario in ("take_over", "spare")
     try:
-        store.stdout.readline()  # "rendezvous store listening on :<port>"
-        client = TCPStore("127.0.0.1", port, is_master=False)
-        run_id = f"bench-{scenario}-{n}"
-        spare = scenario == "spare"
-        agents = list(range(n + (1 if spare else 0)))  # the spare is the last
-        pods = scenario in ("take_over", "spare")
         specs = [[(aid, str(aid) if pods else None) for aid in part] for part in workers.split(agents)]
         workers.call("make", [(port, run_id, backend, (n, n), s, pods) for s in specs])
         timeout = 60 + n / 4
 
         def state_bytes() -> int:
-            return len(base64.b64decode(client.get(f"torch.rendezvous.{run_id}")))
+            return len(base64.b64decode(store.client.get(f"torch.rendezvous.{run_id}")))
 
-        def cpu() -> float:
-            return cpu_seconds(store.pid)
-
+        cpu = store.cpu
         out: dict[str, Any] = {"agents": len(agents), "nodes": n, "procs": procs}
         c0, s0, t0 = workers.counters(), cpu(), time.time()
         workers.call("join", [(p,) for p in workers.split(agents)])
@@ -409,7 +428,7 @@ def one_run(run: str, n: int, procs: int, idle_s: float) -> dict[str, Any]:
                        "bytes_per_agent_per_s": round(idle["bytes"] / len(agents) / idle_s),
                        "store_cpu_s_per_s": round((s2 - s1) / idle_s, 3), "ops": idle["ops"]}
 
-        victim = next(aid for aid, r in got.items() if r["rank"] == 1)
+        victim = next(aid for aid, r in got.items() if r and r.get("rank") == 1)
         survivors = [aid for aid in training if aid != victim]
         newcomer = unranked[0] if spare else len(agents)
         t1 = time.time()
@@ -429,13 +448,7 @@ def one_run(run: str, n: int, procs: int, idle_s: float) -> dict[str, Any]:
                          "after_form_round": bool(reform["rounds"] and form["rounds"] and reform["rounds"][0] > form["rounds"][0])}
         return out
     finally:
-        try:
-            workers.call("drop")
-        except (RuntimeError, OSError, EOFError):
-            pass
-        workers.close()
-        store.kill()
-        store.wait(10)
+        workers.call("drop")
 
 
 def _gather(workers: Workers, ids: list[int], deadline: float, enough: int | None = None) -> dict[int, Any]:
@@ -546,20 +559,27 @@ def main() -> int:
     p.add_argument("--agents", default=None, help=f"comma-separated N (default {FULL_AGENTS}, --quick {QUICK_AGENTS})")
     p.add_argument("--runs", default=None, help=f"comma-separated handler:scenario (default {RUNS})")
     p.add_argument("--procs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes for the agents")
-    p.add_argument("--idle", type=float, default=None, help="seconds of training between the rounds (default 3, quick 1)")
+    p.add_argument("--idle", type=float, default=None, help="seconds of training between the rounds (default 3, quick "
+                   "1.5; more than a keep-alive interval: rule 5 keeps an agent that has not sent a heartbeat in its "
+                   "round from expiry for 60 s)")
     p.add_argument("--quick", action="store_true", help=f"N={QUICK_AGENTS}, runs {QUICK_RUNS} (smoke test)")
     results.add_record_arg(p)
     a = p.parse_args()
     agents = [int(x) for x in a.agents.split(",")] if a.agents else (QUICK_AGENTS if a.quick else FULL_AGENTS)
     runs = a.runs.split(",") if a.runs else (QUICK_RUNS if a.quick else RUNS)
-    idle = a.idle if a.idle is not None else (1.0 if a.quick else 3.0)
+    idle = a.idle if a.idle is not None else (1.5 if a.quick else 3.0)
     by_run: dict[str, dict[str, Any]] = {run: {} for run in runs}
-    for n in agents:
-        for run in runs:
-            started = time.time()
-            by_run[run][str(n)] = r = one_run(run, n, a.procs, idle)
-            print(f"{run} N={n}: {figures(r)} ({time.time() - started:.1f} s, load {os.getloadavg()[0]:.1f})",
-                  file=sys.stderr, flush=True)
+    store, workers = Store(), Workers(a.procs)
+    try:
+        for n in agents:
+            for run in runs:
+                started = time.time()
+                by_run[run][str(n)] = r = one_run(run, n, workers, store, idle)
+                print(f"{run} N={n}: {figures(r)} ({time.time() - started:.1f} s, load {os.getloadavg()[0]:.1f})",
+                      file=sys.stderr, flush=True)
+    finally:
+        workers.close()
+        store.close()
     result = {"agents": agents, "procs": a.procs, "keep_alive": [KEEP_ALIVE_S, KEEP_ALIVE_ATTEMPTS],
               "launch_poll_s": LAUNCH_POLL_S, **summarize(by_run, agents), "runs": by_run,
               "loadavg_1m": round(os.getloadavg()[0], 2)}
