@@ -2,8 +2,9 @@
 to clean up) hands the Lease to the standby within the lease duration, a DDPJob created meanwhile gets its
 pods, and no pod is ever created twice.
 
-The replicas watch only this test's namespace (not ddp-it-*, which the suite's shared operator serves), so they
-are the only operators acting on it."""
+The replicas watch only this test's namespace (ddp-le-*: neither the integration tier's operator, which serves
+ddp-it-*, nor the e2e tests' shared operator, which excludes both, handles it), so they are the only operators acting
+on it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from collections import Counter
 import pytest
 
 from ddp_cluster import JobNamespace, wait_for
+from tests.support.suite import LEADER_ELECTION_NS_PREFIX
 from tests.support.processes import OperatorProcess, stop_process
 
 LEASE = "ddp-operator-it"
@@ -24,7 +26,7 @@ LEASE = "ddp-operator-it"
 @pytest.fixture
 def ns(api, request):
     from kubernetes import client
-    name = "ddp-le-" + uuid.uuid4().hex[:8]
+    name = LEADER_ELECTION_NS_PREFIX + uuid.uuid4().hex[:8]
     core = client.CoreV1Api(api)
     core.create_namespace({"metadata": {"name": name, "labels": {"ddpjob.dev/test": "true"}}})
     wait_for(lambda: core.list_namespaced_service_account(name, field_selector="metadata.name=default").items,

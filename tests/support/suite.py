@@ -16,12 +16,13 @@ TIER_TIMEOUTS = {"unit": 60, "bootstrap": 900, "trainer": 300, "gpu": 600, "clus
                  "chart": 600, "e2e": 600, "benchmarks": 1500}
 
 
-# The namespaces of the tests that run operators of their own (the integration tier; the kwok simulation of
-# tests/benchmarks/scale_sim.py); the e2e tests' shared operator excludes them (chart value watch.exclude), so those
-# tests run beside the e2e tier in `make test`.
+# The namespaces of the tests that run operators of their own (the integration tier, its leader election test, the
+# kwok simulation of tests/benchmarks/scale_sim.py); the e2e tests' shared operator excludes them (chart value
+# watch.exclude), so those tests run beside the e2e tier in `make test`.
 INTEGRATION_NS_PREFIX = "ddp-it-"
+LEADER_ELECTION_NS_PREFIX = "ddp-le-"  # tests/integration/test_leader_election.py: its replicas alone
 SIM_NS_PREFIX = "ddp-sim-"
-OWN_OPERATOR_NS_PREFIXES = (INTEGRATION_NS_PREFIX, SIM_NS_PREFIX)
+OWN_OPERATOR_NS_PREFIXES = (INTEGRATION_NS_PREFIX, LEADER_ELECTION_NS_PREFIX, SIM_NS_PREFIX)
 
 
 def tier_timeout(path: Path) -> int:
