@@ -113,6 +113,10 @@ This backend is the c10d handler with these rules added:
    next read. Rule 8 applies wherever this module's executor runs, to rounds of more than ``BATCH_ABOVE_NODES`` (8)
    nodes: a small job's writes are a few KB, and its rendezvous stays torch's step for step.
 
+9. A write that lost the race waits before the agent tries again (``rendezvous_rules.backing_off``): a random while
+   up to 10 ms x 2^k after its k-th loss in a row, at most 2 s. torch tries again at once, so agents that write
+   together (every survivor leaving its round at a re-form) retried in lockstep: N^2/2 attempts of O(N) bytes.
+
 Everything else (heartbeats, admitting a redundant
 agent when a participant drops out, closing at the end) is torch's. A redundant agent still ends when a
 participant closes the rendezvous at the end of the training: torch raises RendezvousGracefulExitError there,
@@ -148,7 +152,7 @@ from .rendezvous_rules import (  # noqa: F401
     BACKEND, GONE_KEPT, SPARE_RELEASED, _COMPLETED, _GONE, _LAST, _ORDER, _POD, _READ, TakenOver, _completed_at, _heard,
     _not_taken_over, _priority, _priority_key, _remember, _round_complete, _round_completed, _say_released, _Size,
     _spare_aware, POLL_BASE_S, poll_interval, take_over, taken_over, wanted_nodes, Beats, _beating, admit_waiting,
-    batched,
+    backing_off, batched,
 )
 
 log = logging.getLogger(__name__)
@@ -245,6 +249,7 @@ def _executor_class(spares: bool = True) -> type:
 
             def __init__(self, node: Any, state_holder: Any, settings: Any) -> None:
                 super().__init__(node, state_holder, settings)
+                backing_off(state_holder)  # rule 9
                 self.beats = Beats.of(state_holder)  # rule 7
                 if not _guard_expiry(state_holder, node, self.beats):  # rule 5 (and 7: judged with the keys)
                     self.beats = None

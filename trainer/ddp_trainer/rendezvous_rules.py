@@ -1,8 +1,8 @@
 """The rules of the ``ddpjob-c10d`` rendezvous backend (numbered in ``ddp_trainer.rendezvous``'s docstring) as
 decisions and writes on torch's shared rendezvous state: who may join and where it waits (rules 1 and 2), the group
 size that follows the job (rule 3), the take-over of a recreated pod's predecessor (rule 4), the round-start
-records (rule 5), how often a waiting agent reads the state (rule 6), heartbeats in keys of their own (rule 7) and
-re-forms in few writes (rule 8). ``ddp_trainer.rendezvous`` wires them into torch's operation executor and handler; torch's own
+records (rule 5), how often a waiting agent reads the state (rule 6), heartbeats in keys of their own (rule 7),
+re-forms in few writes (rule 8) and the back-off of a write that lost the race (rule 9). ``ddp_trainer.rendezvous`` wires them into torch's operation executor and handler; torch's own
 classes are imported only where a rule needs them (torch is imported lazily).
 """
 
@@ -12,6 +12,7 @@ import atexit
 import dataclasses
 import logging
 import math
+import random
 import sys
 import time
 from datetime import datetime, timezone
@@ -385,3 +386,33 @@ def admit_waiting(state: Any, settings: Any, complete: Callable[[], None]) -> li
         if len(state.participants) == settings.max_nodes:
             complete()
     return admitted
+
+
+# Rule 9: a write that lost the compare-and-set waits uniform(0, BASE * 2^k) after its k-th loss in a row, at most MAX.
+BACKOFF_BASE_S = 0.01
+BACKOFF_MAX_S = POLL_MAX_S
+
+
+def backing_off(holder: Any) -> bool:
+    """Rule 9 on a state holder: after a write that lost the race (``sync()`` False: another agent wrote first, and
+    the holder now has that state) it waits a random while that doubles with each loss in a row, before the agent
+    decides again. torch retries at once, so N agents writing together (every survivor leaving its round) retried in
+    lockstep, N²/2 attempts of O(N) bytes; spread, most find the key free. A write that took starts over; reads
+    (None) leave it. False where the holder has no ``sync``."""
+    sync = getattr(holder, "sync", None)
+    if sync is None:
+        return False
+    losses = 0
+
+    def backed_off() -> Any:
+        nonlocal losses
+        has_set = sync()
+        if has_set is False:
+            losses += 1
+            time.sleep(random.uniform(0, min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** min(losses, 16))))
+        elif has_set:
+            losses = 0
+        return has_set
+
+    holder.sync = backed_off
+    return True
