@@ -42,3 +42,19 @@ def test_the_wait_is_capped_and_random_below_it(monkeypatch):
 
 def test_a_holder_without_sync_is_left_alone():
     assert rr.backing_off(object()) is False
+
+
+def test_a_small_jobs_wait_stays_within_its_poll_interval(monkeypatch):
+    """At 8 nodes a waiting agent polls every 0.1 s (rule 6): a lost write never waits longer than that; at 512, 2 s."""
+    from types import SimpleNamespace
+
+    for nodes, cap in ((8, 0.1), (512, 2.0)):
+        bounds = []
+        monkeypatch.setattr(rr.time, "sleep", lambda s: None)
+        monkeypatch.setattr(rr.random, "uniform", lambda lo, hi: bounds.append(hi) or lo)
+        holder = Holder([False] * 12)
+        holder._settings = SimpleNamespace(max_nodes=nodes)
+        rr.backing_off(holder)
+        for _ in range(12):
+            holder.sync()
+        assert max(bounds) == cap, (nodes, bounds)

@@ -114,7 +114,8 @@ This backend is the c10d handler with these rules added:
    nodes: a small job's writes are a few KB, and its rendezvous stays torch's step for step.
 
 9. A write that lost the race waits before the agent tries again (``rendezvous_rules.backing_off``): a random while
-   up to 10 ms x 2^k after its k-th loss in a row, at most 2 s. torch tries again at once, so agents that write
+   up to 10 ms x 2^k after its k-th loss in a row, at most the round's poll interval (rule 6: 0.1 s up to 8 nodes,
+   2 s from 160). torch tries again at once, so agents that write
    together (every survivor leaving its round at a re-form) retried in lockstep: N^2/2 attempts of O(N) bytes.
 
 Everything else (heartbeats, admitting a redundant

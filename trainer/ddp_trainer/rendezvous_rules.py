@@ -388,7 +388,8 @@ def admit_waiting(state: Any, settings: Any, complete: Callable[[], None]) -> li
     return admitted
 
 
-# Rule 9: a write that lost the compare-and-set waits uniform(0, BASE * 2^k) after its k-th loss in a row, at most MAX.
+# Rule 9: a write that lost the compare-and-set waits uniform(0, BASE * 2^k) after its k-th loss in a row, at most a
+# waiting agent's poll interval for the round's size (rule 6: 0.1 s up to 8 nodes, 2 s from 160).
 BACKOFF_BASE_S = 0.01
 BACKOFF_MAX_S = POLL_MAX_S
 
@@ -397,7 +398,8 @@ def backing_off(holder: Any) -> bool:
     """Rule 9 on a state holder: after a write that lost the race (``sync()`` False: another agent wrote first, and
     the holder now has that state) it waits a random while that doubles with each loss in a row, before the agent
     decides again. torch retries at once, so N agents writing together (every survivor leaving its round) retried in
-    lockstep, N²/2 attempts of O(N) bytes; spread, most find the key free. A write that took starts over; reads
+    lockstep, N²/2 attempts of O(N) bytes; spread, most find the key free. The wait is at most the round's poll
+    interval (rule 6), so a small job's agents wait no longer than they poll. A write that took starts over; reads
     (None) leave it. False where the holder has no ``sync``."""
     sync = getattr(holder, "sync", None)
     if sync is None:
@@ -409,7 +411,9 @@ def backing_off(holder: Any) -> bool:
         has_set = sync()
         if has_set is False:
             losses += 1
-            time.sleep(random.uniform(0, min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** min(losses, 16))))
+            settings = getattr(holder, "_settings", None)
+            cap = poll_interval(settings.max_nodes) if settings is not None else BACKOFF_MAX_S
+            time.sleep(random.uniform(0, min(cap, BACKOFF_BASE_S * 2 ** min(losses, 16))))
         elif has_set:
             losses = 0
         return has_set
