@@ -12,9 +12,13 @@ class Holder:
     """A state holder whose syncs answer from a script: True (written), False (lost), None (a read)."""
 
     def __init__(self, answers):
-        self.answers = list(answers)
+        self.answers, self.reads = list(answers), 0
+        self._last_sync_time = 0.0
 
     def sync(self):
+        if self._last_sync_time == -1:  # a read forced past the cache
+            self._last_sync_time, self.reads = 0.0, self.reads + 1
+            return None
         return self.answers.pop(0)
 
 
@@ -27,6 +31,7 @@ def test_a_lost_write_waits_a_random_growing_while_and_a_written_one_starts_over
     assert [holder.sync() for _ in range(6)] == [False, False, False, None, True, False]
     base = rr.BACKOFF_BASE_S
     assert waits == [2 * base, 4 * base, 8 * base, 2 * base]  # a read leaves it; a write that took starts over
+    assert holder.reads == 4, "after each wait the state is read afresh, not decided on as the lost write left it"
 
 
 def test_the_wait_is_capped_and_random_below_it(monkeypatch):

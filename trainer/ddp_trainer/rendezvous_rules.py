@@ -399,7 +399,8 @@ def backing_off(holder: Any) -> bool:
     the holder now has that state) it waits a random while that doubles with each loss in a row, before the agent
     decides again. torch retries at once, so N agents writing together (every survivor leaving its round) retried in
     lockstep, N²/2 attempts of O(N) bytes; spread, most find the key free. The wait is at most the round's poll
-    interval (rule 6), so a small job's agents wait no longer than they poll. A write that took starts over; reads
+    interval (rule 6), so a small job's agents wait no longer than they poll; then it reads the state afresh (the one
+    the lost write brought back is older than the wait). A write that took starts over; reads
     (None) leave it. False where the holder has no ``sync``."""
     sync = getattr(holder, "sync", None)
     if sync is None:
@@ -414,6 +415,11 @@ def backing_off(holder: Any) -> bool:
             settings = getattr(holder, "_settings", None)
             cap = poll_interval(settings.max_nodes) if settings is not None else BACKOFF_MAX_S
             time.sleep(random.uniform(0, min(cap, BACKOFF_BASE_S * 2 ** min(losses, 16))))
+            # the state the lost write brought back is stale after the wait: read it again, so that the next
+            # decision (and write) is on the state as it is now
+            if hasattr(holder, "_last_sync_time"):
+                holder._last_sync_time = -1
+                sync()
         elif has_set:
             losses = 0
         return has_set
