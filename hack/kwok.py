@@ -41,7 +41,7 @@ from typing import Iterator
 if not __package__:  # run as a script (python hack/kwok.py): hack.* from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hack import components  # noqa: E402
-from hack.common import CACHE, CONF, KUBECONFIG, LOGS, ClusterError, kubectl, logger, versions, write  # noqa: E402
+from hack.common import CACHE, CONF, KUBECONFIG, LOGS, ClusterError, binary as tool, logger, run, versions, write  # noqa: E402
 
 log = logger("kwok")
 
@@ -60,6 +60,14 @@ LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 NODE_IP = "127.0.0.1"  # the fake nodes' InternalIP: nothing is served there
 LEASE_SECONDS = 40  # renewed every 10 s
 BATCH = 250  # nodes per kubectl call
+
+
+# The cluster kwok and the fake nodes are in: the embedded cluster's, unless fake_nodes() is given another kubeconfig.
+_target = [KUBECONFIG]
+
+
+def kubectl(*args: str, input: str | None = None, timeout: float = 60):
+    return run([tool("kubectl"), f"--kubeconfig={_target[0]}", *args], input=input, timeout=timeout, quiet=True)
 
 
 def binary() -> Path:
@@ -331,6 +339,7 @@ def not_ready_since(item: dict) -> float | None:
 def fake_nodes(count: int, kubeconfig: Path = KUBECONFIG) -> Iterator[list[str]]:
     """kwok running and `count` fake nodes Ready for the block; afterwards every fake node deleted and kwok stopped
     (the suite shares the cluster)."""
+    _target[0] = Path(kubeconfig)
     try:
         up(kubeconfig)
         yield create_nodes(count)
