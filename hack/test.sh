@@ -107,7 +107,7 @@ record "stage 2: cluster up" $((SECONDS - t0))
 # Stage 4's kind cluster is made ready behind stage 3: its Docker engine (started here at low priority, so its
 # containers are too), node image, nodes and images; stage 4 then only runs the test.
 prepare_kind() { # (set -e does not hold in a function called with ||: every step says how it failed)
-  hack/build-binaries.sh kueue kind || return
+  hack/build-binaries.sh kueue kwok kind || return  # kwok: the control-plane simulation's smoke test (step 3b)
   if [[ -n ${DDPJOB_SKIP_KIND:-} && ${CI:-} != true ]]; then return 0; fi
   hack/install-deps.sh --docker || return
   python3 hack/docker.py status >/dev/null 2>&1 || touch "$TMP/engine-started"
@@ -147,7 +147,7 @@ export DDPJOB_OPERATOR=installed
 lane e2e e2e_lane
 pid_e2e=$LANE_PID
 lane more pytest_run more tests/integration tests/e2e/test_e2e_network_policy.py \
-  tests/benchmarks/test_cluster_benchmarks_run.py --deselect="$CONTROL_PLANE"
+  tests/benchmarks/test_cluster_benchmarks_run.py tests/benchmarks/test_scale_sim_run.py --deselect="$CONTROL_PLANE"
 pid_more=$LANE_PID
 rc_e2e=0 rc_more=0
 wait "$pid_e2e" || rc_e2e=$?
