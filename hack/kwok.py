@@ -206,7 +206,9 @@ def stages() -> str:
 def argv(kubeconfig: Path = KUBECONFIG, config: Path = CONFIG) -> list[str]:
     """The kwok controller's command line against `kubeconfig`."""
     key, value = MANAGED_ANNOTATION
-    return [str(binary()), f"--kubeconfig={kubeconfig}", f"--config={config}",
+    # At a higher priority than the rest of this machine's work: on a busy 2-core machine a starved kwok renews its
+    # nodes' Leases late, and the node controller turns them NotReady (a real kubelet has its own machine).
+    return ["nice", "-n", "-5", str(binary()), f"--kubeconfig={kubeconfig}", f"--config={config}",
             f"--manage-nodes-with-annotation-selector={key}={value}", f"--cidr={DEFAULT_CIDR}",
             f"--node-ip={NODE_IP}", f"--node-lease-duration-seconds={LEASE_SECONDS}", "--node-port=0",
             "--server-address="]
@@ -303,8 +305,8 @@ def create_nodes(count: int, timeout: float = 300) -> list[str]:
 def delete_nodes() -> int:
     """Delete every fake node (label type=kwok); how many there were. Their pods go with them (the pod GC)."""
     items = nodes_json()
-    if items:
-        kubectl("delete", "nodes", "-l", "=".join(NODE_LABEL), "--wait=false", timeout=300)
+    if items:  # one request (a delete collection): a thousand one by one take minutes on a busy machine
+        kubectl("delete", "--raw", f"/api/v1/nodes?labelSelector={NODE_LABEL[0]}%3D{NODE_LABEL[1]}", timeout=300)
     return len(items)
 
 

@@ -38,6 +38,8 @@ def test_a_fake_node_is_marked_for_kwok_and_tainted_against_real_workloads():
 
 def test_the_controller_runs_pinned_with_loopback_addresses_and_a_heartbeat_inside_the_grace_period():
     argv = kwok.argv()
+    assert argv[:3] == ["nice", "-n", "-5"]
+    argv = argv[3:]
     assert argv[0] == str(kwok.binary())
     assert f"kwok-{versions()['KWOK_VERSION']}" in argv[0] and versions()["KWOK_VERSION"] == "v0.8.0"
     flags = dict(a.split("=", 1) for a in argv[1:])
