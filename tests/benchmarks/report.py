@@ -154,6 +154,18 @@ def scale(doc: Doc) -> str:
            f"operator RSS {_n(r.get('operator_rss_mib'), ' MiB')}"
 
 
+def scale_sim(doc: Doc) -> str:
+    r = doc["result"]
+    n = str(max(r.get("nodes") or [0]))
+    return (f"{n} nodes: every pod created in {_n((r.get('created_s_by_nodes') or {}).get(n), ' s')} "
+            f"({_n((r.get('pods_per_s_by_nodes') or {}).get(n))} pods/s), "
+            f"{_n((r.get('creates_per_job_by_nodes') or {}).get(n))} creates, "
+            f"{_n((r.get('status_writes_per_job_by_nodes') or {}).get(n))} status writes; a deleted pod replaced in "
+            f"{_n(r.get('replacement_p99_s'), ' s')} (p99); 50 nodes lost: pods replaced {_n(r.get('node_storm_s'), ' s')} "
+            f"after NotReady; hang poll ≤ {_n(r.get('hang_poll_s'), ' s')}; operator peak RSS "
+            f"{_n(r.get('operator_rss_mib_max'), ' MiB')}")
+
+
 def overhead(doc: Doc) -> str:
     r = doc["result"]
     spread = (f" (per-round p25–p75 {_n(r.get('ratio_p25'))}–{_n(r.get('ratio_p75'))})"
@@ -339,6 +351,9 @@ ROWS: list[tuple[str, str, Callable[[Doc], str], str, str]] = [
      "3-node kind", "node_loss", node_loss, "after NotReady ≤ nodeLostTimeoutSeconds + 15 s, ≤ 1 step lost",
      "make bench-node-loss"),
     ("DDPJobs at once, control plane only", "scale", scale, "200 in ≤ 30 s, ≤ 200 MiB", "make bench-scale"),
+    ("one DDPJob on kwok fake nodes, control plane only (the operator as a host process)", "scale_sim", scale_sim,
+     "≤ 10 s, ≤ N+3 creates, ≤ 6 status writes, p99 ≤ 1 s, ≤ nodeLostTimeoutSeconds + 10 s, ≤ 10 s, ≤ 400 MiB",
+     "make bench-scale-sim"),
     ("digits training with snapshots (adaptive K) + checkpoints vs a bare DDP loop", "trainer_overhead", overhead,
      "≥ 0.97, ≤ 2 %", "make bench-overhead"),
     ("snapshot overhead by model size (MLP, CPU), steps a failure may lose", "trainer_overhead",
