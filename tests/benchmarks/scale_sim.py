@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kubeconfig", default="", help="another cluster than the embedded one (its API server's audit "
                                                     "log in --audit-log)")
     p.add_argument("--audit-log", type=Path, default=None)
+    p.add_argument("--fake-nodes", type=int, default=0, help="fake nodes (default: the largest N, + 50 for the node "
+                                                              "storm); fewer pack several pods on each, as kwok's "
+                                                              "Leases cost a busy machine one write per node per 10 s")
     results.add_record_arg(p)
     a = p.parse_args(argv)
     a.sizes = sorted({int(n) for n in a.nodes.split(",") if n.strip()})
@@ -463,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     h.log(f"kwok simulation: sizes {a.sizes}, {a.deletes} deletes, rounds {a.rounds}")
     sim.k("apply", "--server-side", "--force-conflicts", "--field-manager=ddp-sim", "-f", str(h.CRD_FILE))
     sim.k("wait", "--for=condition=Established", "crd/ddpjobs.ddp.dev", "--timeout=60s")
-    fake = max(a.sizes) + (STORM_NODES if a.full else 0)
+    fake = a.fake_nodes or max(a.sizes) + (STORM_NODES if a.full else 0)
     parts: dict = {"by_nodes": {}, "fake_nodes": fake}
     try:
         with kwok.fake_nodes(fake, Path(sim.kubeconfig)):
