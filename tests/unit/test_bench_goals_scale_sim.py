@@ -4,25 +4,12 @@ slope, the poll histogram) and the audit log's counting of the operator's writes
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 
 from tests.benchmarks import scale_sim, sim_support
-
-
-def one_miss(missed: list[str], figure: str) -> None:
-    assert len(missed) == 1 and figure in missed[0], missed
-
-
-def changed(result: dict, path: tuple, value) -> dict:
-    out = copy.deepcopy(result)
-    node = out
-    for key in path[:-1]:
-        node = node[key]
-    node[path[-1]] = value
-    return out
+from tests.unit.test_bench_goals import changed, one_miss
 
 
 def full_result() -> dict:
