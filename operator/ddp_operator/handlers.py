@@ -108,10 +108,13 @@ def network_policies_by_job(namespace: str, name: str, body: kopf.Body, **_: Any
 
 
 @kopf.on.event(*NETWORK_POLICIES, labels=OWNED)
-def on_network_policy(event: Mapping[str, Any], namespace: str, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
-    """A deleted policy is put back at once (level-based, like every child)."""
+def on_network_policy(event: Mapping[str, Any], namespace: str, name: str, uid: str, memo: kopf.Memo,
+                      **kwargs: Any) -> None:
+    """A deleted policy is put back at once (level-based, like every child), even when it was deleted before the
+    watch ever showed it to a pass."""
     r = _bound(memo, kwargs)
     if event.get("type") == "DELETED":
+        r.jobs.policy_gone((namespace, name), uid)
         _pass(r, namespace, name)
 
 

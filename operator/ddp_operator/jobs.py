@@ -229,6 +229,14 @@ class JobRegistry:
         with self.guard:
             self._records.setdefault(key, JobRecord()).tombstones[pod["metadata"]["uid"]] = kept_pod(pod)
 
+    def policy_gone(self, key: Key, uid: str) -> None:
+        """The job's NetworkPolicy `uid` was deleted: a policy the operator created and the index never showed is
+        not taken for existing any longer, so the next pass puts it back."""
+        with self.guard:
+            record = self._records.get(key)
+            if record is not None and record.policy_created and record.policy_created[0] == uid:
+                record.policy_created = None
+
     def wake(self, key: Key, after: float) -> None:
         """Ask for a pass of the job `after` seconds from now (the earliest of those asked for wins)."""
         due = time.monotonic() + max(0.0, after)

@@ -119,3 +119,27 @@ def test_a_fresh_job_gets_its_policy_and_its_pods_in_one_pass():
     assert r.api.creates[0] == ("NetworkPolicy", "mnist")
     assert sorted(n for k, n in r.api.creates if k == "Pod") == ["mnist-0", "mnist-1", "mnist-rdzv"]
     assert len(r.api.patches) == 1  # one status write for the pass
+
+
+def test_a_policy_deleted_before_the_watch_showed_it_is_put_back_at_once():
+    """The operator remembers a policy it created until the watch shows it (so no pass creates it twice); its DELETED
+    event ends that memory, or the next pass would take the deleted policy for one the watch is late with."""
+    import copy
+
+    from ddp_operator import handlers
+
+    r = _reconciler()
+    r.indexes["network_policies_by_job"] = _LateWatch()  # the create's ADDED event has not arrived yet
+    r.reconcile("ml", "mnist")
+    assert [n for k, n in r.api.creates if k == "NetworkPolicy"] == ["mnist"]
+    memo = type("Memo", (), {"reconciler": r})()
+    handlers.on_network_policy(event={"type": "DELETED"}, namespace="ml", name="mnist", uid="pod-uid-1",
+                               memo=copy.copy(memo), **r.indexes)
+    assert [n for k, n in r.api.creates if k == "NetworkPolicy"] == ["mnist", "mnist"]
+
+
+class _LateWatch(dict):
+    """An index the creates never reach."""
+
+    def setdefault(self, key, default=None):
+        return []
