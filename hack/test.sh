@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # `make test`: the whole suite as CI runs it, in stages whose times are printed at the end (also after a failure).
-#   1. side by side: the tests that need no cluster (unit, bootstrap, trainer, gpu, the loopback benchmarks) in
-#      front, and behind them, at a lower CPU priority so that they only take what the tests leave, the embedded
+#   1. side by side: the tests that need no cluster (unit, bootstrap, trainer, gpu) in front, and behind them, at a lower CPU priority so that they only take what the tests leave, the embedded
 #      cluster's Go binaries and both images (downloads, mostly, on a cold machine: the Debian base and torch)
 #   2. the embedded cluster up (seconds once its binaries exist); behind stage 3, at low priority, what only later
 #      tests need: the Kueue manager, kind's binaries, Docker's package and the whole kind cluster of stage 4
 #      (KIND_PREPARE=1 hack/kind-e2e.sh: engine, node image, nodes, images, chart, warm-up)
-#   3. the tiers that use the cluster: (a) cluster and chart, alone; (b) side by side, against one operator and one
+#   3. the tiers that use the cluster: (a) cluster and chart, with no other operator on the cluster, beside the
+#      loopback trainer benchmarks' smoke tests (no cluster; their jobs run while the chart's pods start); (b) side by side, against one operator and one
 #      Kueue installed once: the e2e tier | the integration tier, then the benchmark smoke tests; (c) the faults of
 #      the control plane, alone on the embedded cluster, and beside them
 #   4. a node lost on that kind cluster (make kind-node-loss, KIND_CLUSTER_NAME=ddpjob-test), deleted afterwards
@@ -91,9 +91,8 @@ rc=0
 if [[ -n ${DDPJOB_TEST_CLUSTER_ONLY:-} && ${CI:-} != true ]]; then
   log "the tests that need no cluster are skipped (DDPJOB_TEST_CLUSTER_ONLY)"
 else
-  pytest_run no-cluster tests/unit tests/bootstrap tests/trainer tests/gpu \
-    tests/benchmarks/test_trainer_benchmarks_run.py || rc=$?
-  record "  unit, bootstrap, trainer, gpu, trainer benchmark tests" $((SECONDS - t0))
+  pytest_run no-cluster tests/unit tests/bootstrap tests/trainer tests/gpu || rc=$?
+  record "  unit, bootstrap, trainer, gpu tests" $((SECONDS - t0))
 fi
 ((rc == 0)) || { log "the tests that need no cluster failed (exit $rc)"; exit "$rc"; }
 finished binaries "$pid_bin"
@@ -135,11 +134,17 @@ e2e_lane() {
 }
 
 t0=$SECONDS
-log "stage 3a: the embedded cluster's own tests and the chart's"
-rc=0
+log "stage 3a: the embedded cluster's own tests and the chart's | the trainer benchmarks' smoke tests (loopback)"
+rc=0 rc_bench=0
+if [[ -z ${DDPJOB_TEST_CLUSTER_ONLY:-} || ${CI:-} == true ]]; then
+  lane bench pytest_run trainer-benchmarks tests/benchmarks/test_trainer_benchmarks_run.py
+  pid_bench=$LANE_PID
+fi
 pytest_run cluster tests/cluster tests/chart || rc=$?
-record "stage 3a: cluster, chart" $((SECONDS - t0))
-((rc == 0)) || exit "$rc"
+[[ -z ${pid_bench:-} ]] || wait "$pid_bench" || rc_bench=$?
+record "stage 3a: cluster, chart | trainer benchmarks" $((SECONDS - t0))
+((rc_bench == 0)) || log "a trainer benchmark's smoke test failed (exit $rc_bench); its output is above, prefixed [bench]"
+((rc == 0 && rc_bench == 0)) || exit 1
 
 t0=$SECONDS
 log "stage 3b: side by side: the shared operator and Kueue, then the e2e tier | integration, benchmark smoke tests"

@@ -222,7 +222,11 @@ def foreign_operators_paused_in(kubectl: Kubectl, namespace: str | None = None):
     """Scale every DDPJob operator Deployment that watches all namespaces (or globs) and does not live in
     a test namespace to 0; on exit, restore the replica count of each one nobody restored meanwhile. With
     `namespace` (one the tests will use), only those whose patterns handle it: e.g. the e2e tests' shared operator,
-    which excludes the integration tests' `ddp-it-*`, keeps running beside them."""
+    which excludes the integration tests' `ddp-it-*`, keeps running beside them.
+
+    A paused release's admission policy would still refuse the tests' operators the DDPJob pod labels in every
+    namespace it covers (e.g. `make demo`'s release, before the chart tier installs a release of its own): its
+    binding leaves the test namespaces out until the release is restored (_policy_bindings_narrowed)."""
     test_namespaces = {n["metadata"]["name"] for n in kubectl.json("get", "namespaces")["items"]
                        if n["metadata"].get("labels", {}).get(TEST_LABEL) == "true"}
     paused = []
@@ -239,14 +243,46 @@ def foreign_operators_paused_in(kubectl: Kubectl, namespace: str | None = None):
             print(f"pausing the DDPJob operator {ns}/{name} (watches every namespace) until the session ends")
             kubectl("scale", "deployment", name, "-n", ns, "--replicas=0")
             paused.append((ns, name, replicas, d["spec"]["selector"]["matchLabels"]))
+    instances = [labels.get("app.kubernetes.io/instance") for _, _, _, labels in paused]
     try:
         for ns, name, _, labels in paused:
             sel = ",".join(f"{k}={v}" for k, v in labels.items())
             wait_for(lambda: not kubectl.json("get", "pods", "-n", ns, "-l", sel)["items"], 120,
                      f"the pods of {ns}/{name} to stop")
-        yield [(ns, name) for ns, name, _, _ in paused]
+        with _policy_bindings_narrowed(kubectl, [i for i in instances if i]):
+            yield [(ns, name) for ns, name, _, _ in paused]
     finally:
         for ns, name, replicas, _ in paused:
             current = kubectl("get", "deployment", name, "-n", ns, "-o", "jsonpath={.spec.replicas}", check=False)
             if current.returncode == 0 and current.stdout.strip() == "0":  # e.g. a helm upgrade restored it
                 kubectl("scale", "deployment", name, "-n", ns, f"--replicas={replicas}", check=False)
+
+
+@contextlib.contextmanager
+def _policy_bindings_narrowed(kubectl: Kubectl, instances: list[str]):
+    """The admission policy bindings of the paused releases `instances` that cover every namespace leave out the
+    test namespaces (TEST_LABEL) meanwhile; each is given back the scope it had, unless someone changed it."""
+    narrowed, not_tests = [], [{"key": TEST_LABEL, "operator": "DoesNotExist"}]
+    for instance in instances:
+        bindings = kubectl.json("get", "validatingadmissionpolicybindings",
+                                "-l", f"app.kubernetes.io/name=ddp-operator,app.kubernetes.io/instance={instance}")
+        for b in bindings["items"]:
+            if b["spec"].get("matchResources", {}).get("namespaceSelector", {}).get("matchExpressions"):
+                continue  # scoped to named namespaces: it leaves the tests' alone
+            name = b["metadata"]["name"]
+            print(f"leaving the test namespaces out of the paused release's admission policy binding {name}")
+            kubectl("patch", "validatingadmissionpolicybinding", name, "--type=merge", "-p", json.dumps(
+                {"spec": {"matchResources": {"namespaceSelector": {"matchExpressions": not_tests}}}}))
+            narrowed.append((name, b["spec"].get("matchResources")))
+    try:
+        yield
+    finally:
+        for name, scope in narrowed:
+            now = kubectl("get", "validatingadmissionpolicybinding", name, "-o", "json", check=False)
+            if now.returncode != 0 or (json.loads(now.stdout)["spec"].get("matchResources", {})
+                                       .get("namespaceSelector", {}).get("matchExpressions") != not_tests):
+                continue  # deleted, or scoped anew (e.g. by a helm upgrade) meanwhile
+            patch = ([{"op": "replace", "path": "/spec/matchResources", "value": scope}] if scope is not None
+                     else [{"op": "remove", "path": "/spec/matchResources"}])
+            kubectl("patch", "validatingadmissionpolicybinding", name, "--type=json", "-p", json.dumps(patch),
+                    check=False)

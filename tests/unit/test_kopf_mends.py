@@ -1,5 +1,6 @@
 """kopf_mends: kopf's own orchestration (real watcher tasks, real toggle sets) with only the API's watch stream replaced
-by one whose first listing never ends in the namespace that is then deleted."""
+by one whose first listing never ends in the namespace that is then deleted; kopf's "indexed" toggle set driven as
+its initial listing drives it, counting how often its waiters test it."""
 
 from __future__ import annotations
 
@@ -28,11 +29,11 @@ def _watch_stream(**kwargs):
     return stream()
 
 
-async def _indexed_after_a_namespace_vanished() -> bool:
+async def _indexed_after_a_namespace_vanished(toggle_set=aiotoggles.ToggleSet) -> bool:
     async def processor(**_):
         pass
 
-    ensemble = orchestration.Ensemble(operator_indexed=aiotoggles.ToggleSet(all),
+    ensemble = orchestration.Ensemble(operator_indexed=toggle_set(all),
                                       operator_paused=aiotoggles.ToggleSet(any),
                                       peering_missing=aiotoggles.Toggle())
     namespaces = {LISTED_AT_ONCE, VANISHES}
@@ -62,17 +63,61 @@ def test_kopf_still_blocks_every_handler_when_a_namespace_vanishes_before_its_li
     assert asyncio.run(_indexed_after_a_namespace_vanished()) is False
 
 
-def test_mended_kopf_runs_handlers_again_once_the_vanished_namespaces_watcher_ended(stream):
+@pytest.mark.parametrize("toggle_set", [aiotoggles.ToggleSet, kopf_mends.IndexedToggleSet])
+def test_mended_kopf_runs_handlers_again_once_the_vanished_namespaces_watcher_ended(stream, toggle_set):
     kopf_mends.apply()
-    assert asyncio.run(_indexed_after_a_namespace_vanished()) is True
+    assert asyncio.run(_indexed_after_a_namespace_vanished(toggle_set)) is True
 
 
-def test_mend_is_applied_once():
+def test_mend_is_applied_once(monkeypatch):
     original = queueing.watcher
+    monkeypatch.setattr(orchestration, "aiotoggles", aiotoggles)
     try:
         kopf_mends.apply()
-        once = queueing.watcher
+        once, toggles = queueing.watcher, orchestration.aiotoggles
         kopf_mends.apply()
         assert queueing.watcher is once and once is not original
+        assert orchestration.aiotoggles is toggles and toggles.ToggleSet is kopf_mends.IndexedToggleSet
+        assert toggles.Toggle is aiotoggles.Toggle  # the rest of the module as it was
     finally:
         queueing.watcher = original
+
+
+# --- a start with N objects listed ------------------------------------------------------------------------------
+async def _tests_of_the_set_during_a_listing(toggle_set, objects: int) -> int:
+    """kopf's initial listing as queueing.py and processing.py drive the "indexed" set: the listing holds a toggle;
+    each object listed makes one, drops it once indexed and waits for the whole set to turn on (every object
+    indexed) before its handlers run. Returns how often the set was tested; every object's wait must end."""
+    indexed = toggle_set(all)
+    tests = 0
+    is_on = indexed.is_on
+
+    def counted() -> bool:
+        nonlocal tests
+        tests += 1
+        return is_on()
+    indexed.is_on = counted
+
+    async def object_listed(toggle):
+        await indexed.drop_toggle(toggle)
+        await indexed.wait_for(True)
+
+    listing = await indexed.make_toggle(name="listing")
+    waiting = []
+    for _ in range(objects):
+        waiting.append(asyncio.create_task(object_listed(await indexed.make_toggle())))
+        await asyncio.sleep(0)  # its worker runs before the next object arrives
+    assert not indexed.is_on() and not any(t.done() for t in waiting), "no handler runs before the listing ends"
+    await indexed.drop_toggle(listing)
+    await asyncio.wait_for(asyncio.gather(*waiting), 30)
+    return tests
+
+
+def test_kopf_tests_its_indexed_set_quadratically_in_the_objects_listed():
+    """The defect the mend exists for: every change wakes every waiter. When a kopf release fixes it, this fails."""
+    assert asyncio.run(_tests_of_the_set_during_a_listing(aiotoggles.ToggleSet, 400)) > 400 ** 2 / 4
+
+
+@pytest.mark.parametrize("objects", [400, 4000])
+def test_mended_indexed_set_is_tested_a_few_times_per_object(objects):
+    assert asyncio.run(_tests_of_the_set_during_a_listing(kopf_mends.IndexedToggleSet, objects)) <= 5 * objects
