@@ -7,7 +7,7 @@ export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)
         test test-unit test-trainer test-gpu test-cluster test-integration test-e2e test-chart \
         demo demo-down kind-e2e kind-node-loss kueue-up kueue-down \
         bench-trainer-recovery bench-baselines bench-overhead bench-resident-commit bench-e2e-recovery bench-startup bench-api \
-        bench-scale bench-faults bench-kueue bench-node-loss bench-rdzv-scale bench-scale-sim bench-report
+        bench-scale bench-faults bench-kueue bench-node-loss bench-rdzv-scale bench-scale-sim bench-largest-job bench-report
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-24s %s\n", $$1, $$2}'
@@ -126,6 +126,9 @@ bench-rdzv-scale: ## the c10d rendezvous with 8-512 agents on loopback, torch's 
 bench-scale-sim: ## the control plane at 10-1,000 nodes with kwok: one job, deletions, hang polls, node loss, 100x32 and 1,000x1 jobs, a restart (docs/bench/scale_sim.json)
 	hack/build-binaries.sh kwok
 	$(PY) tests/benchmarks/scale_sim.py --record
+
+bench-largest-job: ## the largest real job here: 8 pods x 1 process, two pods killed at once, then the store pod; bitwise vs an uninterrupted run (docs/bench/largest_job.json)
+	$(PY) tests/benchmarks/largest_job.py --record
 
 bench-report: ## rewrite the README's Measured table and docs/recovery.md's baselines from docs/bench/*.json
 	$(PY) tests/benchmarks/report.py --write

@@ -328,6 +328,22 @@ def rdzv_scale(doc: Doc) -> str:
         for run, s in by_n[n].items()) + " — [docs/scale.md](docs/scale.md#the-rendezvous-at-512-agents)")
 
 
+def largest_job(doc: Doc) -> str:
+    r = doc["result"]
+    faults = r.get("faults") or {}
+
+    def fault(name: str, what: str) -> str:
+        f = faults.get(name) or {}
+        if not f.get("recovered"):
+            return f"{what}: not survived"
+        return (f"{what}: resumed in {_n(f.get('recovery_s'), ' s')} from step {_n(f.get('resumed_from'))} "
+                f"({f.get('source')}), {_n(f.get('steps_lost'))} lost")
+    phases = r.get("phases") or {}
+    return (f"{r.get('nodes')} pods: " + "; ".join((fault("two_pods", "two pods at once"), fault("store", "store pod")))
+            + f"; {'Succeeded' if phases.get('big') == 'Succeeded' else phases.get('big')}, weights "
+            + ("bitwise equal to the uninterrupted job's" if r.get("bitwise_equal") else "**not** bitwise equal"))
+
+
 def faults_summary(doc: Doc) -> str:
     r = doc["result"]
     names = [f for f, *_ in FAULT_ROWS if f in r]
@@ -368,6 +384,8 @@ ROWS: list[tuple[str, str, Callable[[Doc], str], str, str]] = [
     ("the rendezvous re-formed after one agent lost without leaving (real handlers against one store, loopback): "
      "torch's `c10d` (the replacement waits for the expiry), `ddpjob-c10d` with rule 4's take-over and with a spare",
      "rdzv_scale", rdzv_scale, "≤ 5 s at 512 agents; store ops per agent per round O(1)", "make bench-rdzv-scale"),
+    ("the largest real job here (1 process per pod, digits): two trainer pods killed at once, then the store pod",
+     "largest_job", largest_job, "survived, ≤ 1 step lost, bitwise", "make bench-largest-job"),
     ("DDPJobs at once, control plane only", "scale", scale, "200 in ≤ 30 s, ≤ 200 MiB", "make bench-scale"),
     ("one DDPJob on kwok fake nodes, control plane only (the operator as a host process)", "scale_sim", scale_sim,
      "≤ 10 s, ≤ N+3 creates, ≤ 6 status writes, p99 ≤ 1 s, ≤ nodeLostTimeoutSeconds + 10 s, ≤ 10 s, ≤ 400 MiB",
