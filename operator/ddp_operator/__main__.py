@@ -141,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         # kopf logs every handler run at INFO; our reconciler logs what it does instead.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     from ddp_operator import handlers  # registers the kopf handlers
+    from ddp_operator.jobs import kept_pod
     from ddp_operator.reconciler import Config
 
-    kopf_mends.apply()
+    kopf_mends.apply(slimmers={("", "pods"): kept_pod})  # the operator reads a pod's kept_pod only
 
     config = Config(network_policy=network_policy_config(args), kueue=args.kueue == "true",
                     diagnostics=diagnostics_tools(args))

@@ -21,6 +21,12 @@ objects cost O(N²) wake-ups before the first handler runs (5,400 pods kept a re
 minutes). The mend gives the operator an "indexed" set whose waiters for "all indexed" sleep on one ``asyncio.Event``
 instead, set and cleared as the set changes: a change costs one test of the set, and the waiters wake once, when it
 is empty.
+
+**kopf holds every object's whole body while it lists them** (kopf 1.45). Each object listed at the start waits, with
+its raw event, until every object is indexed; a burst of events does the same in each object's queue. For pods that is
+the whole pod (its spec, managedFields, annotations: tens of KiB once parsed) of every labelled pod at once, the
+operator's peak memory. The mend keeps, in the events of the resources given to ``apply()`` (pods), only what the
+operator reads of them (``jobs.kept_pod``), before kopf queues them.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import asyncio
 import functools
 import logging
 import types
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
 from typing import Any
 
 from kopf._cogs.aiokits import aiotoggles
@@ -128,11 +134,38 @@ class IndexedToggleSet(aiotoggles.ToggleSet):
             await self._on.wait()
 
 
-def apply() -> None:
-    """Install every mend (idempotent). Called before kopf starts."""
+Slimmers = Mapping[tuple[str, str], Callable[[dict], dict]]  # (API group, plural) -> what is kept of an object
+_SLIMMED_TYPES = (None, "ADDED", "MODIFIED", "DELETED")  # None: an object of the initial listing
+
+
+def watch_slimmed(infinite_watch: Callable[..., AsyncIterator[Any]], slimmers: Slimmers
+                  ) -> Callable[..., AsyncIterator[Any]]:
+    """``infinite_watch`` (kopf's ``watching.infinite_watch``), such that the objects of the resources in `slimmers`
+    come out of it as their slimmer keeps them; bookmarks, errors and other resources' events as they are."""
+    if getattr(infinite_watch, "_ddpjob_slimmers", None) is not None:
+        infinite_watch = infinite_watch.__wrapped__  # type: ignore[attr-defined]
+
+    @functools.wraps(infinite_watch)
+    async def slimmed(*args: Any, resource: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        slim = slimmers.get((resource.group, resource.plural))
+        async for event in infinite_watch(*args, resource=resource, **kwargs):
+            if slim is not None and isinstance(event, dict) and event.get("type") in _SLIMMED_TYPES \
+                    and isinstance(event.get("object"), dict):
+                event = {**event, "object": slim(event["object"])}
+            yield event
+
+    slimmed._ddpjob_slimmers = slimmers  # type: ignore[attr-defined]
+    return slimmed
+
+
+def apply(slimmers: Slimmers | None = None) -> None:
+    """Install every mend (idempotent; `slimmers` replace those given before). Called before kopf starts."""
+    from kopf._cogs.clients import watching
     from kopf._core.reactor import orchestration, queueing  # the orchestrator calls queueing.watcher through the module
 
     queueing.watcher = watcher_dropping_its_index_toggles(queueing.watcher)
+    if slimmers:
+        watching.infinite_watch = watch_slimmed(watching.infinite_watch, slimmers)  # queueing calls it by the module
     # The orchestrator makes its "indexed" set with aiotoggles.ToggleSet(all), its only ToggleSet.
     if not getattr(orchestration.aiotoggles, "_ddpjob_mended", False):
         orchestration.aiotoggles = types.SimpleNamespace(**{**vars(aiotoggles), "ToggleSet": IndexedToggleSet,

@@ -121,3 +121,112 @@ def test_kopf_tests_its_indexed_set_quadratically_in_the_objects_listed():
 @pytest.mark.parametrize("objects", [400, 4000])
 def test_mended_indexed_set_is_tested_a_few_times_per_object(objects):
     assert asyncio.run(_tests_of_the_set_during_a_listing(kopf_mends.IndexedToggleSet, objects)) <= 5 * objects
+
+
+# --- what kopf holds of each object ---------------------------------------------------------------------------
+PODS = references.Resource(group="", version="v1", plural="pods", namespaced=True)
+
+
+def _pod(i: int) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"job-{i}", "namespace": "ml", "uid": f"uid-{i}", "labels": {"ddp.dev/job-name": "job"},
+                         "annotations": {"bulk": "x" * 65536}, "managedFields": [{"manager": "kubelet"}] * 20},
+            "spec": {"nodeName": "n1", "containers": [{"name": "trainer", "image": "i", "env": [{"name": "A"}] * 50}]},
+            "status": {"phase": "Running", "podIP": "10.0.0.1"}}
+
+
+def _events_through(slimmers, resource, events) -> list:
+    async def stream(**_):
+        for e in events:
+            yield e
+
+    async def collect():
+        return [e async for e in kopf_mends.watch_slimmed(stream, slimmers)(
+            settings=kopf.OperatorSettings(), resource=resource, namespace=None)]
+    return asyncio.run(collect())
+
+
+def test_pod_events_reach_kopf_as_the_operator_keeps_them():
+    from ddp_operator.jobs import kept_pod
+
+    listed, added, deleted = ({"type": t, "object": _pod(i)} for i, t in enumerate((None, "ADDED", "DELETED")))
+    error = {"type": "ERROR", "object": {"kind": "Status", "code": 410}}
+    out = _events_through({("", "pods"): kept_pod}, PODS,
+                          [listed, watching.Bookmark.LISTED, added, error, {"type": "BOOKMARK"}, deleted])
+    assert [e if isinstance(e, watching.Bookmark) else e["type"] for e in out] == \
+        [None, watching.Bookmark.LISTED, "ADDED", "ERROR", "BOOKMARK", "DELETED"]
+    for e, i in ((out[0], 0), (out[2], 1), (out[5], 2)):
+        assert e["object"] == kept_pod(_pod(i)) and "annotations" not in e["object"]["metadata"]
+        assert e["object"]["metadata"]["uid"] == f"uid-{i}" and e["object"]["metadata"]["labels"]
+    assert out[3] is error  # not an object of the resource: as it came
+
+
+def test_other_resources_events_are_left_whole():
+    from ddp_operator.jobs import kept_pod
+
+    job = {"type": "ADDED", "object": {"metadata": {"name": "job", "uid": "u", "annotations": {"a": "b"}},
+                                       "spec": {"nodes": 2}}}
+    assert _events_through({("", "pods"): kept_pod}, JOBS, [job]) == [job]
+
+
+def test_the_slimmed_stream_is_installed_once(monkeypatch):
+    from ddp_operator.jobs import kept_pod
+
+    monkeypatch.setattr(watching, "infinite_watch", watching.infinite_watch)
+    monkeypatch.setattr(queueing, "watcher", queueing.watcher)
+    monkeypatch.setattr(orchestration, "aiotoggles", aiotoggles)
+    original = watching.infinite_watch
+    kopf_mends.apply(slimmers={("", "pods"): kept_pod})
+    once = watching.infinite_watch
+    kopf_mends.apply(slimmers={("", "pods"): kept_pod})
+    assert watching.infinite_watch is not once and watching.infinite_watch.__wrapped__ is original  # not nested
+    kopf_mends.apply()
+    assert watching.infinite_watch.__wrapped__ is original  # no slimmers given: the ones before stay
+
+
+async def _bytes_held_per_pod_while_listing(pods: int) -> float:
+    """kopf's own watcher (mended as the operator mends it) lists `pods` pods whose listing does not end: each
+    object's worker waits, with its event, as processing.py waits until every object is indexed. Returns the memory
+    allocated meanwhile (tracemalloc) per pod."""
+    import gc
+    import tracemalloc
+
+    async def listing(**_):
+        for i in range(pods):
+            yield {"type": None, "object": _pod(i)}
+        await asyncio.Event().wait()  # the listing is still under way
+
+    async def processor(raw_event, operator_indexed, resource_indexed, **_):
+        if resource_indexed is not None:
+            await operator_indexed.drop_toggle(resource_indexed)
+        await operator_indexed.wait_for(True)  # every object indexed: never, here
+        return raw_event and None
+
+    watching.infinite_watch = listing
+    from ddp_operator.jobs import kept_pod
+    kopf_mends.apply(slimmers={("", "pods"): kept_pod})
+    ensemble = orchestration.Ensemble(operator_indexed=aiotoggles.ToggleSet(all),
+                                      operator_paused=aiotoggles.ToggleSet(any), peering_missing=aiotoggles.Toggle())
+    gc.collect()
+    tracemalloc.start()
+    try:
+        await orchestration.spawn_missing_watchers(
+            processor=processor, settings=kopf.OperatorSettings(), indexed_resources={PODS}, watched_resources={PODS},
+            watched_namespaces={None}, ensemble=ensemble)
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+        gc.collect()
+        held, _ = tracemalloc.get_traced_memory()
+        return held / pods
+    finally:
+        tracemalloc.stop()
+        await orchestration.terminate_redundancies(remaining_resources=set(), remaining_namespaces=set(),
+                                                   ensemble=ensemble)
+
+
+def test_a_listing_holds_what_the_operator_keeps_of_each_pod_not_the_pod(monkeypatch):
+    monkeypatch.setattr(watching, "infinite_watch", watching.infinite_watch)
+    monkeypatch.setattr(queueing, "watcher", queueing.watcher)
+    monkeypatch.setattr(orchestration, "aiotoggles", aiotoggles)
+    per_pod = asyncio.run(_bytes_held_per_pod_while_listing(300))
+    assert per_pod < 16 * 1024, f"{per_pod:.0f} bytes held per pod listed (the pod's annotation alone is 64 KiB)"
