@@ -46,6 +46,10 @@ summary() { # exit status
     "$PY" -m tests.e2e.shared_release down >/dev/null 2>&1 || true
   fi
   rm -rf "$TMP"
+  if [[ $rc -ne 0 ]] && compgen -G ".test-results/*.xml" >/dev/null; then  # last, where a log's tail shows it
+    log "the tests that failed:"
+    "$PY" hack/test_times.py --failures .test-results/*.xml >&2 || true
+  fi
   log "stage times:"
   printf '  %s\n' "${STAGES[@]}" >&2
   printf '  %-52s %5d s\n' total $((SECONDS - STARTED)) >&2

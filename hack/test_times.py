@@ -4,6 +4,7 @@
 docs/testing.md.
 
     hack/test_times.py FILE.xml [FILE.xml ...] [--top 25]
+    hack/test_times.py --failures FILE.xml [...]   # one line per failed test: its id and the first line of why
 
 A test's time is what JUnit records for it: its setup (fixtures, e.g. the first test of a module pays for a module
 fixture), call and teardown.
@@ -35,6 +36,20 @@ def cases(paths: list[Path]) -> list[tuple[str, str, float, str]]:
     return out
 
 
+def failures(paths: list[Path]) -> list[str]:
+    """`module::test (failure|error): the first line of its message` for every test that did not pass."""
+    out = []
+    for path in paths:
+        for case in ET.parse(path).getroot().iter("testcase"):
+            for tag in ("failure", "error"):
+                found = case.find(tag)
+                if found is not None:
+                    module = case.get("classname", "").replace(".", "/")
+                    why = (found.get("message") or found.text or "").strip().splitlines()
+                    out.append(f"{module}.py::{case.get('name', '')} ({tag}): {why[0][:300] if why else ''}")
+    return out
+
+
 def tables(rows: list[tuple[str, str, float, str]], top: int) -> str:
     by_dir: dict[str, list[float]] = defaultdict(list)
     by_module: dict[str, list[float]] = defaultdict(list)
@@ -59,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("files", nargs="+", type=Path)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--failures", action="store_true", help="only the tests that failed, one line each")
     a = ap.parse_args(argv)
+    if a.failures:
+        print("\n".join(failures(a.files)) or "no failed test in the JUnit files")
+        return 0
     rows = cases(a.files)
     if not rows:
         print("no test cases in " + ", ".join(map(str, a.files)), file=sys.stderr)
