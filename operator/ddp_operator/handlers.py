@@ -112,9 +112,21 @@ def on_network_policy(event: Mapping[str, Any], namespace: str, name: str, uid: 
                       **kwargs: Any) -> None:
     """A deleted policy is put back at once (level-based, like every child), even when it was deleted before the
     watch ever showed it to a pass."""
+    _child_deleted(event, "NetworkPolicy", namespace, name, uid, memo, kwargs)
+
+
+@kopf.on.event("v1", "services", labels=OWNED)
+def on_service(event: Mapping[str, Any], namespace: str, name: str, uid: str, memo: kopf.Memo,
+               **kwargs: Any) -> None:
+    """Likewise the job's headless Service."""
+    _child_deleted(event, "Service", namespace, name, uid, memo, kwargs)
+
+
+def _child_deleted(event: Mapping[str, Any], kind: str, namespace: str, name: str, uid: str, memo: kopf.Memo,
+                   kwargs: Mapping[str, Any]) -> None:
     r = _bound(memo, kwargs)
-    if event.get("type") == "DELETED":
-        r.jobs.policy_gone((namespace, name), uid)
+    if event.get("type") == "DELETED":  # the child is named after its job
+        r.jobs.child_gone((namespace, name), kind, uid)
         _pass(r, namespace, name)
 
 

@@ -110,7 +110,8 @@ class JobRecord:
     waiting: bool = False                # a pass for a child's event waits to start (Reconciler.child_changed)
     tombstones: dict[str, dict] = field(default_factory=dict)  # pod UID -> the pod as last seen, until a pass saw it
     created: dict[str, Created] = field(default_factory=dict)  # pod name -> created, not yet in the index
-    policy_created: tuple[str, float] | None = None  # the NetworkPolicy created, not yet in the index: (UID, when)
+    # The Service and NetworkPolicy this operator created, not yet in the index: kind -> (UID, when).
+    children_created: dict[str, tuple[str, float]] = field(default_factory=dict)
     conflicts: dict[str, tuple[str, float]] = field(default_factory=dict)  # child name -> (why, when last checked)
     refusals: dict[str, Refusal] = field(default_factory=dict)  # child name -> its create's last refusal
     objects: dict[str, JobObject] = field(default_factory=dict)  # job UID -> what is kept of that object
@@ -229,13 +230,13 @@ class JobRegistry:
         with self.guard:
             self._records.setdefault(key, JobRecord()).tombstones[pod["metadata"]["uid"]] = kept_pod(pod)
 
-    def policy_gone(self, key: Key, uid: str) -> None:
-        """The job's NetworkPolicy `uid` was deleted: a policy the operator created and the index never showed is
-        not taken for existing any longer, so the next pass puts it back."""
+    def child_gone(self, key: Key, kind: str, uid: str) -> None:
+        """The job's Service or NetworkPolicy `uid` was deleted: one the operator created and the index never showed
+        is not taken for existing any longer, so the next pass puts it back."""
         with self.guard:
             record = self._records.get(key)
-            if record is not None and record.policy_created and record.policy_created[0] == uid:
-                record.policy_created = None
+            if record is not None and record.children_created.get(kind, ("",))[0] == uid:
+                del record.children_created[kind]
 
     def wake(self, key: Key, after: float) -> None:
         """Ask for a pass of the job `after` seconds from now (the earliest of those asked for wins)."""

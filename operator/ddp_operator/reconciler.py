@@ -204,14 +204,24 @@ class Reconciler:
     def _network_policies(self, key: Key, uid: str) -> list[str]:
         """UIDs of the job's NetworkPolicy: the index's, or one just created that the watch does not show yet."""
         policies = [uid_ for uid_, owners in self.jobs.values("network_policies_by_job", key) if uid in owners]
+        return policies or self._just_created(key, "NetworkPolicy", bool(policies))
+
+    def _service_exists(self, key: Key) -> bool:
+        """Whether the job's Service is in the index, or was just created and the watch does not show it yet."""
+        indexed = bool(self.jobs.values("services_by_job", key))
+        return indexed or bool(self._just_created(key, "Service", indexed))
+
+    def _just_created(self, key: Key, kind: str, indexed: bool) -> list[str]:
+        """[UID] of the child of `kind` this operator created within CREATED_MEMORY_SECONDS while the index does not
+        show it yet, else []; forgotten once the index shows one."""
         record = self.jobs.record(key)
         with self.jobs.guard:
-            created = record.policy_created
-            if created and (policies or time.monotonic() - created[1] > CREATED_MEMORY_SECONDS):
-                record.policy_created = None
+            created = record.children_created.get(kind)
+            if created and (indexed or time.monotonic() - created[1] > CREATED_MEMORY_SECONDS):
+                del record.children_created[kind]
             elif created:
-                policies = [created[0]]
-        return policies
+                return [created[0]]
+        return []
 
     # --- the pass ---------------------------------------------------------------------------------
     def reconcile(self, namespace: str, name: str, body: Mapping[str, Any] | None = None, *,
@@ -291,7 +301,7 @@ class Reconciler:
                  if job.spec.failure_policy.node_lost_timeout_seconds else {})
         policies = self._network_policies(key, uid)
         conflicts, refusals = self.backoff.observed(key)
-        observed = Observed(pods=pods, service_exists=bool(self.jobs.values("services_by_job", key)),
+        observed = Observed(pods=pods, service_exists=self._service_exists(key),
                             node_ready=node_ready, network_policy_exists=bool(policies),
                             network_policy_uid=policies[0] if policies else None, conflicts=conflicts,
                             refusals=refusals, nodes=nodes, **found,
@@ -414,15 +424,15 @@ class Reconciler:
             self.api.delete_job(namespace, action.name, body["metadata"]["uid"])
 
     def _created(self, key: Key, action: Any, created: dict) -> None:
-        """Remember a created pod or NetworkPolicy until the watch shows it: the next pass does not create it
+        """Remember a created pod, Service or NetworkPolicy until the watch shows it: the next pass does not create it
         again."""
         log.info("[%s/%s] created %s %s", *key, action.kind, action.name)
         record = self.jobs.record(key)
         with self.jobs.guard:
             if action.kind == "Pod":
                 record.created[action.name] = Created(kept_pod(created), time.monotonic())
-            elif action.kind == "NetworkPolicy":
-                record.policy_created = (created["metadata"].get("uid"), time.monotonic())
+            elif action.kind in ("NetworkPolicy", "Service"):
+                record.children_created[action.kind] = (created["metadata"].get("uid"), time.monotonic())
 
     # --- Kueue ----------------------------------------------------------------------------------------
     def _observe_kueue(self, key: Key, uid: str, priority_class: str | None) -> dict[str, Any]:
