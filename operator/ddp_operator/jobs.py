@@ -230,6 +230,18 @@ class JobRegistry:
         with self.guard:
             self._records.setdefault(key, JobRecord()).tombstones[pod["metadata"]["uid"]] = kept_pod(pod)
 
+    def just_created(self, key: Key, kind: str, indexed: bool, memory_seconds: float) -> list[str]:
+        """[UID] of the child of `kind` (Service, NetworkPolicy) this operator created within `memory_seconds` while
+        the index does not show it yet, else []; forgotten once the index shows one (`indexed`)."""
+        with self.guard:
+            record = self._records.setdefault(key, JobRecord())
+            created = record.children_created.get(kind)
+            if created and (indexed or time.monotonic() - created[1] > memory_seconds):
+                del record.children_created[kind]
+            elif created:
+                return [created[0]]
+        return []
+
     def child_gone(self, key: Key, kind: str, uid: str) -> None:
         """The job's Service or NetworkPolicy `uid` was deleted: one the operator created and the index never showed
         is not taken for existing any longer, so the next pass puts it back."""

@@ -204,24 +204,12 @@ class Reconciler:
     def _network_policies(self, key: Key, uid: str) -> list[str]:
         """UIDs of the job's NetworkPolicy: the index's, or one just created that the watch does not show yet."""
         policies = [uid_ for uid_, owners in self.jobs.values("network_policies_by_job", key) if uid in owners]
-        return policies or self._just_created(key, "NetworkPolicy", bool(policies))
+        return policies or self.jobs.just_created(key, "NetworkPolicy", bool(policies), CREATED_MEMORY_SECONDS)
 
     def _service_exists(self, key: Key) -> bool:
         """Whether the job's Service is in the index, or was just created and the watch does not show it yet."""
         indexed = bool(self.jobs.values("services_by_job", key))
-        return indexed or bool(self._just_created(key, "Service", indexed))
-
-    def _just_created(self, key: Key, kind: str, indexed: bool) -> list[str]:
-        """[UID] of the child of `kind` this operator created within CREATED_MEMORY_SECONDS while the index does not
-        show it yet, else []; forgotten once the index shows one."""
-        record = self.jobs.record(key)
-        with self.jobs.guard:
-            created = record.children_created.get(kind)
-            if created and (indexed or time.monotonic() - created[1] > CREATED_MEMORY_SECONDS):
-                del record.children_created[kind]
-            elif created:
-                return [created[0]]
-        return []
+        return indexed or bool(self.jobs.just_created(key, "Service", indexed, CREATED_MEMORY_SECONDS))
 
     # --- the pass ---------------------------------------------------------------------------------
     def reconcile(self, namespace: str, name: str, body: Mapping[str, Any] | None = None, *,
