@@ -56,7 +56,8 @@ log = logging.getLogger("ddp_operator")
 COMPONENT = "ddp-operator"
 STATUS_COALESCE_SECONDS = 2.0
 STATUS_COALESCE_MAX_SECONDS = 30.0
-CREATE_WORKERS = 8  # a pass's pod creates in flight at once
+POD_WRITERS = 8  # a pass's pod creates (or deletes) in flight at once
+SIDE_BY_SIDE = (CREATE, DELETE, FORCE_DELETE)  # verbs whose runs of pod writes a pass sends side by side
 CREATED_MEMORY_SECONDS = 30.0
 TICK_SECONDS = 1.0
 RESYNC_SECONDS = 300.0
@@ -378,17 +379,17 @@ class Reconciler:
         self.backoff.forget_stale(key, {a.name for a in result.actions if a.verb == CREATE})
         actions, i = list(result.actions), 0
         while i < len(actions):
-            j = i
-            while j < len(actions) and actions[j].verb == CREATE and actions[j].kind == "Pod":
+            j = i + 1
+            while j < len(actions) and actions[i].kind == actions[j].kind == "Pod" \
+                    and actions[i].verb == actions[j].verb and actions[i].verb in SIDE_BY_SIDE:
                 j += 1
             if j - i > 1:
-                # A run of pod creates side by side (one after the other, a job of N pods waited N round trips)
-                with ThreadPoolExecutor(min(CREATE_WORKERS, j - i), thread_name_prefix="ddp-create") as pool:
-                    list(pool.map(lambda action: self._create(key, action), actions[i:j]))
-                i = j
-                continue
-            self._act(namespace, key, body, actions[i])
-            i += 1
+                # A run of pod creates or deletes side by side (one after the other, N pods waited N round trips)
+                with ThreadPoolExecutor(min(POD_WRITERS, j - i), thread_name_prefix="ddp-pods") as pool:
+                    list(pool.map(lambda action: self._act(namespace, key, body, action), actions[i:j]))
+            else:
+                self._act(namespace, key, body, actions[i])
+            i = j
 
     def _act(self, namespace: str, key: Key, body: Mapping, action: Any) -> None:
         if action.verb == CREATE:
