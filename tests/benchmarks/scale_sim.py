@@ -342,13 +342,15 @@ def many_jobs(sim: Sim, jobs: int, nodes: int) -> dict:
     h.log(f"{jobs}x{nodes}: {want} pods created in {t_created - t0:.1f} s, Running in {t_running - t0:.1f} s, "
           f"operator RSS {sim.op.rss_mib()} MiB")
     return {"jobs": jobs, "nodes": nodes, "pods": want, "pods_found": w.count(), "created_s": round(t_created - t0, 1),
-            "running_s": round(t_running - t0, 1), "operator_rss_mib": sim.op.rss_mib()}
+            "running_s": round(t_running - t0, 1), "operator_rss_mib": sim.op.rss_mib(),
+            "operator_rss_mib_max": sim.op.peak_rss_mib()}  # the peak so far: where the memory went
 
 
 def restart(sim: Sim, ns: str) -> dict:
     """Scenario d: SIGKILL, start again, delete one pod at once: the first correct pass is its replacement."""
     total = sum(w.count() for w in sim.watches.values())
     before = {ns_: {n: u[-1] for n, u in w.uids_by_name().items()} for ns_, w in sim.watches.items()}
+    peak_before = sim.op.peak_rss_mib()
     sim.op.kill()
     w = sim.watches[ns]
     probe = f"{JOB}-1"
@@ -362,8 +364,11 @@ def restart(sim: Sim, ns: str) -> dict:
     time.sleep(15)  # room for a wrong recreation to show
     recreated = sorted(f"{ns_}/{n}" for ns_, ws in sim.watches.items() for n, u in ws.uids_by_name().items()
                        if n in before.get(ns_, {}) and u[-1] != before[ns_][n] and not (ns_ == ns and n == probe))
-    h.log(f"restart with {total} pods: first correct pass {t1 - t0:.1f} s after the start; recreated {recreated[:5]}")
-    return {"pods": total, "first_pass_s": round(t1 - t0, 2), "recreated": recreated[:20]}
+    restarted_peak = round(sim.op.stat()[2], 1)
+    h.log(f"restart with {total} pods: first correct pass {t1 - t0:.1f} s after the start; recreated {recreated[:5]}; "
+          f"peak RSS {peak_before} MiB before the kill, {restarted_peak} MiB after the restart")
+    return {"pods": total, "first_pass_s": round(t1 - t0, 2), "recreated": recreated[:20],
+            "operator_rss_mib_max_before": peak_before, "restarted_rss_mib_max": restarted_peak}
 
 
 # --- the judgement -----------------------------------------------------------------------------------------------

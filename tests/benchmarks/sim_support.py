@@ -174,7 +174,7 @@ class SimOperator:
         self.process.start()
         return self
 
-    def _stat(self) -> tuple[float, float, float]:
+    def stat(self) -> tuple[float, float, float]:
         """(CPU seconds, RSS MiB, peak RSS MiB) of the running process; zeros when none runs."""
         pid = self.pid
         if pid is None:
@@ -189,18 +189,18 @@ class SimOperator:
             return 0.0, 0.0, 0.0
 
     def cpu_seconds(self) -> float:
-        return round(self.cpu_before + self._stat()[0], 2)
+        return round(self.cpu_before + self.stat()[0], 2)
 
     def rss_mib(self) -> float:
-        return round(self._stat()[1], 1)
+        return round(self.stat()[1], 1)
 
     def peak_rss_mib(self) -> float:
         """The highest resident memory of any of its processes so far (VmHWM)."""
-        return round(max(self.hwm_before, self._stat()[2]), 1)
+        return round(max(self.hwm_before, self.stat()[2]), 1)
 
     def kill(self) -> None:
         """SIGKILL, as a crash: nothing of it runs on."""
-        cpu, _, hwm = self._stat()
+        cpu, _, hwm = self.stat()
         self.cpu_before += cpu
         self.hwm_before = max(self.hwm_before, hwm)
         proc = self.process.proc
@@ -210,7 +210,7 @@ class SimOperator:
         self.process.proc = None
 
     def stop(self) -> None:
-        cpu, _, hwm = self._stat()
+        cpu, _, hwm = self.stat()
         self.cpu_before += cpu
         self.hwm_before = max(self.hwm_before, hwm)
         self.process.stop()
