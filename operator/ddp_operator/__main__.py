@@ -141,10 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         # kopf logs every handler run at INFO; our reconciler logs what it does instead.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     from ddp_operator import handlers  # registers the kopf handlers
-    from ddp_operator.jobs import kept_pod
+    from ddp_operator.jobs import kept_child, kept_pod, without_managed_fields
     from ddp_operator.reconciler import Config
 
-    kopf_mends.apply(slimmers={("", "pods"): kept_pod})  # the operator reads a pod's kept_pod only
+    # What kopf queues of each object: only what the operator reads (kopf_mends, "kopf holds every object's body")
+    kopf_mends.apply(slimmers={("", "pods"): kept_pod, ("", "services"): kept_child,
+                               (names.NETWORK_POLICY_API_VERSION.split("/")[0], "networkpolicies"): kept_child,
+                               (names.GROUP, names.PLURAL): without_managed_fields})
 
     config = Config(network_policy=network_policy_config(args), kueue=args.kueue == "true",
                     diagnostics=diagnostics_tools(args))

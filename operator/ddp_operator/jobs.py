@@ -63,6 +63,23 @@ def kept_pod(pod: Mapping[str, Any]) -> dict:
             "status": {k: copy.deepcopy(status[k]) for k in _POD_STATUS if k in status}}
 
 
+_CHILD_METADATA = ("name", "namespace", "uid", "resourceVersion", "labels", "ownerReferences", "deletionTimestamp")
+
+
+def kept_child(obj: Mapping[str, Any]) -> dict:
+    """What the operator reads of a job's Service or NetworkPolicy: who it is and who owns it."""
+    meta = obj.get("metadata") or {}
+    return {**{k: obj[k] for k in ("apiVersion", "kind") if k in obj},
+            "metadata": {k: copy.deepcopy(meta[k]) for k in _CHILD_METADATA if k in meta}}
+
+
+def without_managed_fields(body: Mapping[str, Any]) -> dict:
+    """A DDPJob as kopf needs it (its spec, status and annotations: kopf keeps its own state there), without the
+    server's field bookkeeping, which nobody here reads."""
+    meta = {k: v for k, v in (body.get("metadata") or {}).items() if k != "managedFields"}
+    return {**body, "metadata": meta}
+
+
 def kept_job(body: Mapping[str, Any]) -> dict:
     """A private copy of a DDPJob without what the shell never reads of it (_JOB_DROPPED_METADATA)."""
     kept = {k: copy.deepcopy(v) for k, v in body.items() if k != "metadata"}

@@ -176,3 +176,37 @@ def test_a_job_in_the_index_parses_the_same_without_its_bulk():
         {k: body["metadata"][k] for k in ("name", "namespace", "uid", "generation", "resourceVersion")}
     assert "managedFields" not in kept["metadata"] and "annotations" not in kept["metadata"]
     assert len(json.dumps(kept)) < 4096
+
+
+def test_a_services_and_a_policys_events_mean_to_the_operator_what_the_objects_mean():
+    """kopf_mends slims the events of the job's Service and NetworkPolicy to jobs.kept_child: the indexes and handlers
+    read the same from them."""
+    from ddp_operator.jobs import kept_child
+    from ddp_operator.netpol import NetworkPolicyConfig, render_network_policy
+    from ddp_operator.service import render_service
+
+    job = make_job()
+    for obj in (render_service(job), render_network_policy(job, NetworkPolicyConfig())):
+        obj["metadata"].update(uid="child-uid", resourceVersion="7", managedFields=[{"manager": BLOB}],
+                               annotations={"bulk": BLOB})
+        kept = kept_child(obj)
+        assert len(json.dumps(kept)) < 2048, kept
+        kw = dict(namespace="ml", name=obj["metadata"]["name"], labels=obj["metadata"]["labels"])
+        if obj["kind"] == "NetworkPolicy":
+            assert handlers.network_policies_by_job(body=kopf.Body(kept), **kw) == \
+                handlers.network_policies_by_job(body=kopf.Body(obj), **kw)
+        else:
+            assert handlers.services_by_job(body=kopf.Body(kept), **kw) == handlers.services_by_job(body=kopf.Body(obj),
+                                                                                                    **kw)
+
+
+def test_a_jobs_events_lose_only_the_servers_field_bookkeeping():
+    from ddp_operator.jobs import kept_job, without_managed_fields
+
+    body = job_body()
+    body["metadata"].update(managedFields=[{"manager": "kubectl", "fieldsV1": {"f:spec": BLOB}}],
+                            annotations={"ddp.dev/last-handled-configuration": '{"spec": {}}'})
+    slim = without_managed_fields(body)
+    assert "managedFields" not in slim["metadata"] and "managedFields" in body["metadata"]  # a copy, not an edit
+    assert slim["metadata"]["annotations"] == body["metadata"]["annotations"]  # kopf's own state stays
+    assert slim["spec"] == body["spec"] and kept_job(slim) == kept_job(body)
