@@ -60,9 +60,8 @@ def parse_args() -> argparse.Namespace:
 
 
 class Bench:
-    def __init__(self, a: argparse.Namespace, k: h.Kubectl):
-        self.a, self.k = a, k
-        self.ns = h.new_namespace(k, "bench-elastic")
+    def __init__(self, a: argparse.Namespace, k: h.Kubectl, ns: str):
+        self.a, self.k, self.ns = a, k, ns
         self.restored_at: dict[str, float] = {}  # job -> its last restore (the `since` of its next recovery)
 
     def apply(self, name: str, *, fixed: bool, backend: str | None) -> None:
@@ -209,22 +208,12 @@ def goals_missed(r: dict) -> list[str]:
 def main() -> int:
     a = parse_args()
     load = [round(os.getloadavg()[0], 2)]
-    _, k, op = h.start_operator()
-    bench = None
     detail: list[dict] = []
-    try:
-        bench = Bench(a, k)
+    with h.bench_namespace("bench-elastic") as (k, _, ns):
+        bench = Bench(a, k, ns)
         detail += bench.run_job("fixed", fixed=True, backend=None)
         detail += bench.run_job("elastic", fixed=False, backend=None)
         detail += bench.run_job(f"elastic-{a.baseline_backend}", fixed=False, backend=a.baseline_backend)
-    except BaseException:
-        if bench is not None:
-            print(h.diagnostics(k, bench.ns, op), file=sys.stderr)
-        raise
-    finally:
-        if bench is not None:
-            h.delete_namespace(k, bench.ns)
-        op.stop()
     r = result(detail, a.baseline_backend, a.step_delay, load + [round(os.getloadavg()[0], 2)])
     r["baseline"]["goals_missed"] = goals_missed(r["baseline"])  # what the baseline would miss: shown, not judged
     return results.emit_judged("elastic", r, goals_missed(r), mode="quick" if a.quick else "full", record=a.record)

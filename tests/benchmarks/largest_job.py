@@ -89,9 +89,8 @@ def goals_missed(r: dict) -> list[str]:
 
 
 class Bench:
-    def __init__(self, a: argparse.Namespace, k: h.Kubectl):
-        self.a, self.k = a, k
-        self.ns = h.new_namespace(k, "bench-largest-job")
+    def __init__(self, a: argparse.Namespace, k: h.Kubectl, ns: str):
+        self.a, self.k, self.ns = a, k, ns
         self.faults: dict[str, dict] = {}
 
     def job(self, name: str) -> dict:
@@ -152,19 +151,8 @@ class Bench:
 
 def main() -> int:
     a = parse_args()
-    _, k, op = h.start_operator()
-    bench = None
-    try:
-        bench = Bench(a, k)
-        result = bench.run()
-    except BaseException:
-        if bench is not None:
-            print(h.diagnostics(k, bench.ns, op), file=sys.stderr)
-        raise
-    finally:
-        if bench is not None:
-            h.delete_namespace(k, bench.ns)
-        op.stop()
+    with h.bench_namespace("bench-largest-job") as (k, _, ns):
+        result = Bench(a, k, ns).run()
     return results.emit_judged("largest_job", result, goals_missed(result), mode="quick" if a.quick else "full",
                                record=a.record)
 

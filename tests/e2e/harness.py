@@ -19,6 +19,7 @@ The operator (`DDPJOB_OPERATOR`):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -31,7 +32,7 @@ import time
 from calendar import timegm
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import yaml
 
@@ -312,6 +313,26 @@ def start_operator() -> tuple[Cluster, Kubectl, Operator]:
     k = Kubectl(cluster.kubeconfig)
     ensure_images(cluster)
     return cluster, k, Operator(cluster, k).start()
+
+
+@contextlib.contextmanager
+def bench_namespace(label: str) -> Iterator[tuple[Kubectl, Operator, str]]:
+    """A cluster benchmark's prelude and epilogue: the operator started (start_operator) and a fresh namespace,
+    yielded as (kubectl, operator, namespace); the namespace's diagnostics printed when the benchmark raises, then
+    the namespace deleted and the operator stopped, however it ended."""
+    _, k, op = start_operator()
+    ns = None
+    try:
+        ns = new_namespace(k, label)
+        yield k, op, ns
+    except BaseException:
+        if ns is not None:
+            print(diagnostics(k, ns, op), file=sys.stderr)
+        raise
+    finally:
+        if ns is not None:
+            delete_namespace(k, ns)
+        op.stop()
 
 
 def new_namespace(k: Kubectl, label: str) -> str:
