@@ -20,13 +20,21 @@ from tests.support.waiting import wait_for
 pytestmark = pytest.mark.cluster
 
 
+USER = "coexist-user"  # a namespace editor, not system:masters (the chart's policy lets that group through)
+
+
+def _may_create_pods(kubectl, namespace: str) -> None:
+    kubectl("create", "rolebinding", f"{USER}-edit", "--clusterrole=edit", f"--user={USER}", "-n", namespace)
+
+
 def _labelling_refused(kubectl, namespace: str) -> bool:
-    """Whether the admission policy refuses this identity (not the paused release's operator) a pod with the DDPJob
-    labels in `namespace` (a server-side dry run: admission runs, nothing is created)."""
+    """Whether the admission policy refuses USER (not the paused release's operator) a pod with the DDPJob labels
+    in `namespace` (a server-side dry run: admission runs, nothing is created)."""
     pod = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": "labelled", "labels": {"ddp.dev/job-name": "someone"}},
            "spec": {"nodeSelector": {"ddp.dev/test-node": "nowhere"}, "containers": [{"name": "c", "image": "x"}]}}
-    p = kubectl("create", "--dry-run=server", "-n", namespace, "-f", "-", input=json.dumps(pod), check=False)
+    p = kubectl("create", "--dry-run=server", f"--as={USER}", "-n", namespace, "-f", "-", input=json.dumps(pod),
+                check=False)
     assert p.returncode == 0 or "are set only by the ddp-operator" in p.stderr, p.stderr
     return p.returncode != 0
 
@@ -39,6 +47,8 @@ def test_a_cluster_wide_operator_the_tests_did_not_install_is_paused_then_restor
     try:
         helm("install", release, str(CHART), "-n", ns, "--create-namespace", "--timeout", "120s")
         wait_for(lambda: kubectl.json("get", "pods", "-n", ns, "-l", sel)["items"], 60, f"a pod of {deployment}")
+        for n in (namespace, ns):
+            _may_create_pods(kubectl, n)
         wait_for(lambda: _labelling_refused(kubectl, namespace), 30, "the release's admission policy in force")
 
         with foreign_operators_paused_in(kubectl) as paused:
