@@ -78,9 +78,8 @@ def compare_settings(text: str) -> dict[str, int]:
 
 
 class Bench:
-    def __init__(self, a: argparse.Namespace, k: h.Kubectl, op: h.Operator):
-        self.a, self.k, self.op = a, k, op
-        self.ns = h.new_namespace(k, "bench-recovery")
+    def __init__(self, a: argparse.Namespace, k: h.Kubectl, op: h.Operator, ns: str):
+        self.a, self.k, self.op, self.ns = a, k, op, ns
         self.jobs: list[str] = []
         self.records: list[dict] = []
         self.restored_at: dict[str, float] = {}  # job -> its last restore (the window of the next kill)
@@ -231,20 +230,10 @@ class Bench:
 
 def main() -> int:
     a = parse_args()
-    _, k, op = h.start_operator()
-    bench = None
-    try:
-        bench = Bench(a, k, op)
+    with h.bench_namespace("bench-recovery") as (k, op, ns):
+        bench = Bench(a, k, op, ns)
         bench.run()
         result = bench.result()
-    except BaseException:
-        if bench is not None:
-            print(h.diagnostics(k, bench.ns, op), file=sys.stderr)
-        raise
-    finally:
-        if bench is not None:
-            h.delete_namespace(k, bench.ns)
-        op.stop()
     results.emit("e2e_recovery", result, mode="quick" if a.quick else "full", record=a.record)
     return 0 if result["all_survived"] else 1
 
