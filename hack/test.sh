@@ -5,10 +5,10 @@
 #   2. the embedded cluster up (seconds once its binaries exist); behind stage 3, at low priority, what only later
 #      tests need: the Kueue manager, kind's binaries, Docker's package and the whole kind cluster of stage 4
 #      (KIND_PREPARE=1 hack/kind-e2e.sh: engine, node image, nodes, images, chart, warm-up)
-#   3. the tiers that use the cluster: (a) cluster and chart, with no other operator on the cluster, beside the
-#      loopback trainer benchmarks' smoke tests (no cluster; their jobs run while the chart's pods start); (b) side by side, against one operator and one
+#   3. the tiers that use the cluster: (a) cluster and chart, with no other operator on the cluster, beside half of
+#      the loopback trainer benchmarks' smoke tests (no cluster; their jobs run while the chart's pods start); (b) side by side, against one operator and one
 #      Kueue installed once: the e2e tier | the integration tier, then the benchmark smoke tests; (c) the faults of
-#      the control plane, alone on the embedded cluster, and beside them
+#      the control plane, alone on the embedded cluster, and beside them the other half of the trainer benchmarks and
 #   4. a node lost on that kind cluster (make kind-node-loss, KIND_CLUSTER_NAME=ddpjob-test), deleted afterwards
 # Each pytest run writes JUnit XML under .test-results/; hack/test_times.py turns it into the per-directory table
 # of docs/testing.md.
@@ -125,6 +125,13 @@ pid_later=$BG_PID
 # one Kueue installed before them (tests/e2e/shared_release.py; DDPJOB_OPERATOR=installed); (c) the control-plane
 # faults (an API server restart, a NotReady node: nothing else may run on the cluster) beside stage 4's kind test.
 CONTROL_PLANE=tests/benchmarks/test_cluster_benchmarks_run.py::test_faults_of_the_control_plane_and_the_node
+# The loopback trainer benchmarks' smoke tests (no cluster), in two halves of about 2.5 minutes: beside step 3a, and
+# beside step 3c.
+TRAINER_BENCH=tests/benchmarks/test_trainer_benchmarks_run.py
+BENCH_3A=("$TRAINER_BENCH::test_baselines_quick" "$TRAINER_BENCH::test_overhead_benchmark_quick"
+  "$TRAINER_BENCH::test_resident_commit_benchmark_quick")
+BENCH_3C=("$TRAINER_BENCH::test_recovery_benchmark_quick" "$TRAINER_BENCH::test_rdzv_scale_quick")
+NO_CLUSTER_TESTS=$([[ -n ${DDPJOB_TEST_CLUSTER_ONLY:-} && ${CI:-} != true ]] || echo yes)
 lane() { # name cmd...: a command in the background at normal priority, its output prefixed [name]; pid in LANE_PID
   local name=$1; shift
   ( "$@" > >(sed -u "s/^/[$name] /") 2>&1 ) &
@@ -140,8 +147,8 @@ e2e_lane() {
 t0=$SECONDS
 log "stage 3a: the embedded cluster's own tests and the chart's | the trainer benchmarks' smoke tests (loopback)"
 rc=0 rc_bench=0
-if [[ -z ${DDPJOB_TEST_CLUSTER_ONLY:-} || ${CI:-} == true ]]; then
-  lane bench pytest_run trainer-benchmarks tests/benchmarks/test_trainer_benchmarks_run.py
+if [[ -n $NO_CLUSTER_TESTS ]]; then
+  lane bench pytest_run trainer-benchmarks-a "${BENCH_3A[@]}"
   pid_bench=$LANE_PID
 fi
 pytest_run cluster tests/cluster tests/chart || rc=$?
@@ -175,9 +182,16 @@ else
   lane kind env KIND_CLUSTER_NAME=$KIND_NAME KIND_DELETE=1 make --no-print-directory kind-node-loss
   pid_kind=$LANE_PID
 fi
-log "stage 3c: the control plane's faults (alone on the embedded cluster)"
+log "stage 3c: the control plane's faults (alone on the embedded cluster) | the trainer benchmarks' other half"
+pid_bench=
+if [[ -n $NO_CLUSTER_TESTS ]]; then
+  lane bench pytest_run trainer-benchmarks-c "${BENCH_3C[@]}"
+  pid_bench=$LANE_PID
+fi
 pytest_run control-plane "$CONTROL_PLANE" || rc=$?
-record "stage 3c: control-plane faults" $((SECONDS - t0))
+[[ -z $pid_bench ]] || wait "$pid_bench" || rc_bench=$?
+record "stage 3c: control-plane faults | trainer benchmarks" $((SECONDS - t0))
+((rc_bench == 0)) || { log "a trainer benchmark's smoke test failed (exit $rc_bench); prefixed [bench]"; rc=1; }
 "$PY" -m tests.e2e.shared_release down && rm -f "$TMP/shared-up"
 "$PY" hack/test_times.py --top 10 .test-results/*.xml >&2 || true
 ((rc == 0)) || exit "$rc"
