@@ -74,17 +74,32 @@ def ts(value: str) -> float:
     return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
-def read_from(path: Path, offset: int) -> list[dict]:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        data = f.read()
-    out = []
-    for line in data.decode(errors="replace").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+class AuditCursor:
+    """The API server's audit log from a point on, rotation included (the rotated file keeps the inode it had)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        st = self.path.stat()
+        self.inode, self.offset = st.st_ino, st.st_size
+
+    def events(self) -> list[dict]:
+        files = []
+        if self.path.stat().st_ino != self.inode:
+            rotated = [p for p in self.path.parent.glob("audit*.log") if p.stat().st_ino == self.inode]
+            files += [(p, self.offset) for p in rotated] + [(self.path, 0)]
+        else:
+            files.append((self.path, self.offset))
+        out = []
+        for path, offset in files:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+            for line in data.splitlines():
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+        return out
 
 
 def classify(ev: dict) -> str:
@@ -116,7 +131,7 @@ def measure(a: argparse.Namespace, k: h.Kubectl, op: h.Operator, audit: Path, us
             del manifest["spec"]["progressPeriodSeconds"]  # the API server fills in the CRD's default
         else:
             manifest["spec"]["progressPeriodSeconds"] = period
-        offset = Path(audit).stat().st_size
+        cursor = AuditCursor(Path(audit))
         t_apply = time.time()
         h.apply(k, ns, manifest)
         applied = h.job(k, ns, JOB)["spec"].get("progressPeriodSeconds")
@@ -142,7 +157,7 @@ def measure(a: argparse.Namespace, k: h.Kubectl, op: h.Operator, audit: Path, us
         t_end = time.time()
 
         ops = []
-        for ev in read_from(Path(audit), offset):
+        for ev in cursor.events():
             ref = ev.get("objectRef") or {}
             if ev.get("verb") not in WRITE_VERBS or ref.get("namespace") != ns or ev.get("stage") != "ResponseComplete":
                 continue

@@ -21,7 +21,7 @@ from kubernetes import client as kclient
 from kubernetes import config as kconfig
 from kubernetes.watch.watch import iter_resp_lines
 
-from tests.benchmarks.api_writes import WRITE_VERBS, classify
+from tests.benchmarks.api_writes import WRITE_VERBS, AuditCursor, classify  # noqa: F401  AuditCursor: the sim's too
 from tests.support.processes import OperatorProcess
 from tests.support.suite import SIM_NS_PREFIX
 
@@ -220,34 +220,6 @@ class SimOperator:
 
     def log_tail(self, lines: int = 60) -> str:
         return self.process.log_tail(lines)
-
-
-class AuditCursor:
-    """The API server's audit log from a point on, rotation included (the rotated file keeps the inode it had)."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        st = self.path.stat()
-        self.inode, self.offset = st.st_ino, st.st_size
-
-    def events(self) -> list[dict]:
-        files = []
-        if self.path.stat().st_ino != self.inode:
-            rotated = [p for p in self.path.parent.glob("audit*.log") if p.stat().st_ino == self.inode]
-            files += [(p, self.offset) for p in rotated] + [(self.path, 0)]
-        else:
-            files.append((self.path, self.offset))
-        out = []
-        for path, offset in files:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read()
-            for line in data.splitlines():
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue
-        return out
 
 
 def operator_writes(events: list[dict], namespace: str, since: float = 0.0, until: float = float("inf")) -> Counter:
