@@ -205,12 +205,13 @@ class Reconciler:
     def _network_policies(self, key: Key, uid: str) -> list[str]:
         """UIDs of the job's NetworkPolicy: the index's, or one just created that the watch does not show yet."""
         policies = [uid_ for uid_, owners in self.jobs.values("network_policies_by_job", key) if uid in owners]
-        return policies or self.jobs.just_created(key, "NetworkPolicy", bool(policies), CREATED_MEMORY_SECONDS)
+        created = self.jobs.just_created(key, "NetworkPolicy", bool(policies), CREATED_MEMORY_SECONDS)
+        return policies or created
 
     def _service_exists(self, key: Key) -> bool:
         """Whether the job's Service is in the index, or was just created and the watch does not show it yet."""
         indexed = bool(self.jobs.values("services_by_job", key))
-        return indexed or bool(self.jobs.just_created(key, "Service", indexed, CREATED_MEMORY_SECONDS))
+        return bool(self.jobs.just_created(key, "Service", indexed, CREATED_MEMORY_SECONDS)) or indexed
 
     # --- the pass ---------------------------------------------------------------------------------
     def reconcile(self, namespace: str, name: str, body: Mapping[str, Any] | None = None, *,
