@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # `make test`: the whole suite as CI runs it, in stages whose times are printed at the end (also after a failure).
-#   1. side by side: the tests that need no cluster (unit, bootstrap, trainer, gpu) in front, and behind them, at a lower CPU priority so that they only take what the tests leave, the embedded
-#      cluster's Go binaries and both images (downloads, mostly, on a cold machine: the Debian base and torch)
+#   1. side by side: the tests that need no cluster (unit, bootstrap, trainer, gpu) in front, and behind them, at a
+#      lower CPU priority so that they only take what the tests leave, the embedded cluster's Go binaries and both
+#      images (downloads, mostly, on a cold machine: the Debian base and torch)
 #   2. the embedded cluster up (seconds once its binaries exist); behind stage 3, at low priority, what only later
 #      tests need: the Kueue manager, kind's binaries, Docker's package and the whole kind cluster of stage 4
 #      (KIND_PREPARE=1 hack/kind-e2e.sh: engine, node image, nodes, images, chart, warm-up)
 #   3. the tiers that use the cluster: (a) cluster and chart, with no other operator on the cluster, beside half of
-#      the loopback trainer benchmarks' smoke tests (no cluster; their jobs run while the chart's pods start); (b) side by side, against one operator and one
-#      Kueue installed once: the e2e tier | the integration tier, then the benchmark smoke tests; (c) the faults of
-#      the control plane, alone on the embedded cluster, and beside them the other half of the trainer benchmarks and
+#      the loopback trainer benchmarks' smoke tests (no cluster; their jobs run while the chart's pods start), then
+#      the shared operator and Kueue installed; (b) side by side, against them: the e2e tier | the integration tier,
+#      then the benchmark smoke tests; (c) the faults of the control plane, alone on the embedded cluster, and
+#      beside them the other half of the trainer benchmarks and
 #   4. a node lost on that kind cluster (make kind-node-loss, KIND_CLUSTER_NAME=ddpjob-test), deleted afterwards
 # Each pytest run writes JUnit XML under .test-results/; hack/test_times.py turns it into the per-directory table
 # of docs/testing.md.
@@ -132,6 +134,17 @@ BENCH_3A=("$TRAINER_BENCH::test_baselines_quick" "$TRAINER_BENCH::test_overhead_
   "$TRAINER_BENCH::test_resident_commit_benchmark_quick")
 BENCH_3C=("$TRAINER_BENCH::test_recovery_benchmark_quick" "$TRAINER_BENCH::test_rdzv_scale_quick")
 NO_CLUSTER_TESTS=$([[ -n ${DDPJOB_TEST_CLUSTER_ONLY:-} && ${CI:-} != true ]] || echo yes)
+rc_bench=0
+bench_lane() { # name tests...: half of the trainer benchmarks in a lane (none under DDPJOB_TEST_CLUSTER_ONLY)
+  pid_bench=
+  [[ -n $NO_CLUSTER_TESTS ]] || return 0
+  lane bench pytest_run "$@"
+  pid_bench=$LANE_PID
+}
+bench_waited() { # wait for bench_lane's lane; its failure in rc_bench, said once
+  [[ -z $pid_bench ]] || wait "$pid_bench" || rc_bench=$?
+  ((rc_bench == 0)) || log "a trainer benchmark's smoke test failed (exit $rc_bench); its output is above, [bench]"
+}
 lane() { # name cmd...: a command in the background at normal priority, its output prefixed [name]; pid in LANE_PID
   local name=$1; shift
   ( "$@" > >(sed -u "s/^/[$name] /") 2>&1 ) &
@@ -144,11 +157,8 @@ e2e_lane() {
 
 t0=$SECONDS
 log "stage 3a: the embedded cluster's own tests and the chart's | the trainer benchmarks' smoke tests (loopback)"
-rc=0 rc_bench=0
-if [[ -n $NO_CLUSTER_TESTS ]]; then
-  lane bench pytest_run trainer-benchmarks-a "${BENCH_3A[@]}"
-  pid_bench=$LANE_PID
-fi
+rc=0
+bench_lane trainer-benchmarks-a "${BENCH_3A[@]}"
 pytest_run cluster tests/cluster tests/chart || rc=$?
 # Step 3b's operator and Kueue, installed before either of its lanes starts (the integration tier pauses any operator
 # that would handle its namespaces: `make demo`'s release, until `up` gives it the tests' values), while the
@@ -157,9 +167,8 @@ if ((rc == 0)); then
   touch "$TMP/shared-up"
   "$PY" -m tests.e2e.shared_release up || rc=$?
 fi
-[[ -z ${pid_bench:-} ]] || wait "$pid_bench" || rc_bench=$?
+bench_waited
 record "stage 3a: cluster, chart, shared up | benchmarks" $((SECONDS - t0))
-((rc_bench == 0)) || log "a trainer benchmark's smoke test failed (exit $rc_bench); its output is above, prefixed [bench]"
 ((rc == 0 && rc_bench == 0)) || exit 1
 
 t0=$SECONDS
@@ -188,15 +197,11 @@ else
   pid_kind=$LANE_PID
 fi
 log "stage 3c: the control plane's faults (alone on the embedded cluster) | the trainer benchmarks' other half"
-pid_bench=
-if [[ -n $NO_CLUSTER_TESTS ]]; then
-  lane bench pytest_run trainer-benchmarks-c "${BENCH_3C[@]}"
-  pid_bench=$LANE_PID
-fi
+bench_lane trainer-benchmarks-c "${BENCH_3C[@]}"
 pytest_run control-plane "$CONTROL_PLANE" || rc=$?
-[[ -z $pid_bench ]] || wait "$pid_bench" || rc_bench=$?
+bench_waited
 record "stage 3c: control-plane faults | trainer benchmarks" $((SECONDS - t0))
-((rc_bench == 0)) || { log "a trainer benchmark's smoke test failed (exit $rc_bench); prefixed [bench]"; rc=1; }
+((rc_bench == 0)) || rc=1
 "$PY" -m tests.e2e.shared_release down && rm -f "$TMP/shared-up"
 "$PY" hack/test_times.py --top 10 .test-results/*.xml >&2 || true
 ((rc == 0)) || exit "$rc"
