@@ -48,8 +48,9 @@ from kubernetes import config as kconfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from hack import kwok  # noqa: E402
 from tests.benchmarks import results  # noqa: E402
+from tests.benchmarks.api_writes import AuditCursor  # noqa: E402
 from tests.benchmarks.sim_support import (  # noqa: E402
-    AuditCursor, PodWatch, SilentServers, SimOperator, operator_writes, wait_until,
+    PodWatch, SilentServers, SimOperator, operator_writes, wait_until,
 )
 from tests.e2e import harness as h  # noqa: E402
 from tests.support.kube import Kubectl, create_test_namespace  # noqa: E402

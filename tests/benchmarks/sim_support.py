@@ -1,6 +1,6 @@
 """What tests/benchmarks/scale_sim.py observes, apart from its scenarios: every pod of a namespace as a watch sees it
 (`PodWatch`), the operator it runs as a host process and what /proc says of it (`SimOperator`), the operator's API
-writes in the audit log from a point on (`AuditCursor`), and loopback servers that accept and never answer
+writes in the audit log (`operator_writes`, over api_writes.AuditCursor), and loopback servers that accept and never answer
 (`SilentServers`, the slow probes of the hang scenario).
 """
 
@@ -21,7 +21,7 @@ from kubernetes import client as kclient
 from kubernetes import config as kconfig
 from kubernetes.watch.watch import iter_resp_lines
 
-from tests.benchmarks.api_writes import WRITE_VERBS, AuditCursor, classify  # noqa: F401  AuditCursor: the sim's too
+from tests.benchmarks.api_writes import WRITE_VERBS, classify
 from tests.support.processes import OperatorProcess
 from tests.support.suite import SIM_NS_PREFIX
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.benchmarks import scale_sim, sim_support
+from tests.benchmarks import api_writes, scale_sim, sim_support
 from tests.unit.test_bench_goals import changed, one_miss
 
 
@@ -88,7 +88,7 @@ def test_the_operators_writes_are_counted_by_kind_in_the_jobs_namespace_only():
 def test_the_audit_cursor_reads_on_across_a_rotation(tmp_path):
     log = tmp_path / "audit.log"
     log.write_text(json.dumps({"n": 0}) + "\n")
-    cursor = sim_support.AuditCursor(log)
+    cursor = api_writes.AuditCursor(log)
     with open(log, "a") as f:
         f.write(json.dumps({"n": 1}) + "\n")
     log.rename(tmp_path / "audit-2026-12-05T16-00-00.000.log")  # the API server rotates by renaming
