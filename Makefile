@@ -1,7 +1,7 @@
 # DDPJob — every entry point a newcomer or CI needs. `make demo` and `make test` are the two that matter.
 SHELL := /bin/bash
 PY    := .venv/bin/python
-export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)
+export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)/cli:$(CURDIR)
 
 .PHONY: help deps binaries cluster-up cluster-down cluster-status image images generate \
         test test-unit test-trainer test-gpu test-cluster test-integration test-e2e test-chart \

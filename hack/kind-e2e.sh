@@ -231,5 +231,5 @@ stage "tests (${TESTS[*]})"
 # DDPJOB_OPERATOR=installed: the chart installed above is the operator under test.
 read -r -a extra <<<"${PYTEST_ARGS:-}"
 DDPJOB_NODE_LOSS_RESULTS=$NODE_LOSS_RESULTS \
-DDPJOB_TEST_KUBECONFIG=$KCFG DDPJOB_OPERATOR=installed PYTHONPATH="$ROOT/operator:$ROOT/trainer:$ROOT" \
+DDPJOB_TEST_KUBECONFIG=$KCFG DDPJOB_OPERATOR=installed PYTHONPATH="$ROOT/operator:$ROOT/trainer:$ROOT/cli:$ROOT" \
   .venv/bin/python -m pytest -ra "${TESTS[@]}" "${extra[@]}"

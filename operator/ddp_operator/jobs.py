@@ -110,6 +110,8 @@ class JobObject:
     progress_at: float = 0.0             # rank 0 last probed
     progress_ip: str | None = None       # where rank 0 answered last
     progress_written_at: float = 0.0
+    history_pending: list[dict] = field(default_factory=list)  # points not yet in the history ConfigMap
+    history_flushed_at: float = 0.0
     hang_watch: Watch | None = None
     stall_watch: StallWatch | None = None  # the diagnostics sidecars' answers in this incarnation (stall.watch)
     diagnosed_at: float = 0.0            # the sidecars last asked

@@ -1,4 +1,5 @@
-"""The operator's only Kubernetes I/O (besides kopf's watches): create, delete, patch status, Events, Leases.
+"""The operator's only Kubernetes I/O (besides kopf's watches): create, delete, patch status, Events, Leases, the
+metric history's ConfigMap.
 
 Every call is idempotent at this level: a create that meets an existing object (409) that this job owns, and a
 delete that meets a missing or replaced object (404/409 with a UID precondition) are successes. An existing
@@ -180,6 +181,32 @@ class Api:
         except ApiException as e:
             if e.status not in (404, 409):  # gone, or a newer pod of that name: the next pass sees it
                 raise
+
+    def read_config_map(self, namespace: str, name: str) -> dict | None:
+        """A ConfigMap (the job's metric history); None if there is none."""
+        try:
+            return self._dict(self.core.read_namespaced_config_map(name, namespace,
+                                                                  _request_timeout=REQUEST_TIMEOUT_SECONDS))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def write_config_map(self, body: Mapping[str, Any], *, replace: bool) -> bool:
+        """Create a ConfigMap, or `replace` it (the body's resourceVersion is the precondition); False when another
+        writer came first (409) or the one to replace is gone (404): the caller reads it again."""
+        meta = body["metadata"]
+        t = self._write("replace" if replace else "create", "ConfigMap")
+        try:
+            if replace:
+                self.core.replace_namespaced_config_map(meta["name"], meta["namespace"], body, _request_timeout=t)
+            else:
+                self.core.create_namespaced_config_map(meta["namespace"], body, _request_timeout=t)
+            return True
+        except ApiException as e:
+            if e.status in (404, 409):
+                return False
+            raise
 
     def delete_network_policy(self, namespace: str, name: str, uid: str | None) -> None:
         t = self._write("delete", "NetworkPolicy")

@@ -20,6 +20,8 @@ TRAINER_CONTAINER = "trainer"
 TRAINER_RESTART_POLICY = "OnFailure"
 RDZV_CONTAINER = "rdzv-store"
 RDZV_POD_SUFFIX = "rdzv"
+# The job's metric history (ddp_operator.history), read by `kubectl ddp plot`.
+HISTORY_CONFIGMAP_SUFFIX = "history"
 SHM_VOLUME = "dshm"
 SHM_PATH = "/dev/shm"
 CHECKPOINT_VOLUME = "checkpoint"
@@ -268,3 +270,8 @@ REASON_EVICTED = "Evicted"
 REASON_QUEUE_DISABLED = "KueueIntegrationDisabled"
 # Warning Event: the queue label of a job that still has a Workload was removed (kueue.kept_queue).
 REASON_QUEUE_LABEL_REMOVED = "QueueLabelRemoved"
+
+
+def history_configmap(job: str) -> str:
+    """The name of a job's metric-history ConfigMap."""
+    return f"{job}-{HISTORY_CONFIGMAP_SUFFIX}"

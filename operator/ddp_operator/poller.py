@@ -8,8 +8,8 @@ the other jobs' polls.
 
 A poll asks every trainer pod at once (each probe with its own deadline: a pod that never answers costs one
 deadline and hides no other), takes global rank 0's report and writes status.progress (only when the step moved
-forward, at most once per spec.progressPeriodSeconds) and status.lastRecovery (when rank 0's recovery report
-changes it). Only a report's valid fields are used (report.valid_report); one with invalid fields gets an
+forward, at most once per spec.progressPeriodSeconds; each also becomes a point of the job's metric history,
+history_keeper) and status.lastRecovery (when rank 0's recovery report changes it). Only a report's valid fields are used (report.valid_report); one with invalid fields gets an
 InvalidReport Warning Event, once per pod and set of fields. Hang detection (failurePolicy.hangTimeoutSeconds)
 rides on it: the pods are polled more often while it is on (every hangTimeout/10, 1-5 s), the poll keeps a watch
 of the training's progress (hang.Watch, in the job's record: reset by rank 0's report changing or by a newer step
@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
 from ddp_operator import hang, metrics, names, progress, stall
+from ddp_operator.history_keeper import HistoryKeeper
 from ddp_operator.jobs import JobRecord, JobRegistry, Key, owned_by
 from ddp_operator.k8s import describe_error
 from ddp_operator.spec import Job, SpecError
@@ -121,6 +122,7 @@ class ProgressPoller:
         self.jobs = jobs
         self.api = api
         self.reconcile = reconcile
+        self.history = HistoryKeeper(jobs, api)
         self._pool = ThreadPoolExecutor(max_workers=PROBE_WORKERS, thread_name_prefix="ddp-progress")
         self._invalid_reported: OrderedDict[tuple[str, str, tuple[str, ...]], None] = OrderedDict()
 
@@ -377,6 +379,7 @@ class ProgressPoller:
             self.api.patch_status(key[0], key[1], patch)
             if "progress" in patch:
                 metrics.PROGRESS_WRITES.inc()
+                self.history.add(key, job.uid, patch["progress"])
             with self.jobs.guard:
                 if "progress" in patch:
                     obj.progress_written_at = time.monotonic()

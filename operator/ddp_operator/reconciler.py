@@ -63,10 +63,8 @@ TICK_SECONDS = 1.0
 RESYNC_SECONDS = 300.0
 RETRY_SECONDS = 5.0
 SWEEP_SECONDS = 10.0
-# How long a node's state read for the node-loss rule is reused (one read per node, not per pod or pass).
-NODE_CACHE_SECONDS = 5.0
-# How long a ResourceFlavor or WorkloadPriorityClass read for Kueue is reused (they rarely change).
-FLAVOR_CACHE_SECONDS = 30.0
+NODE_CACHE_SECONDS = 5.0  # a node's state read for the node-loss rule is reused (one read per node, not per pod)
+FLAVOR_CACHE_SECONDS = 30.0  # a Kueue ResourceFlavor or WorkloadPriorityClass read is reused (they rarely change)
 # Status fields that only count pods: a change in them alone may wait a moment to be batched.
 _COUNT_FIELDS = frozenset({"nodes", "nodesReady", "message"})
 
@@ -346,6 +344,8 @@ class Reconciler:
             obj.written = copy.deepcopy(dict(new))
             obj.written_at = time.monotonic()
             obj.count_writes = obj.count_writes + 1 if counts_only and not force else 0
+        if "progress" in changed and (new.get("progress") or {}).get("final"):  # it closes the metric history
+            self.poller.history.add(key, uid, new["progress"], final=True)
         if "phase" in changed:
             log.info("[%s/%s] phase %s -> %s: %s", *key, prev.get("phase"), new.get("phase"), new.get("message", ""))
 

@@ -1,7 +1,8 @@
 """An in-memory stand-in for ddp_operator.k8s.Api, and a Reconciler wired to it and to in-memory indexes: what the
 shell's tests (test_handlers, test_poller, test_plan_policy_hold, test_spec_template) drive passes through. It records
 what a pass writes (`creates`: (kind, name); `patches`: ((namespace, name), status); `events`: (job name, type,
-reason, message)); a name or a kind in `conflicts` meets a foreign object (k8s.ChildConflict)."""
+reason, message); `config_maps`: (namespace, name) -> ConfigMap, with a resourceVersion checked on replace); a name
+or a kind in `conflicts` meets a foreign object (k8s.ChildConflict)."""
 
 import copy
 
@@ -17,6 +18,7 @@ class FakeApi:
         self.index = index
         self.patches, self.events, self.deleted, self.creates = [], [], [], []
         self.conflicts = set()
+        self.config_maps = {}
         self.n = 0
 
     def create(self, body):
@@ -47,6 +49,22 @@ class FakeApi:
         self.patches.append(((namespace, name), copy.deepcopy(dict(status))))
         for body in self.index["ddpjobs_by_key"].get((namespace, name), []):
             body.setdefault("status", {}).update(copy.deepcopy(dict(status)))
+
+    def read_config_map(self, namespace, name):
+        found = self.config_maps.get((namespace, name))
+        return copy.deepcopy(found) if found is not None else None
+
+    def write_config_map(self, body, *, replace):
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        current = self.config_maps.get(key)
+        if (current is None) == replace or (
+                replace and body["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]):
+            return False
+        self.n += 1
+        obj = copy.deepcopy(dict(body))
+        obj["metadata"]["resourceVersion"] = str(self.n)
+        self.config_maps[key] = obj
+        return True
 
     def post_event(self, job, type_, reason, message, component):
         self.events.append((job["metadata"]["name"], type_, reason, message))

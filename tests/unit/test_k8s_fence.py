@@ -19,6 +19,10 @@ def _child(kind="Pod"):
                                        "ownerReferences": [{"kind": "DDPJob", "name": "job", "uid": "job-uid"}]}}
 
 
+def _config_map():
+    return {"kind": "ConfigMap", "metadata": {"name": "job-history", "namespace": "ns"}, "data": {}}
+
+
 JOB = {"metadata": {"name": "job", "namespace": "ns", "uid": "u"}}
 
 # Every public method of Api, called once.
@@ -37,12 +41,15 @@ CALLS = {
     "post_event": lambda api: api.post_event(JOB, "Normal", "R", "m", "c"),
     "node_ready": lambda api: api.node_ready("n"),
     "node_state": lambda api: api.node_state("n"),
+    "read_config_map": lambda api: api.read_config_map("ns", "job-history"),
+    "write_config_map": lambda api: (api.write_config_map(_config_map(), replace=False),
+                                     api.write_config_map(_config_map(), replace=True)),
     "read_lease": lambda api: api.read_lease("ns", "l"),
     "write_lease": lambda api: (api.write_lease("ns", {"metadata": {"name": "l"}}, create=True),
                                 api.write_lease("ns", {"metadata": {"name": "l"}}, create=False)),
 }
 WRITES = {"create", "delete_pod", "patch_pod", "delete_network_policy", "delete_job", "delete_workload",
-          "patch_workload", "patch_status", "post_event"}
+          "patch_workload", "patch_status", "post_event", "write_config_map"}
 
 
 def _answer(name, args, kwargs):

@@ -114,6 +114,10 @@ watch and annotate the objects it handles: no secrets, no configmaps, no pods/ex
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# Each job's metric history (<job>-history, owned by the job), read and replaced as the job reports progress.
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, create, update]
 # Each job's NetworkPolicy (owned by the job); deleted when spec.networkPolicy.enabled turns false.
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
