@@ -18,6 +18,8 @@ PACKAGES=(containerd runc containernetworking-plugins conntrack iptables ipset i
           buildah debootstrap tini gcc libc6-dev tar util-linux ca-certificates python3 python3-venv)
 # ShellCheck lints the shipping scripts in tests/chart/test_scripts.py (which fails without it in CI).
 PACKAGES+=(shellcheck)
+# The kubectl plugin's live views are tested in a real terminal (tests/e2e/test_e2e_cli.py).
+PACKAGES+=(tmux)
 # kind only (opt-in): dockerd and its CLI. hack/docker.py runs its own engine; the package's system engine
 # (its iptables rules set the FORWARD policy to DROP, cutting off the embedded cluster's pods) is
 # stopped and disabled again where this run installed it on a systemd host.
@@ -72,3 +74,6 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
 else
   log ".venv up to date"
 fi
+# `kubectl ddp` (docs/cli.md): kubectl finds the plugin on PATH.
+command -v kubectl-ddp >/dev/null 2>&1 ||
+  log "kubectl ddp: .venv/bin/kubectl-ddp is installed; put it on PATH with: export PATH=\"$PWD/.venv/bin:\$PATH\""

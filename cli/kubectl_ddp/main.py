@@ -67,6 +67,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", default="1Gi", help="memory request per pod (default 1Gi)")
     p.add_argument("--progress-period", type=int, default=5, metavar="SECONDS",
                    help="how often the operator copies rank 0's progress into status (default 5)")
+    p.add_argument("--backoff-limit", type=int, metavar="N", help="restarts allowed before the job fails "
+                   "(failurePolicy.backoffLimit; default: the operator's, 6)")
+    p.add_argument("--max-restarts", type=int, metavar="N", help="torchrun's in-pod worker restarts before the pod "
+                   "fails (torchrun.maxRestarts; default: the operator's, 10)")
     p.add_argument("--name", help="the DDPJob's name (default: the script's name and a random suffix)")
     p.add_argument("-d", "--detach", action="store_true", help="create the job and return")
 
@@ -125,15 +129,19 @@ def _plot(kube: Any, args: argparse.Namespace, console: Any) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from rich.console import Console
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse_args(argv: list[str]) -> argparse.Namespace:
     script_args: list[str] = []
     if "--" in argv:  # everything after the first -- is the script's, never ours
         cut = argv.index("--")
         argv, script_args = argv[:cut], argv[cut + 1:]
     args = parser().parse_args(argv)
     args.args = script_args
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
     console = Console(highlight=False)
     if not console.is_terminal:  # piped or redirected: whole lines, as kubectl prints them
         console = Console(highlight=False, soft_wrap=True, width=max(console.width, 200))

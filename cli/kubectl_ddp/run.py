@@ -102,7 +102,8 @@ def job_name(script: Path, given: str | None) -> str:
 
 def job_manifest(name: str, *, entry: str, args: list[str], files: Mapping[str, tuple[str, bytes]], nodes: int,
                  nproc_per_node: str, spares: int, image: str, cpu: str, memory: str,
-                 checkpoint_claim: str | None, progress_period: int) -> dict:
+                 checkpoint_claim: str | None, progress_period: int, backoff_limit: int | None = None,
+                 max_restarts: int | None = None) -> dict:
     """The DDPJob: the stock trainer's hardening (non-root, read-only root, /tmp an emptyDir), the script mounted."""
     nproc: Any = "auto" if nproc_per_node == "auto" else int(nproc_per_node)
     spec: dict[str, Any] = {
@@ -133,6 +134,10 @@ def job_manifest(name: str, *, entry: str, args: list[str], files: Mapping[str, 
     }
     if spares:
         spec["spares"] = spares
+    if backoff_limit is not None:
+        spec["failurePolicy"] = {"backoffLimit": backoff_limit}
+    if max_restarts is not None:
+        spec["torchrun"] = {"maxRestarts": max_restarts}
     if checkpoint_claim:
         spec["checkpoint"] = {"volume": {"persistentVolumeClaim": {"claimName": checkpoint_claim}}}
     return {"apiVersion": names.API_VERSION, "kind": names.KIND,
@@ -160,7 +165,8 @@ def submit(kube: Kube, args: Any) -> str:
     claim = f"{name}-checkpoint" if args.checkpoint else None
     body = job_manifest(name, entry=entry, args=list(args.args), files=files, nodes=args.nodes,
                         nproc_per_node=args.nproc_per_node, spares=args.spares, image=args.image, cpu=args.cpu,
-                        memory=args.memory, checkpoint_claim=claim, progress_period=args.progress_period)
+                        memory=args.memory, checkpoint_claim=claim, progress_period=args.progress_period,
+                        backoff_limit=args.backoff_limit, max_restarts=args.max_restarts)
     made: list[tuple[str, str]] = []
     try:
         kube.create_config_map(script_config_map(f"{name}-script", name, files))
@@ -227,7 +233,8 @@ def follow(kube: Kube, name: str, console: Any, out: TextIO = sys.stdout) -> int
     if streamer is not None:
         streamer.join(timeout=10)  # the last lines of rank 0's log
     stop.set()
-    console.print(Text(view.progress_line(job), style="bold"))
+    if view.progress_line(job) != seen.get("line") or live:
+        console.print(Text(view.progress_line(job), style="bold"))
     if view.phase(job) == names.PHASE_SUCCEEDED:
         return 0
     console.print(Text(f"{name} failed: {status.get('reason', '')} {status.get('message', '')}".rstrip(),

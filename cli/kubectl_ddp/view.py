@@ -80,8 +80,8 @@ def progress(job: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def total_steps(p: Mapping[str, Any]) -> int | None:
-    """The run's length, when the script reports it (metrics.totalSteps; docs/cli.md)."""
-    total = _num(_map(p.get("metrics")).get("totalSteps"))
+    """The run's length, when the script reports it (progress `totalSteps`; docs/contract.md)."""
+    total = _num(p.get("totalSteps"))
     return int(total) if total is not None and total > 0 else None
 
 
@@ -152,7 +152,7 @@ def job_row(job: Mapping[str, Any], now: datetime) -> list[str]:
     meta, status, p = _map(job.get("metadata")), _map(job.get("status")), progress(job)
     restarts = status.get("restarts")
     return [str(meta.get("namespace", DASH)), str(meta.get("name", DASH)), phase(job),
-            str(status.get("nodesReady") or DASH),
+            status["nodesReady"] if isinstance(status.get("nodesReady"), str) and status["nodesReady"] else DASH,
             str(int(p["step"])) if _num(p.get("step")) is not None else DASH,
             number(p.get("loss")), number(p.get("samplesPerSecond"), 3), goodput(job),
             str(restarts) if isinstance(restarts, int) else "0", age(meta.get("creationTimestamp"), now)]

@@ -667,6 +667,8 @@ def _status_schema() -> dict:
             "samplesPerSecond": {"type": "number", "description": "Training throughput."},
             "lastCheckpointStep": _int("Step of the last checkpoint written, if any.", **{}),
             "worldSize": _int("Workers in the current rendezvous."),
+            "totalSteps": _int("The run's length in optimizer steps, when the script knows it (ddp_trainer: epochs "
+                               "x batches per epoch); `kubectl ddp` shows an ETA from it."),
             "metrics": {"type": "object", "description": "Trainer-defined metrics, e.g. testAccuracy.",
                         "x-kubernetes-preserve-unknown-fields": True},
             "time": {"type": "number", "description": "Trainer's Unix time of the report."},

@@ -112,7 +112,7 @@ def _metric(value: Any) -> Any:
 
 _REPORT_FIELDS = {
     "rank": _count, "step": _count, "epoch": _count, "lastCheckpointStep": _count, "worldSize": _count,
-    "workerRestarts": _count, "snapshotEvery": _count, "lastSnapshotStep": _count,
+    "workerRestarts": _count, "snapshotEvery": _count, "lastSnapshotStep": _count, "totalSteps": _count,
     "loss": real, "samplesPerSecond": lambda v: real(v, 0.0), "time": _unix_time,
     "final": _flag, "snapshotResident": _flag, "members": _members,
 }

@@ -188,7 +188,7 @@ def progress_summary(report: Mapping[str, Any]) -> str:
 
 _PROGRESS_KEYS = ("step", "epoch", "loss", "samplesPerSecond", "lastCheckpointStep", "worldSize", "metrics",
                   "time", "final", "workerRestarts", "snapshotEvery", "lastSnapshotStep", "snapshotResident",
-                  "members")
+                  "members", "totalSteps")
 
 
 def progress_status(report: Mapping[str, Any]) -> dict:

@@ -98,6 +98,7 @@ class Run:
                 self._warn("progress_unavailable", port=config.progress_port, error=exc.strerror)
 
         self._epoch_len: int | None = None
+        self._max_epochs: int | None = None
         self._last_step_time: float | None = None
         self._sps: float | None = None
         self._last_loss: float | None = None
@@ -223,6 +224,7 @@ class Run:
     # -- iteration -----------------------------------------------------------------------------------------
     def epochs(self, max_epochs: int) -> Iterator[int]:
         """Epoch numbers from the restored one up to ``max_epochs - 1``; ends early once stopped."""
+        self._max_epochs = max_epochs
         while self.position.epoch < max_epochs and not self.position.stopped:
             yield self.position.epoch
 
@@ -239,6 +241,8 @@ class Run:
         """
         n = len(loader)  # type: ignore[arg-type]
         self._epoch_len = n
+        if self._max_epochs:
+            self.progress.update(totalSteps=self._max_epochs * n)  # the run's length, for an ETA (docs/contract.md)
         start = self.position.batch
         rank = self.session.rank
         if start >= n:
