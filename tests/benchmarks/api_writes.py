@@ -10,22 +10,24 @@ an audit log of its own (--audit-log). The operator's writes are those of its Se
 operator) or, for DDPJOB_OPERATOR=subprocess, the non-kubectl writes of the kubeconfig's user; only
 writes in the job's namespace count (never the control plane's own `system:` users).
 
-Steady state: once the job is Running with every node ready, --window seconds of healthy training (the
-step delay keeps it training past the window). One job runs at the CRD's default progressPeriodSeconds
-(30) and one at the sample's (manifests/samples/digits.yaml: 5 s), side by side, each in its own namespace (only
-its namespace's writes count for it): rank 0's progress copied into the
-status is a feature with its own rate (at most one status write per period), reported as
-`progress_writes_per_min` (status writes inside the window); every other write inside the window counts
-in `steady_state_writes_per_min`. --progress-period N measures one period only (0: progress off).
+Steady state: once the job is Running with every node ready, --window seconds of healthy training (the step delay
+keeps it training past the window). One job runs at the CRD's default progressPeriodSeconds (30) and one at the
+sample's (manifests/samples/digits.yaml: 5 s), side by side, each in its own namespace (only its namespace's
+writes count for it): rank 0's progress copied into the status is a feature with its own rate (at most one status
+write per period), reported as `progress_writes_per_min` (status writes inside the window), and so is the metric
+history those copies feed (docs/cli.md: the `<job>-history` ConfigMap, written at most every 30 s), reported as
+`history_writes_per_min`; every other write inside the window counts in `steady_state_writes_per_min`.
+--progress-period N measures one period only (0: progress off).
 
 Goals, judged at every period measured (goals_missed): creates <= N + 3 (NetworkPolicy, Service, rendezvous-store
 pod, N training pods), 0 writes per minute while healthy besides progress (steady_state_writes_per_min == 0), and
 at most one progress write per period (inside the window: floor(window_s / period) + 1 status writes; none with
-progress off). Status writes <= 6 besides the progress copies is a goal too, but not judged here: the copies made
-outside the window cannot be told from the others in the audit log. The last line is one JSON object: the default
-period's nodes, creates, status_writes, steady_state_writes_per_min, progress_writes_per_min, under
-`at_progress_period` the same for every period measured, and `goals_missed` (one message per goal missed); the
-exit status is 1 when a goal was missed. --record also writes docs/bench/api_writes.json.
+progress off; and at most one history write per 30 s). Status writes <= 6 besides the progress copies is a goal
+too, but not judged here: the copies made outside the window cannot be told from the others in the audit log. The
+last line is one JSON object: the default period's nodes, creates, status_writes, steady_state_writes_per_min,
+progress_writes_per_min, under `at_progress_period` the same for every period measured, and `goals_missed` (one
+message per goal missed); the exit status is 1 when a goal was missed. --record also writes
+docs/bench/api_writes.json.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from pathlib import Path
 for _p in (Path(__file__).resolve().parents[2], Path(__file__).resolve().parents[2] / "operator"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
+from ddp_operator import history  # noqa: E402
 from ddp_operator.crd import DEFAULTS  # noqa: E402
 from tests.benchmarks import results  # noqa: E402
 from tests.e2e import harness as h  # noqa: E402
@@ -109,6 +112,8 @@ def classify(ev: dict) -> str:
         return "status_writes" if sub == "status" else "job_object_writes"
     if resource == "events":
         return "events"
+    if resource == "configmaps":
+        return "history_writes"  # the job's metric history (docs/cli.md), written at most every FLUSH_SECONDS
     if verb == "create" and resource in ("pods", "services", "networkpolicies"):
         return "creates"
     if verb in ("delete", "deletecollection"):
@@ -174,14 +179,18 @@ def measure(a: argparse.Namespace, k: h.Kubectl, op: h.Operator, audit: Path, us
         in_window = [e for e in ops if w0 <= ts(e["requestReceivedTimestamp"]) <= w1]
         # while the job trains healthily nothing but the progress copy changes the status
         progress = [e for e in in_window if classify(e) == "status_writes"]
+        history_writes = [e for e in in_window if classify(e) == "history_writes"]
         minutes = (w1 - w0) / 60
         return {
             "progress_period_s": applied,
             "creates": kinds.get("creates", 0),
             "status_writes": kinds.get("status_writes", 0),
-            "steady_state_writes_per_min": round((len(in_window) - len(progress)) / minutes, 2),
+            "steady_state_writes_per_min": round(
+                (len(in_window) - len(progress) - len(history_writes)) / minutes, 2),
             "progress_writes_per_min": round(len(progress) / minutes, 2),
             "progress_writes": len(progress),
+            "history_writes_per_min": round(len(history_writes) / minutes, 2),
+            "history_writes": len(history_writes),
             "breakdown": dict(sorted(kinds.items())),
             "total_writes": len(ops),
             "window_s": round(w1 - w0, 1),
@@ -203,6 +212,12 @@ def progress_writes_allowed(window_s: float, period: int) -> int:
     return math.floor(window_s / period) + 1 if period > 0 else 0
 
 
+def history_writes_allowed(window_s: float, period: int) -> int:
+    """The metric history's ConfigMap writes in a window: one per FLUSH_SECONDS (each a progress write at least
+    that long after the last), plus one where the window opens just before one is due; none with progress off."""
+    return math.floor(window_s / max(history.FLUSH_SECONDS, period)) + 1 if period > 0 else 0
+
+
 def goals_missed(result: dict) -> list[str]:
     """Every goal missed at every period measured, one message each ([]: every goal held)."""
     nodes, out = result["nodes"], []
@@ -218,6 +233,10 @@ def goals_missed(result: dict) -> list[str]:
         allowed = progress_writes_allowed(r["window_s"], period)
         out += results.goal(r["progress_writes"] <= allowed, at + f"progress_writes in {r['window_s']} s",
                             r["progress_writes"], f"<= {allowed} (one per period)")
+        if "history_writes" in r:
+            most = history_writes_allowed(r["window_s"], period)
+            out += results.goal(r["history_writes"] <= most, at + f"history_writes in {r['window_s']} s",
+                                r["history_writes"], f"<= {most} (one per {history.FLUSH_SECONDS:.0f} s)")
     return out
 
 
@@ -245,13 +264,15 @@ def main() -> int:
         "nodes": a.nodes,
         # the first period measured (the CRD's default unless --progress-period): the headline figures
         **{key: first[key] for key in ("progress_period_s", "creates", "status_writes",
-                                       "steady_state_writes_per_min", "progress_writes_per_min")},
+                                       "steady_state_writes_per_min", "progress_writes_per_min",
+                                       "history_writes_per_min")},
         "default_progress_period_s": DEFAULT_PERIOD,
         "sample_progress_period_s": SAMPLE_PERIOD,
         "at_progress_period": {str(r["progress_period_s"]): r for r in runs},
         "goal": {"creates": a.nodes + 3, "status_writes": "<= 6 + the progress copies (not judged)",
                  "steady_state_writes_per_min": 0,
-                 "progress_writes": "<= floor(window_s / progressPeriodSeconds) + 1"},
+                 "progress_writes": "<= floor(window_s / progressPeriodSeconds) + 1",
+                 "history_writes": f"<= floor(window_s / max({history.FLUSH_SECONDS:.0f}, progressPeriodSeconds)) + 1"},
         "operator_user": user if op.mode != "subprocess" else "(kubeconfig user, non-kubectl)",
     }
     return results.emit_judged("api_writes", result, goals_missed(result), mode="quick" if a.quick else "full",

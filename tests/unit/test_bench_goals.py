@@ -55,7 +55,7 @@ def test_what_was_not_measured_is_left_out_of_a_figure():
 def api_result() -> dict:
     """2 nodes, a 20 s window at the default period (30 s) and the sample's (5 s), every goal met at its edge."""
     at30 = {"progress_period_s": 30, "creates": 5, "steady_state_writes_per_min": 0.0, "progress_writes": 1,
-            "window_s": 20.0}
+            "history_writes": 1, "window_s": 20.0}
     return {"nodes": 2, "at_progress_period": {"30": at30, "5": {**at30, "progress_period_s": 5, "progress_writes": 5}}}
 
 
@@ -81,11 +81,19 @@ def test_api_writes_more_than_one_progress_write_per_period_fails(period, writes
 
 
 def test_api_writes_progress_off_allows_no_status_write_in_the_window():
-    off = changed(api_result(), ("at_progress_period", "5", "progress_period_s"), 0)
+    off = changed(changed(api_result(), ("at_progress_period", "5", "progress_period_s"), 0),
+                  ("at_progress_period", "5", "history_writes"), 0)
     one_miss(api_writes.goals_missed(off), "progress_writes")
     assert api_writes.goals_missed(changed(off, ("at_progress_period", "5", "progress_writes"), 0)) == []
     assert [api_writes.progress_writes_allowed(w, p) for w, p in [(120, 30), (120.0, 5), (20, 30), (20, 0)]] == \
         [5, 25, 1, 0]
+
+
+def test_api_writes_more_than_one_history_write_per_flush_interval_fails():
+    one_miss(api_writes.goals_missed(changed(api_result(), ("at_progress_period", "5", "history_writes"), 2)),
+             "history_writes")
+    assert [api_writes.history_writes_allowed(w, p) for w, p in [(120, 30), (120.0, 5), (20, 30), (20, 0), (120, 60)]] \
+        == [5, 5, 1, 0, 3]
 
 
 # --- startup ------------------------------------------------------------------------------------------------------
