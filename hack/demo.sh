@@ -87,6 +87,9 @@ up() {
   if [[ -z $EXTERNAL ]]; then
     echo "  (export KUBECONFIG=$KUBECONFIG)" >&2
   fi
+  echo "  kubectl ddp (docs/cli.md), after: export PATH=\"$PWD/.venv/bin:\$PATH\"" >&2
+  echo "    kubectl ddp describe digits -n $DEMO_NS; kubectl ddp plot digits -n $DEMO_NS" >&2
+  echo "    kubectl ddp run your_script.py --nodes 2 -n $DEMO_NS" >&2
 }
 
 down() {
