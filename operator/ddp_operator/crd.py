@@ -40,6 +40,7 @@ DEFAULTS: dict[str, Any] = {
     },
     "failurePolicy": {
         "backoffLimit": 6,
+        "infraBackoffLimit": 50,
         "countDisruptions": False,
         "incidentWindowSeconds": 20,
         "stuckTerminatingTimeoutSeconds": 120,
@@ -372,6 +373,14 @@ def _spec_schema() -> dict:
                                      "pods failing, trainer containers restarted in place and rendezvous-store "
                                      "losses within incidentWindowSeconds of each other count once.",
                                      minimum=0, maximum=10000, default=f["backoffLimit"]),
+                "infraBackoffLimit": _int(
+                    "Restarts after infrastructure failures allowed before the job fails (reason "
+                    "InfraBackoffLimitExceeded): a pod OOM-killed, deleted, killed by a signal without a traceback, a "
+                    "network error in a collective, a lost rendezvous store, a pod that vanished (docs/recovery.md, "
+                    "'Why it failed'). They never spend backoffLimit, which counts the user's code (a Python "
+                    "exception, another exit code) and hangs, so a flaky node cannot fail a correct job. Evictions, "
+                    "preemptions and node loss count only with countDisruptions, against backoffLimit.",
+                    minimum=0, maximum=100000, default=f["infraBackoffLimit"]),
                 "permanentExitCodes": _exit_codes(
                     "Exit codes (of the trainer container, or of a worker as reported by torchrun) that fail "
                     "the job at once, without retry. Mutually exclusive with retryableExitCodes."),
@@ -632,7 +641,12 @@ def _status_schema() -> dict:
                                  "the container's restartCount after it."),
             "reason": _str("Why it ended (container reason, pod reason, or disruption)."),
             "message": _str("Tail of the termination message."),
-            "counted": _bool("Whether it consumed the restart budget."),
+            "counted": _bool("Whether it consumed a restart budget (backoffLimit, or infraBackoffLimit for the "
+                             "class Infrastructure)."),
+            "class": _str("UserCode, Infrastructure or Hang (status.lastFailure).",
+                          enum=["UserCode", "Infrastructure", "Hang"]),
+            "rank": _int("The failing global rank, when torchrun's summary names one."),
+            "cause": _str("Why, as status.lastFailure.reason says it (the exception type, OOMKilled, ...)."),
             "disruption": _bool("Whether it was a disruption (eviction, preemption, node loss)."),
             "time": _str("When it was observed.", format="date-time"),
         },
@@ -712,11 +726,31 @@ def _status_schema() -> dict:
             "restoredFromPod": _str("The pod whose snapshot was used (peer/local)."),
         },
     )
+    last_failure = _obj(
+        "The last failure and why (docs/recovery.md, 'Why it failed'): its class decides the budget it spent.",
+        {
+            "class": _str("UserCode (spends backoffLimit), Infrastructure (spends infraBackoffLimit) or Hang "
+                          "(spends backoffLimit).", enum=["UserCode", "Infrastructure", "Hang"]),
+            "reason": _str("The exception type (e.g. FileNotFoundError), ExitCode, OOMKilled, NetworkError, Killed, "
+                           "PodDeleted, a disruption reason (Evicted, NodeLost, ...), RendezvousStoreLost, "
+                           "NodeMissing or Hang."),
+            "pod": _str("Pod name."),
+            "node": _str("Node it ran on."),
+            "rank": _int("The failing global rank, from torchrun's summary, when it names one."),
+            "exitCode": _int("The trainer container's exit code, when it exited."),
+            "message": _str("The exception line and the traceback's last lines, or what else is known."),
+            "time": _str("When it was observed.", format="date-time"),
+            "budget": _str("The budget it spent: backoffLimit, infraBackoffLimit or none (within the incident "
+                            "window of an earlier failure, or a disruption)."),
+        },
+    )
     last_incident = _obj(
         "The operator's last incident (a pod lost, a hang, the store lost): its reason and when it was seen.",
         {
             "reason": _str("Condition reason of the incident, e.g. NodeFailed or Hang."),
             "time": _str("When the operator recorded it.", format="date-time"),
+            "budget": _str("The budget it spent: backoffLimit or infraBackoffLimit (docs/recovery.md, 'Why it "
+                           "failed'); absent when it spent none."),
         },
     )
     progress["properties"]["lastCheckpointStep"]["nullable"] = True
@@ -735,7 +769,22 @@ def _status_schema() -> dict:
                 "x-kubernetes-list-map-keys": ["type"],
             },
             "observedGeneration": _int("metadata.generation last reconciled."),
-            "restarts": _int("Restarts counted against failurePolicy.backoffLimit."),
+            "restarts": _int("Restarts counted against failurePolicy.backoffLimit (the user's code and hangs)."),
+            "infraRestarts": _int("Restarts counted against failurePolicy.infraBackoffLimit (infrastructure "
+                                  "failures)."),
+            "lastFailure": last_failure,
+            "avoidedNodes": {
+                "type": "array",
+                "description": "Nodes this job's replacement pods are kept off (a required node affinity the "
+                               "operator adds to pods it creates): each failed the job twice for reasons of the "
+                               "infrastructure within 10 minutes; lifted at `until`.",
+                "maxItems": 8,
+                "items": _obj("An avoided node.", {
+                    "node": _str("Node name."),
+                    "failures": _int("Infrastructure failures of the job on it within the window."),
+                    "until": _str("When the avoidance is lifted.", format="date-time"),
+                }),
+            },
             "disruptions": _int("Pod losses from evictions, preemptions and node loss."),
             "group": _int("Rendezvous generation (rendezvous id suffix, pod label ddp.dev/group). Kept for "
                           "compatibility: a lost rendezvous store is recreated under the same id, so it no longer "

@@ -23,6 +23,9 @@ from ddp_operator.report import valid_report
 _WORKER_EXIT = re.compile(r"exitcode\s*:\s*(-?\d{1,9})(?!\d)")
 _INDEX = re.compile(r"[0-9]{1,9}")
 MESSAGE_TAIL = 512
+# A trainer's termination message (the kubelet keeps at most 4096 bytes: the log's tail) is kept whole, so that the
+# failing worker's traceback above torchrun's summary can be read (failure_class.py).
+TERMINATION_MESSAGE_TAIL = 4096
 STALE_GROUP = -1
 
 
@@ -237,7 +240,7 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
         exit_code=exit_code,
         worker_exit_codes=tuple(int(c) for c in _WORKER_EXIT.findall(message)),
         reason=reason,
-        message=message[-MESSAGE_TAIL:],
+        message=message[-TERMINATION_MESSAGE_TAIL:],
         disruption=_disruption(pod),
         final_report=final_report,
         finished_at=parse_time(terminated.get("finishedAt")),
@@ -248,7 +251,7 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
         restart_exit_code=last.get("exitCode"),
         restart_worker_exit_codes=tuple(int(c) for c in _WORKER_EXIT.findall(last_message)),
         restart_reason=last.get("reason") or "",
-        restart_message=last_message[-MESSAGE_TAIL:],
+        restart_message=last_message[-TERMINATION_MESSAGE_TAIL:],
         restart_finished_at=parse_time(last.get("finishedAt")),
         restarting=restarting and role == names.ROLE_TRAINER,
         nodes_annotation=nodes_annotation if isinstance(nodes_annotation, str) and len(nodes_annotation) <= 16

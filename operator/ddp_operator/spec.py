@@ -47,6 +47,8 @@ class FailurePolicy:
     node_lost_timeout_seconds: int
     # From the moment every trainer pod runs until the process group formed (docs/diagnostics.md).
     process_group_timeout_seconds: int = crd.DEFAULTS["failurePolicy"]["processGroupTimeoutSeconds"]
+    # Infrastructure failures' own budget (failure_class.py); backoff_limit counts the user's code and hangs.
+    infra_backoff_limit: int = crd.DEFAULTS["failurePolicy"]["infraBackoffLimit"]
 
     def is_permanent(self, exit_codes: tuple[int, ...]) -> bool:
         """Whether any of the exit codes (trainer container and workers) rules out a retry."""
@@ -314,6 +316,8 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         raise SpecError("spec.failurePolicy.countDisruptions", "must be true or false")
     failure_policy = FailurePolicy(
         backoff_limit=_int(f, "backoffLimit", "spec.failurePolicy.backoffLimit", default=fd["backoffLimit"]),
+        infra_backoff_limit=_int(f, "infraBackoffLimit", "spec.failurePolicy.infraBackoffLimit",
+                                 default=fd["infraBackoffLimit"], maximum=100000),
         permanent_exit_codes=permanent or frozenset(),
         retryable_exit_codes=retryable,
         count_disruptions=count_disruptions,

@@ -102,6 +102,14 @@ def attempt(pod: PodState, *, counted: bool, now: str, reason: str | None = None
     return {k: v for k, v in record.items() if v is not None and v != ""}
 
 
+def last_failure(entry: Mapping[str, Any], failure: Any, budget: str) -> dict:
+    """status.lastFailure from an attempts entry and its classification (failure_class.Failure)."""
+    record = {"class": failure.cls, "reason": failure.reason, "pod": entry.get("pod"), "node": entry.get("node"),
+              "rank": failure.rank, "exitCode": entry.get("exitCode"), "message": failure.message or None,
+              "time": entry.get("time"), "budget": budget}
+    return {k: v for k, v in record.items() if v is not None and v != ""}
+
+
 def missing_attempt(name: str, index: int, *, counted: bool, now: str) -> dict:
     """The attempts entry of a training pod that vanished unseen (no UID, no exit code known)."""
     return {"pod": name, "index": index, "reason": names.REASON_NODE_MISSING,

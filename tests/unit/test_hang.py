@@ -71,7 +71,9 @@ def test_a_hang_deletes_the_stuck_pod_records_an_attempt_and_restarts():
     assert last["pod"] == "mnist-1" and last["reason"] == names.REASON_HANG and last["counted"] is True
     assert p.status["restarts"] == 1
     assert ("Warning", names.REASON_HANG) in [(e.type, e.reason) for e in p.events]
-    assert p.status["lastIncident"] == {"reason": names.REASON_HANG, "time": "2025-01-01T12:00:30Z"}
+    assert p.status["lastIncident"] == {"reason": names.REASON_HANG, "time": "2025-01-01T12:00:30Z",
+                                        "budget": "backoffLimit"}
+    assert (p.status["lastFailure"]["class"], p.status["lastFailure"]["budget"]) == ("Hang", "backoffLimit")
     # the deleted pod, seen again while it terminates and once it failed, is not recorded twice
     deleting = observed(rdzv(), trainer(0), trainer(1, deleting_since=later(31)))
     again = plan(job, p.status, deleting, later(31))

@@ -135,14 +135,16 @@ def test_rdzv_loss_recreates_the_store_and_leaves_the_trainers_alone():
     # No whole-group restart: same group, same rendezvous id, trainer pods untouched; the dead store is deleted.
     assert p.status["group"] == 0 and p.status["rendezvousId"] == "0b5c-uid-0"
     assert _acts(p) == [(DELETE, "mnist-rdzv")]
-    assert p.status["restarts"] == 1 and p.status["reason"] == names.REASON_RDZV_LOST
-    assert p.status["phase"] == "Restarting"
+    # A lost store is the infrastructure's: it spends infraBackoffLimit, never backoffLimit.
+    assert p.status["infraRestarts"] == 1 and p.status["restarts"] == 0
+    assert p.status["reason"] == names.REASON_RDZV_LOST and p.status["phase"] == "Restarting"
+    assert p.status["lastFailure"]["class"] == "Infrastructure"
     assert p.status["attempts"][-1]["reason"] == names.REASON_RDZV_LOST
     assert ("Warning", names.REASON_RDZV_LOST) in [(e.type, e.reason) for e in p.events]
     # Seen again while its delete is in flight: recorded once, nothing else happens.
     p2 = plan(job, p.status, observed(rdzv(phase="Failed", exit_code=137, deleting_since=later(5)),
                                       trainer(0), trainer(1)), later(6))
-    assert p2.status["restarts"] == 1 and len(p2.status["attempts"]) == 1
+    assert p2.status["infraRestarts"] == 1 and len(p2.status["attempts"]) == 1
     assert [a for a in p2.actions if a.verb != FORCE_DELETE] == []
     # Gone: recreated under the same name with the same group; the trainers are still not touched.
     p3 = plan(job, p2.status, observed(trainer(0), trainer(1)), later(8))
@@ -154,18 +156,18 @@ def test_rdzv_loss_recreates_the_store_and_leaves_the_trainers_alone():
     p4 = plan(job, p3.status, observed(store_new,
                                        trainer(0, restart_count=1, last_exit_code=1, waiting="PodInitializing"),
                                        trainer(1, phase="Running", exit_code=1)), later(9))
-    assert p4.status["restarts"] == 1 and p4.actions == ()
+    assert p4.status["infraRestarts"] == 1 and p4.actions == ()
     assert [a.get("restartCount") for a in p4.status["attempts"]] == [None, 1, 1]
     assert [a["counted"] for a in p4.status["attempts"]] == [True, False, False]
     # Even outside the incident window: restarts while the store is not up are consequences of its loss.
     p5 = plan(job, p4.status, observed(store_new, trainer(0, restart_count=2, last_exit_code=1),
                                        trainer(1, restart_count=1, last_exit_code=1)), later(100))
-    assert p5.status["restarts"] == 1 and len(p5.status["attempts"]) == 4
+    assert p5.status["infraRestarts"] == 1 and len(p5.status["attempts"]) == 4
     # The new store up and both trainers running: recovered.
     back = plan(job, p5.status, observed(rdzv(uid="store-2"), trainer(0, restart_count=2, last_exit_code=1),
                                          trainer(1, restart_count=1, last_exit_code=1)), later(101))
     assert back.status["phase"] == "Running" and back.recovery_seconds == 96.0 and back.actions == ()
-    assert back.status["restarts"] == 1 and back.status["group"] == 0
+    assert back.status["infraRestarts"] == 1 and back.status["group"] == 0
 
 
 def test_deleted_store_pod_is_recreated_without_a_group_bump():
@@ -173,7 +175,7 @@ def test_deleted_store_pod_is_recreated_without_a_group_bump():
     p = plan(job, status, observed(rdzv(deleting_since=later(1)), trainer(0), trainer(1)), later(1))
     assert p.status["group"] == 0 and p.status["reason"] == names.REASON_RDZV_LOST and p.actions == ()
     gone = plan(job, p.status, observed(trainer(0), trainer(1), gone=[rdzv()]), later(2))
-    assert _acts(gone) == [(CREATE, "mnist-rdzv")] and gone.status["restarts"] == 1
+    assert _acts(gone) == [(CREATE, "mnist-rdzv")] and gone.status["infraRestarts"] == 1
 
 
 def test_in_place_restart_is_recorded_once_and_counted():
@@ -181,7 +183,9 @@ def test_in_place_restart_is_recorded_once_and_counted():
     # The container failed; the kubelet restarts it (state terminated, restartCount not moved yet).
     failing = observed(rdzv(), trainer(0), trainer(1, phase="Running", exit_code=137, reason="Error"))
     p = plan(job, status, failing, later(10))
-    assert p.actions == () and p.status["restarts"] == 1 and p.status["phase"] == "Restarting"
+    # 137 with no traceback: killed from outside (the infrastructure's budget).
+    assert p.actions == () and p.status["infraRestarts"] == 1 and p.status["phase"] == "Restarting"
+    assert p.status["restarts"] == 0
     att = p.status["attempts"][-1]
     assert (att["pod"], att["exitCode"], att["restartCount"], att["counted"]) == ("mnist-1", 137, 1, True)
     assert p.status["recordedPods"] == ["uid-mnist-1-0/1"]
@@ -191,14 +195,16 @@ def test_in_place_restart_is_recorded_once_and_counted():
     # The same failure seen after the restart (restartCount 1, lastState): not recorded again.
     restarted = observed(rdzv(), trainer(0), trainer(1, restart_count=1, last_exit_code=137))
     again = plan(job, p.status, restarted, later(11))
-    assert again.status["restarts"] == 1 and len(again.status["attempts"]) == 1 and again.actions == ()
+    assert again.status["infraRestarts"] == 1 and len(again.status["attempts"]) == 1 and again.actions == ()
     assert again.status["phase"] == "Running" and again.recovery_seconds == 1.0
     # A restarted operator (status only, no memory) does not count it again either.
-    assert plan(job, again.status, restarted, later(12)).status["restarts"] == 1
+    assert plan(job, again.status, restarted, later(12)).status["infraRestarts"] == 1
     # A second failure of the same container, later: a new incident.
     second = plan(job, again.status, observed(rdzv(), trainer(0), trainer(1, restart_count=2, last_exit_code=1)),
                   later(100))
-    assert second.status["restarts"] == 2 and second.status["recordedPods"] == ["uid-mnist-1-0/2"]
+    # ... exit 1 without a traceback: the user's code, backoffLimit's budget.
+    assert (second.status["restarts"], second.status["infraRestarts"]) == (1, 1)
+    assert second.status["recordedPods"] == ["uid-mnist-1-0/2"]
     assert [a["restartCount"] for a in second.status["attempts"]] == [1, 2]
 
 
@@ -208,7 +214,7 @@ def test_in_place_restarts_follow_the_incident_rules():
     # The survivor's agent gives up a few seconds later: same incident, not counted.
     p2 = plan(job, p1.status, observed(rdzv(), trainer(0, restart_count=1, last_exit_code=1),
                                        trainer(1, restart_count=1, last_exit_code=137)), later(15))
-    assert p2.status["restarts"] == 1 and p2.status["attempts"][-1]["counted"] is False
+    assert p2.status["infraRestarts"] == 1 and p2.status["attempts"][-1]["counted"] is False
 
 
 def test_in_place_restarts_exhaust_the_backoff_limit_and_stop_the_pods():
@@ -387,7 +393,8 @@ def test_stuck_terminating_pod_on_not_ready_node_is_force_deleted():
 def test_deleted_running_pod_tombstone_counts():
     job, status = _running()
     p = plan(job, status, observed(rdzv(), trainer(0), gone=[trainer(1)]), later(3))
-    assert p.status["restarts"] == 1 and _acts(p) == [(CREATE, "mnist-1")]
+    assert p.status["infraRestarts"] == 1 and _acts(p) == [(CREATE, "mnist-1")]
+    assert (p.status["lastFailure"]["class"], p.status["lastFailure"]["reason"]) == ("Infrastructure", "PodDeleted")
     assert "was deleted" in p.status["attempts"][-1]["reason"] or p.status["attempts"][-1]["reason"] == "Deleted"
 
 
@@ -396,12 +403,12 @@ def test_missing_pod_after_downtime_is_recreated_as_a_recovery():
     p = plan(job, status, observed(rdzv(), trainer(0)), later(3))
     assert _acts(p) == [(CREATE, "mnist-1")]
     assert p.status["phase"] == "Restarting" and p.status["reason"] == names.REASON_NODE_MISSING
-    # On record, counted like a deleted pod, once.
-    assert p.status["restarts"] == 1
+    # On record, counted like a deleted pod (the infrastructure's budget), once.
+    assert p.status["infraRestarts"] == 1
     att = p.status["attempts"][-1]
     assert (att["pod"], att["index"], att["reason"], att["counted"]) == ("mnist-1", 1, names.REASON_NODE_MISSING, True)
     again = plan(job, p.status, observed(rdzv(), trainer(0)), later(4))
-    assert again.status["restarts"] == 1 and len(again.status["attempts"]) == 1
+    assert again.status["infraRestarts"] == 1 and len(again.status["attempts"]) == 1
 
 
 def test_operator_killed_between_delete_and_recreate_counts_nothing_twice():
@@ -542,8 +549,8 @@ def test_pod_never_created_is_not_a_vanished_pod():
 def test_store_loss_with_restart_policy_never_replaces_the_trainers_counting_once():
     job, status = _running(failurePolicy={"incidentWindowSeconds": 0})
     p = plan(job, status, observed(trainer(0), trainer(1), gone=[rdzv()]), later(1))
-    assert p.status["restarts"] == 1 and _acts(p) == [(CREATE, "mnist-rdzv")]
+    assert p.status["infraRestarts"] == 1 and _acts(p) == [(CREATE, "mnist-rdzv")]
     failed = [trainer(i, phase="Failed", exit_code=1, restart_policy="Never") for i in range(2)]
     p2 = plan(job, p.status, observed(rdzv(phase="Pending", uid="s2"), *failed), later(30))
-    assert p2.status["restarts"] == 1 and _acts(p2) == [(DELETE, "mnist-0"), (DELETE, "mnist-1")]
+    assert p2.status["infraRestarts"] == 1 and _acts(p2) == [(DELETE, "mnist-0"), (DELETE, "mnist-1")]
     assert p2.status["group"] == 0

@@ -139,11 +139,11 @@ def _plain_status():
 def test_a_lost_member_is_counted_once_and_its_pod_recreated_as_the_spare():
     job, status = _running()
     p = plan(job, status, observed(rdzv(), trainer(0), trainer(2), gone=[trainer(1)]), later(5))
-    assert _acts(p) == [(CREATE, "mnist-1")] and p.status["restarts"] == 1
+    assert _acts(p) == [(CREATE, "mnist-1")] and p.status["infraRestarts"] == 1
     # the spare took the place: two pods run, so training runs; no spare is ready until the new pod is
     assert p.status["nodesReady"] == "2/2 +0"
     back = plan(job, p.status, observed(rdzv(), trainer(0), trainer(2), trainer(1, uid="new")), later(9))
-    assert back.status["nodesReady"] == "2/2 +1" and back.status["restarts"] == 1 and back.actions == ()
+    assert back.status["nodesReady"] == "2/2 +1" and back.status["infraRestarts"] == 1 and back.actions == ()
 
 
 def test_a_spare_failing_while_it_waits_is_a_failure_like_any_other():

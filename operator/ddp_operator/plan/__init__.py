@@ -20,6 +20,7 @@ Rules (docs/contract.md and the CRD field descriptions say the same to users), o
 - spares.py: hot spares (spec.spares), in the rules above.
 - phase.py: the phase of an active job (Running, Restarting, Pending).
 - startup.py: children that cannot be created, pods that cannot start, the startup timeout.
+- avoid.py: nodes that failed the job twice for reasons of the infrastructure, kept off by its replacement pods.
 state.py holds the pass's working state and the helpers every rule uses; types.py what goes in and out (Observed,
 the previous status as PrevStatus, Action, Plan).
 
@@ -46,6 +47,7 @@ from ddp_operator.env import rdzv_endpoint, rdzv_id
 from ddp_operator.labels import selector_string, trainer_selector
 from ddp_operator.netpol import NetworkPolicyConfig
 from ddp_operator.observed import format_time
+from ddp_operator.plan.avoid import WINDOW_SECONDS as AVOID_WINDOW_SECONDS, avoided_nodes
 from ddp_operator.plan.children import create_missing, scaled, stale
 from ddp_operator.plan.deadline import deadline_due, deadline_exceeded
 from ddp_operator.plan.failures import in_place_restarts, trainer_failures
@@ -82,6 +84,7 @@ def plan(job: Job, status: Mapping[str, Any] | None, observed: Observed, now: da
     new_status = build_status(ctx)
     events = condition_events((status or {}).get("conditions") or [], new_status["conditions"])
     events += phase_event((status or {}).get("phase"), new_status, events)
+    events += avoided_events((status or {}).get("avoidedNodes"), new_status.get("avoidedNodes") or [])
     return Plan(
         status=new_status,
         actions=tuple(ctx.actions),
@@ -146,6 +149,9 @@ def build_status(ctx: Pass) -> dict:
         "conditions": ctx.conditions,
         "observedGeneration": job.generation,
         "restarts": ctx.restarts,
+        "infraRestarts": ctx.infra_restarts or None,
+        "lastFailure": ctx.last_failure,
+        "avoidedNodes": avoided_nodes(ctx.attempts, ctx.now) or None,
         "disruptions": ctx.disruptions,
         "group": ctx.group,
         "nodes": counts,
@@ -175,7 +181,8 @@ def last_incident_record(ctx: Pass) -> Mapping[str, Any] | None:
     prev = ctx.prev.last_incident
     if not ctx.incident_reason:
         return prev
-    return incident_record(prev, ctx.incident_reason, ctx.now, ctx.job.spec.failure_policy.incident_window_seconds)
+    record = incident_record(prev, ctx.incident_reason, ctx.now, ctx.job.spec.failure_policy.incident_window_seconds)
+    return {**record, "budget": ctx.incident_budget} if ctx.incident_budget else record
 
 
 def last_recovery_record(ctx: Pass) -> Mapping[str, Any] | None:
@@ -198,6 +205,15 @@ def phase_event(old_phase: str | None, new_status: Mapping[str, Any], condition_
     warning = new_phase in (names.PHASE_FAILED, names.PHASE_RESTARTING)
     return [Event("Warning" if warning else "Normal", new_status.get("reason") or names.REASON_PHASE_CHANGED,
                   f"phase {old_phase or 'none'} -> {new_phase}: {new_status.get('message', '')}".rstrip(": "))]
+
+
+def avoided_events(before: Any, now: list[dict]) -> list[Event]:
+    """A Warning for each node newly kept off (plan/avoid.py)."""
+    known = {a.get("node") for a in before if isinstance(a, Mapping)} if isinstance(before, list) else set()
+    return [Event("Warning", names.REASON_NODE_AVOIDED,
+                  f"node {a['node']}: {a['failures']} infrastructure failures of this job within "
+                  f"{AVOID_WINDOW_SECONDS // 60} min; replacement pods keep off it until {a['until']}")
+            for a in now if a["node"] not in known]
 
 
 def invalid(job_generation: int, status: Mapping[str, Any] | None, error: str, now: datetime) -> Plan:

@@ -9,9 +9,12 @@
 - A failed, deleted or evicted training pod is recorded once (by UID, in status.recordedPods, with its details in
   the bounded status.attempts history), deleted, and recreated under the same name once the old one is gone
   (so there is never more than one pod per index). A pod missing unseen: vanished.py.
-- A failure counts against failurePolicy.backoffLimit unless it is a disruption (eviction, preemption, node
-  loss) and countDisruptions is false, or it falls within incidentWindowSeconds of the incident that came
-  before (survivors crashing because a peer died). Exceeding the budget fails the job and stops the pods.
+- Every failure is classified (failure_class.py: the user's code, the infrastructure, a hang) and recorded with its
+  class in status.attempts and status.lastFailure. The user's code and hangs count against
+  failurePolicy.backoffLimit, the infrastructure against failurePolicy.infraBackoffLimit; a disruption (eviction,
+  preemption, node loss) counts only with countDisruptions (against backoffLimit), and nothing counts within
+  incidentWindowSeconds of the incident that came before (survivors crashing because a peer died). Exceeding a
+  budget fails the job and stops the pods.
 - Exit codes listed as permanent (or not listed as retryable) fail the job at once, on a pod that ended as on an
   in-place restart (the trainer container's exit code and its workers' from torchrun's summary).
 - So does a trainer image without ddp_trainer asked for the ddpjob-c10d backend (observed.rdzv_backend_missing):
@@ -26,10 +29,15 @@ from typing import Any, Callable
 
 from ddp_operator import names
 from ddp_operator import spares as sparesmod
+from ddp_operator.failure_class import (
+    HANG, INFRASTRUCTURE, MAX_MESSAGE, REASON_EXIT_CODE, USER_CODE, Failure, classify,
+)
 from ddp_operator.observed import PodState, rdzv_backend_missing
 from ddp_operator.plan.spares import spare_released
 from ddp_operator.plan.state import Pass
 from ddp_operator.status import Event, invalid_report_event
+
+USER_BUDGET, INFRA_BUDGET = "backoffLimit", "infraBackoffLimit"
 
 
 # --- the failure budget (failurePolicy.backoffLimit, incidentWindowSeconds) -------------------------
@@ -49,19 +57,46 @@ def incident(ctx: Pass, disruption: str | None, *, caused: bool = False) -> bool
     return counts
 
 
-def failure(ctx: Pass, p: PodState, what: str, *, disruption: str | None = None, caused: bool = False,
-            **record: Any) -> bool | None:
-    """Put a failure of `p` (an ended pod, an in-place restart, a hang) on record as an incident: whether it
-    counted, or None when it exceeded backoffLimit (the job failed; `what` is in its message)."""
+def failure(ctx: Pass, p: PodState, what: str, fail: Failure, *, disruption: str | None = None,
+            caused: bool = False, **record: Any) -> bool | None:
+    """Put a failure of `p` (an ended pod, an in-place restart, a hang), classified as `fail`, on record as an
+    incident: whether it counted, or None when it exceeded its budget (the job failed; `what` is in its message).
+    An infrastructure failure spends infraBackoffLimit; the user's code, a hang and a disruption counted by
+    countDisruptions spend backoffLimit."""
     counts = incident(ctx, disruption, caused=caused)
-    if counts and over_budget(ctx, what):
-        ctx.record(p, counted=True, **record)
+    infra = fail.cls == INFRASTRUCTURE and disruption is None
+    if (not counts and not caused and disruption is None and fail.cls == USER_CODE and fail.reason != REASON_EXIT_CODE
+            and ctx.infra_restarts > 0 and incident_budget(ctx) == INFRA_BUDGET):
+        # The incident was put down to the infrastructure (a survivor's network error seen first, say), but a Python
+        # exception of the user's code is in it too: it is the user's, so that a crash loop still spends
+        # backoffLimit. (A bare exit code is no such evidence: survivors' agents exit too.)
+        ctx.infra_restarts -= 1
+        counts = True
+    budget = (INFRA_BUDGET if infra else USER_BUDGET) if counts else "none"
+    if counts:
+        ctx.incident_budget = budget
+    if counts and over_budget(ctx, what, infra=infra):
+        ctx.record(p, counted=True, failure=fail, budget=budget, **record)
         return None
-    ctx.record(p, counted=counts, **record)
+    ctx.record(p, counted=counts, failure=fail, budget=budget, **record)
     return counts
 
 
-def over_budget(ctx: Pass, what: str) -> bool:
+def incident_budget(ctx: Pass) -> str | None:
+    """The budget the current incident spent: this pass's, else the one status.lastIncident recorded."""
+    return ctx.incident_budget or (ctx.prev.last_incident or {}).get("budget")
+
+
+def over_budget(ctx: Pass, what: str, *, infra: bool = False) -> bool:
+    if infra:
+        limit = ctx.job.spec.failure_policy.infra_backoff_limit
+        if ctx.infra_restarts + 1 > limit:
+            ctx.finish(names.PHASE_FAILED, names.REASON_INFRA_BACKOFF_LIMIT,
+                       f"{ctx.infra_restarts + 1} infrastructure failures exceed "
+                       f"spec.failurePolicy.infraBackoffLimit={limit}; last: {what}")
+            return True
+        ctx.infra_restarts += 1
+        return False
     limit = ctx.job.spec.failure_policy.backoff_limit
     if ctx.restarts + 1 > limit:
         ctx.finish(names.PHASE_FAILED, names.REASON_BACKOFF_LIMIT,
@@ -77,7 +112,8 @@ def backend_missing(ctx: Pass, p: PodState, message: str, restart: int | None = 
     with what to do, instead of a crash loop. False when the message says something else."""
     if not rdzv_backend_missing(message):
         return False
-    ctx.record(p, counted=True, restart=restart)
+    ctx.record(p, counted=True, restart=restart, budget="none", failure=Failure(
+        USER_CODE, names.REASON_RDZV_BACKEND_MISSING, None, message.strip().splitlines()[-1][:MAX_MESSAGE]))
     ctx.finish(names.PHASE_FAILED, names.REASON_RDZV_BACKEND_MISSING,
                f"pod {p.name}: the trainer image has no ddp_trainer (the {names.RDZV_BACKEND_SPARES} rendezvous "
                f"backend, which spec.torchrun.rdzvBackend auto picks for jobs with spares or minNodes < maxNodes): "
@@ -111,11 +147,13 @@ def in_place_restarts(ctx: Pass) -> bool:
         missed = p.restarts - ctx.restarts_recorded(p) - 1
         what = f"trainer container of pod {p.name} {describe_restart(p)}" + (
             f" ({missed} earlier restart(s) not observed)" if missed > 0 else "")
+        fail = classify(exit_code=p.restart_exit_code, reason=p.restart_reason, message=p.restart_message,
+                        disruption=None)
         if ctx.job.spec.failure_policy.is_permanent(p.restart_exit_codes):
-            ctx.record(p, counted=True, restart=p.restarts)
+            ctx.record(p, counted=True, restart=p.restarts, failure=fail, budget="permanentExitCodes")
             permanent(ctx, what)
             return False
-        counts = failure(ctx, p, what, caused=store_down, restart=p.restarts)
+        counts = failure(ctx, p, what, fail, caused=store_down, restart=p.restarts)
         if counts is None:
             return False
         ctx.incident_reason = names.REASON_RESTARTED_IN_PLACE
@@ -142,12 +180,14 @@ def trainer_failures(ctx: Pass) -> bool:
             return False
         codes = p.exit_codes
         what = f"pod {p.name} {describe(p)}"
+        fail = classify(exit_code=p.exit_code, reason=p.reason, message=p.message, disruption=p.disruption,
+                        deleted=p.gone or p.deleting)
         if p.disruption is None and fp.is_permanent(codes):
-            ctx.record(p, counted=True)
+            ctx.record(p, counted=True, failure=fail, budget="permanentExitCodes")
             permanent(ctx, what)
             return False
         caused = store_down and p.disruption is None and not p.gone and p.exit_code is not None
-        counts = failure(ctx, p, what, disruption=p.disruption, caused=caused)
+        counts = failure(ctx, p, what, fail, disruption=p.disruption, caused=caused)
         if counts is None:
             return False
         ctx.incident_reason = (names.REASON_NODE_LOST if p.disruption == names.REASON_NODE_LOST
@@ -205,7 +245,8 @@ def delete_hung(ctx: Pass, stuck: list[PodState], what_of: Callable[[PodState], 
     for p in sorted(stuck, key=lambda p: p.index or 0):
         what = what_of(p)
         if not ctx.recorded(p):
-            counts = failure(ctx, p, what, reason=names.REASON_HANG)
+            counts = failure(ctx, p, what, Failure(HANG, names.REASON_HANG, None, what[:MAX_MESSAGE]),
+                             reason=names.REASON_HANG)
             if counts is None:
                 return None
             ctx.incident_reason = names.REASON_HANG

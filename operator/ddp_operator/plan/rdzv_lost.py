@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ddp_operator import names
 from ddp_operator.env import rdzv_id
+from ddp_operator.failure_class import INFRASTRUCTURE, Failure
 from ddp_operator.plan.failures import describe, failure
 from ddp_operator.plan.state import Pass
 from ddp_operator.status import Event
@@ -29,7 +30,8 @@ def rdzv_lost(ctx: Pass) -> bool:
             and (p.terminal or p.deleting) and not ctx.recorded(p)]
     for p in lost:
         what = f"rendezvous store pod {p.name} {describe(p)}"
-        counts = failure(ctx, p, what, disruption=p.disruption, reason=names.REASON_RDZV_LOST)
+        counts = failure(ctx, p, what, Failure(INFRASTRUCTURE, names.REASON_RDZV_LOST, None, what),
+                         disruption=p.disruption, reason=names.REASON_RDZV_LOST)
         if counts is None:
             return False
         ctx.delete(p)

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 from ddp_operator import names
 from ddp_operator import stall as stallmod
+from ddp_operator.failure_class import HANG, MAX_MESSAGE, Failure
 from ddp_operator.observed import PodState
 from ddp_operator.plan.failures import delete_hung, going, incident, over_budget
 from ddp_operator.plan.state import Pass
@@ -114,6 +115,7 @@ def _never_formed(ctx: Pass, finding: stallmod.Finding, current: list[PodState])
     # so that such a job ends too.
     repeated = earlier is not None and earlier.get("incarnation") != incarnation
     fresh = [p for p in current if not ctx.recorded(p)]
+    fail = Failure(HANG, names.REASON_PG_NEVER_FORMED, None, finding.message[:MAX_MESSAGE])
     if fresh:
         incident(ctx, None)
         ctx.incident_reason = names.REASON_PG_NEVER_FORMED
@@ -122,11 +124,12 @@ def _never_formed(ctx: Pass, finding: stallmod.Finding, current: list[PodState])
         ctx.incident_message = f"{what}: restarting every trainer pod" + ("" if repeated else " (not counted)")
         if repeated and over_budget(ctx, what):
             for p in fresh:
-                ctx.record(p, counted=True, reason=names.REASON_PG_NEVER_FORMED)
+                ctx.record(p, counted=True, reason=names.REASON_PG_NEVER_FORMED, failure=fail, budget="backoffLimit")
             return False
     for p in sorted(current, key=lambda p: p.index or 0):
         if not ctx.recorded(p):
-            ctx.record(p, counted=repeated, reason=names.REASON_PG_NEVER_FORMED)
+            ctx.record(p, counted=repeated, reason=names.REASON_PG_NEVER_FORMED, failure=fail,
+                       budget="backoffLimit" if repeated else "none")
         # Workers blocked in init_process_group cannot act on SIGTERM: no grace period to wait out.
         ctx.delete(p, grace_seconds=names.HANG_DELETE_GRACE_SECONDS)
     going(ctx, [p.uid for p in current])

@@ -12,8 +12,10 @@ from ddp_operator.netpol import NetworkPolicyConfig
 from ddp_operator.observed import PodState, format_time
 from ddp_operator.plan.types import DELETE, Action, Observed, PrevStatus
 from ddp_operator.spec import Job
+from ddp_operator.failure_class import Failure
 from ddp_operator.status import (
-    Event, append_attempt, attempt, get_condition, record_pod, restart_key, restart_number, set_condition,
+    Event, append_attempt, attempt, get_condition, last_failure, record_pod, restart_key, restart_number,
+    set_condition,
 )
 
 
@@ -29,6 +31,8 @@ class Pass:
         self.prev = prev
         self.conditions: list[dict] = [dict(c) for c in prev.conditions]
         self.restarts = prev.restarts
+        self.infra_restarts = prev.infra_restarts
+        self.last_failure: Mapping[str, Any] | None = prev.last_failure
         self.disruptions = prev.disruptions
         self.group = prev.group
         self.attempts: list[dict] = list(prev.attempts)
@@ -47,6 +51,7 @@ class Pass:
         self.counted = 0
         self.recovery_seconds: float | None = None
         self.incident_reason = ""
+        self.incident_budget: str | None = None  # the budget this pass's incident spent (status.lastIncident)
         self.incident_message = ""
         self.pods_pending_since = prev.pods_pending_since
         self.placements: Mapping[str, kueuemod.Placement] = {}  # Kueue's admission, per pod set
@@ -90,11 +95,17 @@ class Pass:
         seen += [int(a["restartCount"]) for a in self.attempts if a.get("uid") == p.uid and a.get("restartCount")]
         return max(seen, default=0)
 
-    def record(self, p: PodState, *, counted: bool, reason: str | None = None, restart: int | None = None) -> None:
+    def record(self, p: PodState, *, counted: bool, reason: str | None = None, restart: int | None = None,
+               failure: Failure | None = None, budget: str = "none") -> None:
         """Put an ended pod (or, with `restart`, an in-place restart of its trainer container) on record: its key
-        for as long as the pod exists, its details in the bounded history."""
-        self.attempts = append_attempt(self.attempts, attempt(p, counted=counted, now=self.now_s, reason=reason,
-                                                              restart=restart))
+        for as long as the pod exists, its details in the bounded history; with `failure` (its class and why), also
+        as status.lastFailure, naming the `budget` it spent."""
+        entry = attempt(p, counted=counted, now=self.now_s, reason=reason, restart=restart)
+        if failure is not None:
+            entry = {**entry, "class": failure.cls, "cause": failure.reason,
+                     **({"rank": failure.rank} if failure.rank is not None else {})}
+            self.last_failure = last_failure(entry, failure, budget)
+        self.attempts = append_attempt(self.attempts, entry)
         key = p.uid if restart is None else restart_key(p.uid, restart)
         self.recorded_pods = record_pod(self.recorded_pods, key, (q.uid for q in self.observed.pods))
 

@@ -99,6 +99,7 @@ class PrevStatus:
     message: str = ""
     conditions: tuple[dict, ...] = ()
     restarts: int = 0
+    infra_restarts: int = 0
     disruptions: int = 0
     # status.group: the rendezvous generation (PET_RDZV_ID `<uid>-<group>`, pod label ddp.dev/group). Carried
     # over unchanged (0 for new jobs) since a lost store no longer bumps it; kept because a job started by an
@@ -116,6 +117,7 @@ class PrevStatus:
     # Handed on as written: status.incident_record and status.last_recovery read them.
     last_incident: Mapping[str, Any] | None = None
     last_recovery: Mapping[str, Any] | None = None
+    last_failure: Mapping[str, Any] | None = None
     nodes: Counts = Counts()
     spares: Counts = Counts()
 
@@ -126,6 +128,7 @@ class PrevStatus:
         return cls(
             conditions=tuple(dict(c) for c in prev.get("conditions") or []),
             restarts=int(prev.get("restarts") or 0),
+            infra_restarts=int(prev.get("infraRestarts") or 0),
             disruptions=int(prev.get("disruptions") or 0),
             group=int(prev.get("group") or 0),
             attempts=tuple(prev.get("attempts") or []),
@@ -141,6 +144,7 @@ class PrevStatus:
             pods_pending_since=parse_time(prev.get("podsPendingSince")),
             last_incident=prev.get("lastIncident"),
             last_recovery=prev.get("lastRecovery"),
+            last_failure=prev.get("lastFailure"),
             nodes=Counts(prev.get("nodes") or {}),
             spares=Counts(prev.get("spares") or {}),
         )

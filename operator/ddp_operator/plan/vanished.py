@@ -8,11 +8,12 @@ and counted like a deleted pod (failures.py).
 from __future__ import annotations
 
 from ddp_operator import names
+from ddp_operator.failure_class import INFRASTRUCTURE, Failure
 from ddp_operator.observed import parse_time
 from ddp_operator.plan.failures import incident, over_budget
 from ddp_operator.plan.state import Pass
 from ddp_operator.pod import trainer_pod_name
-from ddp_operator.status import append_attempt, missing_attempt
+from ddp_operator.status import append_attempt, last_failure, missing_attempt
 
 
 def vanished(ctx: Pass) -> bool:
@@ -35,9 +36,12 @@ def vanished(ctx: Pass) -> bool:
             continue
         what = f"pod {name} is missing (it ended while the operator was not watching)"
         counts = incident(ctx, None)
-        over = counts and over_budget(ctx, what)
-        ctx.attempts = append_attempt(ctx.attempts, missing_attempt(name, index, counted=counts,
-                                                                    now=ctx.now_s))
+        over = counts and over_budget(ctx, what, infra=True)
+        entry = {**missing_attempt(name, index, counted=counts, now=ctx.now_s), "class": INFRASTRUCTURE,
+                 "cause": names.REASON_NODE_MISSING}
+        ctx.attempts = append_attempt(ctx.attempts, entry)
+        ctx.last_failure = last_failure(entry, Failure(INFRASTRUCTURE, names.REASON_NODE_MISSING, None, what),
+                                        "infraBackoffLimit" if counts else "none")
         if over:
             return False
         ctx.incident_reason = names.REASON_NODE_MISSING
