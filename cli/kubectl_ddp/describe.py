@@ -26,7 +26,10 @@ def spec_lines(job: Mapping[str, Any]) -> list[str]:
              f"Image:        {trainer.get('image', '-')}",
              f"Command:      {' '.join(map(str, (trainer.get('command') or []) + (trainer.get('args') or [])))}"]
     policy = spec.get("failurePolicy") if isinstance(spec.get("failurePolicy"), Mapping) else {}
-    lines.append(f"Restarts:     backoffLimit {policy.get('backoffLimit', 6)}, hang timeout "
+    status = job.get("status") if isinstance(job.get("status"), Mapping) else {}
+    lines.append(f"Budgets:      {status.get('restarts') or 0}/{policy.get('backoffLimit', 6)} backoffLimit (the user's "
+                 f"code, hangs), {status.get('infraRestarts') or 0}/{policy.get('infraBackoffLimit', 50)} "
+                 f"infraBackoffLimit (infrastructure); hang timeout "
                  f"{view.duration(policy.get('hangTimeoutSeconds', 1800))}")
     checkpoint = spec.get("checkpoint")
     if isinstance(checkpoint, Mapping):
@@ -90,6 +93,16 @@ def render(job: Mapping[str, Any], pods: list[Mapping[str, Any]], events: list[M
     recovery = view.recovery_line(status.get("lastRecovery"))
     incident = status.get("lastIncident") if isinstance(status.get("lastIncident"), Mapping) else None
     parts.append(Text(""))
+    failure = view.failure_line(status.get("lastFailure"))
+    if failure:
+        parts.append(Text(f"Last failure: {failure}", style="bold"))
+        message = (status.get("lastFailure") or {}).get("message")
+        if isinstance(message, str) and message.strip():
+            parts += [Text("  " + line) for line in message.strip().splitlines()[-6:]]
+    avoided = status.get("avoidedNodes")
+    if isinstance(avoided, list) and avoided:
+        parts.append(Text("Avoided nodes: " + ", ".join(f"{a.get('node')} (until {a.get('until')})"
+                                                        for a in avoided if isinstance(a, Mapping))))
     parts.append(Text("Last recovery: " + (recovery or "none"), style="bold"))
     if incident:
         parts.append(Text(f"Last incident: {incident.get('reason', '?')}, {view.age(incident.get('time'), now)} ago"))

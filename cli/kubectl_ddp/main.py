@@ -65,6 +65,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--storage-class", help="the checkpoint claim's StorageClass (default: the cluster's default)")
     p.add_argument("--cpu", default="500m", help="CPU request per pod (default 500m)")
     p.add_argument("--memory", default="1Gi", help="memory request per pod (default 1Gi)")
+    p.add_argument("--memory-limit", help="memory limit per pod (default: none; a namespace's LimitRange may set one)")
     p.add_argument("--progress-period", type=int, default=5, metavar="SECONDS",
                    help="how often the operator copies rank 0's progress into status (default 5)")
     p.add_argument("--backoff-limit", type=int, metavar="N", help="restarts allowed before the job fails "

@@ -103,7 +103,7 @@ def job_name(script: Path, given: str | None) -> str:
 def job_manifest(name: str, *, entry: str, args: list[str], files: Mapping[str, tuple[str, bytes]], nodes: int,
                  nproc_per_node: str, spares: int, image: str, cpu: str, memory: str,
                  checkpoint_claim: str | None, progress_period: int, backoff_limit: int | None = None,
-                 max_restarts: int | None = None) -> dict:
+                 max_restarts: int | None = None, memory_limit: str | None = None) -> dict:
     """The DDPJob: the stock trainer's hardening (non-root, read-only root, /tmp an emptyDir), the script mounted."""
     nproc: Any = "auto" if nproc_per_node == "auto" else int(nproc_per_node)
     spec: dict[str, Any] = {
@@ -118,7 +118,8 @@ def job_manifest(name: str, *, entry: str, args: list[str], files: Mapping[str, 
                 "imagePullPolicy": "IfNotPresent",
                 "command": ["torchrun", entry, *args],
                 "workingDir": SCRIPT_DIR,
-                "resources": {"requests": {"cpu": cpu, "memory": memory}},
+                "resources": {"requests": {"cpu": cpu, "memory": memory},
+                              **({"limits": {"memory": memory_limit}} if memory_limit else {})},
                 "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                     "capabilities": {"drop": ["ALL"]}},
                 "volumeMounts": [{"name": SCRIPT_VOLUME, "mountPath": SCRIPT_DIR, "readOnly": True},
@@ -166,7 +167,8 @@ def submit(kube: Kube, args: Any) -> str:
     body = job_manifest(name, entry=entry, args=list(args.args), files=files, nodes=args.nodes,
                         nproc_per_node=args.nproc_per_node, spares=args.spares, image=args.image, cpu=args.cpu,
                         memory=args.memory, checkpoint_claim=claim, progress_period=args.progress_period,
-                        backoff_limit=args.backoff_limit, max_restarts=args.max_restarts)
+                        backoff_limit=args.backoff_limit, max_restarts=args.max_restarts,
+                        memory_limit=args.memory_limit)
     made: list[tuple[str, str]] = []
     try:
         kube.create_config_map(script_config_map(f"{name}-script", name, files))

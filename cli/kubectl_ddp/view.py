@@ -139,6 +139,21 @@ def recovery_line(recovery: Any) -> str | None:
     return ", ".join(bits)
 
 
+def failure_line(failure: Any) -> str | None:
+    """status.lastFailure in one line: class, why, rank, pod, budget; None without one."""
+    f = _map(failure)
+    if not f:
+        return None
+    bits = [f"{f.get('class', '?')} {f.get('reason', '?')}"]
+    if isinstance(f.get("rank"), int):
+        bits.append(f"rank {f['rank']}")
+    bits.append(f"pod {f.get('pod', DASH)} on {f.get('node') or DASH}")
+    if isinstance(f.get("exitCode"), int):
+        bits.append(f"exit {f['exitCode']}")
+    bits.append(f"spent {f.get('budget', 'none')}")
+    return ", ".join(bits)
+
+
 def goodput(job: Mapping[str, Any]) -> str:
     """status.goodput.ratio as a percentage, where the operator reports it."""
     ratio = _num(_map(_map(job.get("status")).get("goodput")).get("ratio"))
@@ -207,8 +222,9 @@ def attempt_lines(job: Mapping[str, Any], now: datetime) -> list[str]:
         if isinstance(a.get("exitCode"), int):
             what += f", exit {a['exitCode']}"
         budget = "counted" if a.get("counted") else ("disruption" if a.get("disruption") else "not counted")
+        cls = f"{a['class']} {a.get('cause', '')}".rstrip() + ", " if isinstance(a.get("class"), str) else ""
         out.append(f"{when:>6} ago  rank {a.get('index', DASH)}  {a.get('pod', DASH)} on {a.get('node') or DASH}: "
-                   f"{what} [{budget}]")
+                   f"{cls}{what} [{budget}]")
         message = a.get("message")
         if isinstance(message, str) and message.strip():
             out.append("            " + message.strip().splitlines()[-1][:200])

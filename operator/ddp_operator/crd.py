@@ -875,6 +875,8 @@ def build_crd() -> dict:
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
             {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1,
              "description": "Reason of the current phase."},
+            {"name": "Failure", "type": "string", "jsonPath": ".status.lastFailure.reason", "priority": 1,
+             "description": "Why the last failure happened (status.lastFailure)."},
             {"name": "Endpoint", "type": "string", "jsonPath": ".status.rendezvousEndpoint", "priority": 1,
              "description": "Rendezvous endpoint."},
         ],

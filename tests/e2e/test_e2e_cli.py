@@ -162,6 +162,30 @@ def test_run_of_a_failing_script_exits_non_zero_and_says_why(kubectl, ns, tmp_pa
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr
     assert "FileNotFoundError" in p.stdout, "rank 0's traceback is streamed"
     assert re.search(r"^broken failed: BackoffLimitExceeded", p.stdout, re.MULTILINE), p.stdout[-2000:]
+    failure = h.status(kubectl, ns, "broken")["lastFailure"]
+    assert (failure["class"], failure["reason"], failure["rank"], failure["budget"]) == (
+        "UserCode", "FileNotFoundError", 0, "backoffLimit"), failure
+    assert failure["message"].endswith("No such file or directory: 'config.json'"), failure
     text = ddp(kubectl, "describe", "broken", "-n", ns).stdout
     assert re.search(r"^Phase: +Failed", text, re.MULTILINE), text
     assert "broken-0" in text and "exit 1" in text, text
+    assert re.search(r"^Last failure: +UserCode FileNotFoundError, rank 0, pod broken-0", text, re.MULTILINE), text
+
+
+def test_an_oom_kill_is_the_infrastructures_and_never_spends_the_users_budget(kubectl, ns, tmp_path):
+    """backoffLimit 0: one failure of the user's code would fail the job; an OOM kill spends infraBackoffLimit."""
+    shutil.copy(SCRIPTS / "oom.py", tmp_path / "oom.py")
+    p = ddp(kubectl, "run", "oom.py", "--nodes", "1", "--name", "hog", "-n", ns, "--backoff-limit", "0",
+            "--max-restarts", "0", "--memory", "256Mi", "--memory-limit", "700Mi", "--detach", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+
+    def failed_once():
+        st = h.status(kubectl, ns, "hog")
+        return st if (st.get("lastFailure") or {}).get("class") else None
+    st = wait_for(failed_once, 180, "hog's first failure on record")
+    failure = st["lastFailure"]
+    assert (failure["class"], failure["budget"]) == ("Infrastructure", "infraBackoffLimit"), failure
+    assert failure["reason"] in ("OOMKilled", "Killed"), failure
+    assert st.get("restarts", 0) == 0 and st["infraRestarts"] >= 1 and st["phase"] != "Failed", st
+    text = ddp(kubectl, "describe", "hog", "-n", ns).stdout
+    assert re.search(r"^Budgets: +0/0 backoffLimit .*, [1-9]\d*/50 infraBackoffLimit", text, re.MULTILINE), text

@@ -98,6 +98,9 @@ def test_frozen_pod_is_detected_as_a_hang_force_deleted_and_replaced(kubectl, ns
         assert attempt["pod"] == pod, attempt
         assert detected_s <= ACT_WITHIN, f"acted after {detected_s:.1f} s, more than {ACT_WITHIN} s"
         assert st.get("lastIncident", {}).get("reason") == "Hang", st
+        # Why, and the budget it spent: a hang is the user's budget's (backoffLimit).
+        failure = st.get("lastFailure") or {}
+        assert (failure.get("class"), failure.get("pod"), failure.get("budget")) == ("Hang", pod, "backoffLimit"), st
         deleted_at = time.time()
 
         # Every process of the pod is frozen: the kubelet cannot kill it, the operator force-deletes it and
