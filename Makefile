@@ -61,6 +61,11 @@ test-integration: ## operator against the real API server
 test-e2e: ## real pods running torchrun (embedded cluster or $$DDPJOB_TEST_KUBECONFIG, e.g. kind)
 	$(PY) -m pytest -ra tests/e2e
 
+.PHONY: test-metrics
+test-metrics: ## the per-job metrics and every dashboard query against a real Prometheus (built first; no cluster)
+	hack/build-binaries.sh prometheus
+	$(PY) -m pytest -ra tests/metrics
+
 test-chart: ## helm lint, template validation, install/upgrade/uninstall
 	$(PY) -m pytest -ra tests/chart
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds every Go component of the embedded cluster from the Go module proxy into a cache directory
 # keyed by the versions in hack/versions.env, so a second run is a no-op. Never writes into the repo.
-#   hack/build-binaries.sh [component...]   components: kube etcd coredns helm kube-router kueue kind kwok
-#   (default: all but kind, which only the kind cluster of hack/kind_node.py needs, and kwok, which only the
-#   control-plane simulation of hack/kwok.py needs)
+#   hack/build-binaries.sh [component...]   components: kube etcd coredns helm kube-router kueue kind kwok prometheus
+#   (default: all but kind, which only the kind cluster of hack/kind_node.py needs, kwok, which only the
+#   control-plane simulation of hack/kwok.py needs, and prometheus, which only the metrics tests need)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=hack/versions.env
@@ -246,6 +246,23 @@ build_kwok() {
   rm -rf "$out"; mv "$out.tmp" "$out"; log "kwok done"
 }
 
+build_prometheus() {
+  local out="$CACHE_ROOT/prometheus-$PROMETHEUS_VERSION"
+  [[ -x $out/prometheus ]] && { log "prometheus cached"; return; }
+  # The server only (no promtool). Its go.mod has no replace directives, so `go install` builds it as released, with
+  # two differences from the release build: no `builtinassets` tag (the web UI's assets are not compiled in: the HTTP
+  # API answers, the UI pages 404) and `remove_all_sd` (no cloud or Kubernetes service discovery, so none of their
+  # SDKs: static and file targets are all the tests use).
+  local vpkg=github.com/prometheus/common/version
+  local ldf="-s -w -X $vpkg.Version=$PROMETHEUS_RELEASE -X $vpkg.Revision=0000000000000000000000000000000000000000"
+  ldf="$ldf -X $vpkg.Branch=HEAD -X $vpkg.BuildUser=ddpjob -X $vpkg.BuildDate=20260101-00:00:00"
+  rm -rf "$out.tmp"; mkdir -p "$out.tmp"
+  log "building prometheus $PROMETHEUS_VERSION (cold: a few minutes on 2 cores)"
+  GOBIN="$out.tmp" CGO_ENABLED=0 go install -trimpath -tags netgo,remove_all_sd -ldflags "$ldf" \
+    "github.com/prometheus/prometheus/cmd/prometheus@$PROMETHEUS_VERSION"
+  rm -rf "$out"; mv "$out.tmp" "$out"; log "prometheus done"
+}
+
 components=("$@"); [[ ${#components[@]} -gt 0 ]] || components=(etcd coredns helm kube-router kube kueue)
 for c in "${components[@]}"; do
   case $c in
@@ -257,6 +274,7 @@ for c in "${components[@]}"; do
     kueue) build_kueue ;;
     kind) build_kind ;;
     kwok) build_kwok ;;
+    prometheus) build_prometheus ;;
     *) echo "unknown component $c" >&2; exit 2 ;;
   esac
 done

@@ -97,7 +97,8 @@ def pinned_path(name: str) -> Path | None:
     """Where hack/build-binaries.sh puts the pinned build of `name`; None for tools nobody pins."""
     v = versions()
     where = {"etcd": f"etcd-{v['ETCD_VERSION']}", "coredns": f"coredns-{v['COREDNS_VERSION']}",
-             "helm": f"helm-{v['HELM_VERSION']}", "kube-router": f"kube-router-{v['KUBE_ROUTER_VERSION']}"}
+             "helm": f"helm-{v['HELM_VERSION']}", "kube-router": f"kube-router-{v['KUBE_ROUTER_VERSION']}",
+             "prometheus": f"prometheus-{v['PROMETHEUS_VERSION']}"}
     if name.startswith("kube") and name not in where:
         return CACHE / f"kube-{v['KUBE_VERSION']}" / name
     return CACHE / where[name] / name if name in where else None

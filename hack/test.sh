@@ -10,7 +10,7 @@
 #      the loopback trainer benchmarks' smoke tests (no cluster; their jobs run while the chart's pods start), then
 #      the shared operator and Kueue installed; (b) side by side, against them: the e2e tier | the integration tier,
 #      then the benchmark smoke tests; (c) the faults of the control plane, alone on the embedded cluster, and
-#      beside them the other half of the trainer benchmarks and
+#      beside them the other half of the trainer benchmarks and the metrics tier (a real Prometheus, no cluster) and
 #   4. a node lost on that kind cluster (make kind-node-loss, KIND_CLUSTER_NAME=ddpjob-test), deleted afterwards
 # Each pytest run writes JUnit XML under .test-results/; hack/test_times.py turns it into the per-directory table
 # of docs/testing.md.
@@ -112,7 +112,8 @@ record "stage 2: cluster up" $((SECONDS - t0))
 # Stage 4's kind cluster is made ready behind stage 3: its Docker engine (started here at low priority, so its
 # containers are too), node image, nodes and images; stage 4 then only runs the test.
 prepare_kind() { # (set -e does not hold in a function called with ||: every step says how it failed)
-  hack/build-binaries.sh kueue kwok kind || return  # kwok: the control-plane simulation's smoke test (step 3b)
+  # kwok: the control-plane simulation's smoke test (step 3b); prometheus: the e2e metrics test (3b), tests/metrics (3c)
+  hack/build-binaries.sh kueue prometheus kwok kind || return
   if [[ -n ${DDPJOB_SKIP_KIND:-} && ${CI:-} != true ]]; then return 0; fi
   hack/install-deps.sh --docker || return
   python3 hack/docker.py status >/dev/null 2>&1 || touch "$TMP/engine-started"
@@ -133,6 +134,8 @@ TRAINER_BENCH=tests/benchmarks/test_trainer_benchmarks_run.py
 BENCH_3A=("$TRAINER_BENCH::test_baselines_quick" "$TRAINER_BENCH::test_overhead_benchmark_quick"
   "$TRAINER_BENCH::test_resident_commit_benchmark_quick")
 BENCH_3C=("$TRAINER_BENCH::test_recovery_benchmark_quick" "$TRAINER_BENCH::test_rdzv_scale_quick")
+# With them in 3c: tests/metrics (no cluster; the pinned Prometheus, built behind stage 3 with Kueue's binaries).
+NO_CLUSTER_3C=("${BENCH_3C[@]}" tests/metrics)
 NO_CLUSTER_TESTS=$([[ -n ${DDPJOB_TEST_CLUSTER_ONLY:-} && ${CI:-} != true ]] || echo yes)
 rc_bench=0
 bench_lane() { # name tests...: half of the trainer benchmarks in a lane (none under DDPJOB_TEST_CLUSTER_ONLY)
@@ -197,7 +200,7 @@ else
   pid_kind=$LANE_PID
 fi
 log "stage 3c: the control plane's faults (alone on the embedded cluster) | the trainer benchmarks' other half"
-bench_lane trainer-benchmarks-c "${BENCH_3C[@]}"
+bench_lane trainer-benchmarks-c "${NO_CLUSTER_3C[@]}"
 pytest_run control-plane "$CONTROL_PLANE" || rc=$?
 bench_waited
 record "stage 3c: control-plane faults | trainer benchmarks" $((SECONDS - t0))

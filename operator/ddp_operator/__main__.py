@@ -14,7 +14,7 @@ import uuid
 
 import kopf
 
-from ddp_operator import __version__, kopf_mends, metrics, names
+from ddp_operator import __version__, job_metrics, kopf_mends, metrics, names
 from ddp_operator.diagnostics import DEFAULT_TOOLS_IMAGE, Tools
 from ddp_operator.netpol import NetworkPolicyConfig, parse_labels
 
@@ -132,6 +132,24 @@ def _standby_liveness(port: int):
     return server
 
 
+def job_bodies(memo: kopf.Memo, tries: int = 3) -> list:
+    """The DDPJob bodies in kopf's index (none before the startup handler made the Reconciler, nor on a standby).
+
+    Called from the metrics server's thread while kopf's loop changes the index: a listing that met a change is
+    taken again (RuntimeError: dictionary changed size during iteration), at most `tries` times."""
+    r = memo.get("reconciler")
+    if r is None:
+        return []
+    for attempt in range(tries):
+        try:
+            keys = r.jobs.keys()
+            break
+        except RuntimeError:
+            if attempt == tries - 1:
+                raise
+    return [b for b in map(r.jobs.body, keys) if b is not None]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     kopf.configure(verbose=args.verbose,
@@ -154,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     if config.kueue:
         handlers.enable_kueue()
 
+    # The per-job metrics (job_metrics.py), read from the memo's Reconciler at scrape time; the job handlers show
+    # them every job event (handlers.on_job_event) so that no recovery waits for a scrape to be observed.
+    operator_memo = handlers.memo(config)
+    operator_memo.job_metrics = job_metrics.register(lambda: job_bodies(operator_memo))
     metrics.serve(args.metrics_port)
     if args.leader_elect:
         from ddp_operator.k8s import Api
@@ -174,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=liveness,
-        memo=handlers.memo(config),
+        memo=operator_memo,
     )
     return 0
 

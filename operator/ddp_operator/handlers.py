@@ -146,8 +146,13 @@ def on_job(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **kwargs
 def on_job_event(event: Mapping[str, Any], namespace: str, name: str, uid: str, memo: kopf.Memo,
                  **kwargs: Any) -> None:
     r = _bound(memo, kwargs)
+    jm = memo.get("job_metrics")  # job_metrics.JobMetrics (__main__): a recovery observed as its status shows it
     if event.get("type") == "DELETED":
         r.jobs.forget((namespace, name), uid)
+        if jm is not None:
+            jm.forget(uid)
+    elif jm is not None and isinstance(event.get("object"), Mapping):
+        jm.see(event["object"])
 
 
 @kopf.on.event("v1", "pods", labels=OWNED)

@@ -94,8 +94,11 @@ def test_cluster_rbac_is_least_privilege(render):
                 assert res != "*" and group != "*", rule
     needs = rbac_needs.needs()
     assert rbac_needs.granted(role["rules"]) == needs.namespaced | needs.cluster
-    assert not any(res in {"secrets", "configmaps", "pods/exec", "leases"} for _, res in granted)
-    assert not any("update" in verbs for (g, res), verbs in granted.items() if res != "ddpjobs/finalizers")
+    assert not any(res in {"secrets", "pods/exec", "leases"} for _, res in granted)
+    # ConfigMaps: only each job's metric history (<job>-history), read and replaced by name; never listed or watched
+    assert granted.get(("", "configmaps"), {"get", "create", "update"}) == {"get", "create", "update"}
+    assert not any("update" in verbs for (g, res), verbs in granted.items()
+                   if res not in ("ddpjobs/finalizers", "configmaps"))
 
 
 def test_every_scope_grants_exactly_what_the_code_needs(render):
@@ -170,7 +173,7 @@ def test_more_replicas_turn_leader_election_on(render):
 def test_all_options_render(render):
     objs = render("--values", str(VALUES_ALL))
     kinds = sorted(o["kind"] for o in objs)
-    assert kinds == ["Deployment", "Role", "Role", "Role", "RoleBinding", "RoleBinding", "RoleBinding",
+    assert kinds == ["ConfigMap", "Deployment", "Role", "Role", "Role", "RoleBinding", "RoleBinding", "RoleBinding",
                      "Service", "ServiceAccount", "ServiceMonitor", "ValidatingAdmissionPolicy",
                      "ValidatingAdmissionPolicyBinding"]
     policy, binding = _admission(objs)
@@ -179,6 +182,7 @@ def test_all_options_render(render):
         "team-a", "team-b"]
     sm = one(objs, "ServiceMonitor")
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    assert sm["spec"]["endpoints"][0]["honorLabels"] is True  # a job's namespace label stays the job's
     assert sm["metadata"]["labels"]["release"] == "prometheus"
     dep = one(objs, "Deployment")
     c = dep["spec"]["template"]["spec"]["containers"][0]
@@ -186,6 +190,23 @@ def test_all_options_render(render):
     assert "--metrics-port=9090" in c["args"] and "--liveness-port=9091" in c["args"]
     assert "--verbose" in c["args"] and "--leader-elect" in c["args"]
     assert c["args"][-1] == "--lease-namespace=ddp-system"  # extraArgs come last
+
+
+def test_the_dashboard_ships_for_grafanas_sidecar_only_when_enabled(render):
+    """dashboards.enabled: the dashboard JSON, byte for byte, in a ConfigMap with the sidecar's label (its key and
+    value configurable), in the release namespace unless dashboards.namespace says otherwise."""
+    assert not by_kind(render(), "ConfigMap")
+    cm = one(render("--set", "dashboards.enabled=true"), "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1" and cm["metadata"]["namespace"] == "ddp-system"
+    assert cm["data"]["ddpjob.json"] == (CHART / "dashboards" / "ddpjob.json").read_text().rstrip("\n")
+    board = json.loads(cm["data"]["ddpjob.json"])
+    assert {v["name"] for v in board["templating"]["list"]} == {"datasource", "namespace", "job"}
+    cm = one(render("--set", "dashboards.enabled=true", "--set", "dashboards.label=dash",
+                    "--set", "dashboards.labelValue=yes", "--set", "dashboards.namespace=monitoring",
+                    "--set", "dashboards.annotations.grafana_folder=Training"), "ConfigMap")
+    assert cm["metadata"]["labels"]["dash"] == "yes" and "grafana_dashboard" not in cm["metadata"]["labels"]
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "Training"}
 
 
 def test_metrics_off_removes_service_and_port(render):
@@ -211,6 +232,9 @@ def test_metrics_off_removes_service_and_port(render):
         (["--set", "metrics.enabled=yes-please"], "enabled"),
         (["--set", "watch.namespaces=team-a"], "namespaces"),
         (["--set", "watch.exclude={Team-*}"], "exclude"),
+        (["--set", "dashboards.enabled=maybe"], "enabled"),
+        (["--set", "dashboards.label=bad key"], "label"),
+        (["--set", "dashboards.namespace=Monitoring"], "namespace"),
         (["--set", "unknownKey=1"], "unknownKey"),
         (["--set", "image.registry=docker.io"], "registry"),
         (["--set", "securityContext.runAsRoot=true"], "runAsRoot"),

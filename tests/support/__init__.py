@@ -6,4 +6,6 @@ conftest.py files, which call these).
 - `kube`: the cluster under test and kubectl bound to it: connecting, images, test namespaces, post-mortems, other
   operators paused.
 - `processes`: processes the tests start on this machine: stopping one, `python -m ddp_operator` as a subprocess.
+- `prometheus`: the pinned Prometheus started on loopback, PromQL through its HTTP API, the Grafana dashboard's
+  queries with its variables filled in.
 """

@@ -11,9 +11,10 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 
 # Each tier's time limit per test (pytest-timeout; it counts the test's fixtures too, so the first test of a tier pays
 # for its session fixtures): a hung test fails in minutes, not after half an hour. A test that needs more says so with
-# its own @pytest.mark.timeout. docs/testing.md has what each tier takes.
+# its own @pytest.mark.timeout. docs/testing.md has what each tier takes. The metrics tier's first test may build the
+# pinned Prometheus (a few minutes cold), as the bootstrap tier builds etcd.
 TIER_TIMEOUTS = {"unit": 60, "bootstrap": 900, "trainer": 300, "gpu": 600, "cluster": 600, "integration": 300,
-                 "chart": 600, "e2e": 600, "benchmarks": 1500}
+                 "chart": 600, "e2e": 600, "benchmarks": 1500, "metrics": 900}
 
 
 # The namespaces of the tests that run operators of their own (the integration tier, its leader election test, the
