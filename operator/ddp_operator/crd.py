@@ -726,6 +726,42 @@ def _status_schema() -> dict:
             "restoredFromPod": _str("The pod whose snapshot was used (peer/local)."),
         },
     )
+    def num(description: str) -> dict:
+        return {"type": "number", "description": description}
+
+    goodput = _obj(
+        "The share of the job's wall time in which it made new progress, and where the rest went "
+        "(docs/recovery.md, 'Goodput'). Refreshed with every progress write and at every recovery, phase change "
+        "and the end; derived again from these fields after an operator restart, never counted twice.",
+        {
+            "ratio": num("productive / wall, 0..1."),
+            "wallSeconds": num("From the creation to asOf."),
+            "asOf": _str("When the figures were taken (the completion time once the job ended).", format="date-time"),
+            "seconds": _obj("The wall time by cause.", {
+                "productive": num("Making new progress."),
+                "starting": num("From the creation to the first step, less the time queued before it."),
+                "queued": num("Suspended, or held or evicted by Kueue."),
+                "recovering": num("From each fault to the first step after the resume."),
+                "redone": num("Steps lost x the step time: the steps done again."),
+            }),
+            "recoveries": _int("Recoveries taken in."),
+            "stepsLost": _int("Steps lost over every recovery."),
+            "byFault": {"type": "object", "maxProperties": 16,
+                        "description": "Per fault (status.lastRecovery.fault): recoveries, seconds (recovering + "
+                                       "redone) and steps lost.",
+                        "additionalProperties": _obj("One fault's cost.", {
+                            "recoveries": _int("Recoveries."), "seconds": num("Seconds lost."),
+                            "stepsLost": _int("Steps lost.")})},
+            "since": _str("The job's creation: where wall time starts.", format="date-time"),
+            "firstStepAt": _str("The first step the trainer reported (trainer clock).", format="date-time"),
+            "stepSeconds": num("Bookkeeping: the step time between the last two progress reports."),
+            "queuedClosed": num("Bookkeeping: seconds of the suspended periods that ended."),
+            "queuedAtFirstStep": num("Bookkeeping: queuedClosed when the first step came."),
+            "recoveringTotal": num("Bookkeeping: seconds.recovering without rounding."),
+            "redoneTotal": num("Bookkeeping: seconds.redone without rounding."),
+            "counted": _str("Bookkeeping: the last recovery taken in (startedAt/fault), so none counts twice."),
+        },
+    )
     last_failure = _obj(
         "The last failure and why (docs/recovery.md, 'Why it failed'): its class decides the budget it spent.",
         {
@@ -773,6 +809,7 @@ def _status_schema() -> dict:
             "infraRestarts": _int("Restarts counted against failurePolicy.infraBackoffLimit (infrastructure "
                                   "failures)."),
             "lastFailure": last_failure,
+            "goodput": goodput,
             "avoidedNodes": {
                 "type": "array",
                 "description": "Nodes this job's replacement pods are kept off (a required node affinity the "
@@ -875,6 +912,8 @@ def build_crd() -> dict:
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
             {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1,
              "description": "Reason of the current phase."},
+            {"name": "Goodput", "type": "number", "jsonPath": ".status.goodput.ratio", "priority": 1,
+             "description": "Share of the wall time spent making new progress (status.goodput)."},
             {"name": "Failure", "type": "string", "jsonPath": ".status.lastFailure.reason", "priority": 1,
              "description": "Why the last failure happened (status.lastFailure)."},
             {"name": "Endpoint", "type": "string", "jsonPath": ".status.rendezvousEndpoint", "priority": 1,

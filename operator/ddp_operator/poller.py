@@ -40,10 +40,11 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
+from datetime import datetime, timezone
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
-from ddp_operator import hang, metrics, names, progress, stall
+from ddp_operator import goodput, hang, metrics, names, progress, stall
 from ddp_operator.history_keeper import HistoryKeeper
 from ddp_operator.jobs import JobRecord, JobRegistry, Key, owned_by
 from ddp_operator.k8s import describe_error
@@ -374,6 +375,13 @@ class ProgressPoller:
                 patch["progress"] = new
             if recovery is not None and recovery != base.get("lastRecovery"):
                 patch["lastRecovery"] = recovery
+            if patch:  # the goodput's ratio refreshed in the same write (goodput.py): no request of its own
+                g = goodput.derive(base.get("goodput"), created=job.created, now=datetime.now(timezone.utc),
+                                   phase=base.get("phase") or "", prev_phase=base.get("phase"), progress=new,
+                                   prev_progress=current, recovery=patch.get("lastRecovery") or base.get(
+                                       "lastRecovery"), refresh=True)
+                if g is not None and g != base.get("goodput"):
+                    patch["goodput"] = g
             if not patch or not self.jobs.exists(key):
                 return
             self.api.patch_status(key[0], key[1], patch)

@@ -12,10 +12,12 @@ import copy
 import math
 import re
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Mapping
 
 from ddp_operator import crd, names
 from ddp_operator.diagnostics import Diagnostics, parse_diagnostics
+from ddp_operator.observed import parse_time
 # SpecError is the parsers' one error: importers take it from here.
 from ddp_operator.spec_fields import SpecError, integer as _int, section as _section  # noqa: F401
 from ddp_operator.template import template_problem
@@ -123,6 +125,7 @@ class Job:
     priority_class: str | None = None
     # The label was removed, and queue_name is the queue of the Workload the job still has (kueue.kept_queue).
     queue_label_removed: bool = False
+    created: datetime | None = None  # metadata.creationTimestamp: where goodput's wall time starts
 
 
 # --- helpers ---------------------------------------------------------------------------------------
@@ -411,6 +414,7 @@ def parse_job(body: Mapping[str, Any]) -> Job:
         spec=parse_spec(body.get("spec") or {}),
         queue_name=_kueue_label(labels, names.LABEL_QUEUE_NAME, "LocalQueue"),
         priority_class=_kueue_label(labels, names.LABEL_PRIORITY_CLASS, "WorkloadPriorityClass"),
+        created=parse_time(meta.get("creationTimestamp")),
     )
 
 

@@ -139,6 +139,16 @@ def test_run_follows_a_script_through_a_killed_pod_and_every_view_shows_it(kubec
         assert re.search(r"rank 1 +cli-1 on \S+: \w+", text), text
         assert "Last recovery: recovered from" in text, text
 
+        # What the recovery cost, in status.goodput: the share of the wall time that made progress, one recovery.
+        st = h.status(kubectl, ns, "cli")
+        g = st["goodput"]
+        assert 0 < g["ratio"] < 1 and g["recoveries"] == 1, g
+        fault = st["lastRecovery"]["fault"]
+        assert g["byFault"][fault]["recoveries"] == 1 and g["seconds"]["recovering"] > 0, g
+        assert g["wallSeconds"] == pytest.approx(sum(g["seconds"].values()), abs=1.0), g
+        wide = kubectl("get", "ddpj", "cli", "-n", ns, "-o", "wide").stdout
+        assert re.search(r"\bGOODPUT\b", wide) and str(g["ratio"]) in wide, wide
+
         rows = json.loads(ddp(kubectl, "top", "cli", "-n", ns, "-o", "json").stdout)
         assert rows["job"][1:3] == ["cli", "Succeeded"] and rows["lastRecovery"].startswith("recovered from")
         top = Terminal(kubectl, "top", f"kubectl ddp top -n {ns} --interval 1", tmp_path)

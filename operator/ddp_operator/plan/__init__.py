@@ -46,7 +46,8 @@ from ddp_operator import spares as sparesmod
 from ddp_operator.env import rdzv_endpoint, rdzv_id
 from ddp_operator.labels import selector_string, trainer_selector
 from ddp_operator.netpol import NetworkPolicyConfig
-from ddp_operator.observed import format_time
+from ddp_operator import goodput as goodputmod
+from ddp_operator.observed import format_time, parse_time
 from ddp_operator.plan.avoid import WINDOW_SECONDS as AVOID_WINDOW_SECONDS, avoided_nodes
 from ddp_operator.plan.children import create_missing, scaled, stale
 from ddp_operator.plan.deadline import deadline_due, deadline_exceeded
@@ -67,7 +68,9 @@ from ddp_operator.plan.types import (
 )
 from ddp_operator.plan.vanished import vanished
 from ddp_operator.spec import Job
-from ddp_operator.status import Event, condition_events, incident_record, last_recovery, set_condition
+from ddp_operator.status import (
+    Event, condition_events, get_condition, incident_record, last_recovery, set_condition,
+)
 
 __all__ = [
     "CREATE", "DELETE", "DELETE_JOB", "FORCE_DELETE", "PATCH", "PATCH_STATUS", "Action", "Observed", "Plan",
@@ -171,6 +174,7 @@ def build_status(ctx: Pass) -> dict:
         "progress": ctx.progress,
         "lastIncident": last_incident_record(ctx),
         "lastRecovery": last_recovery_record(ctx),
+        "goodput": goodput_record(ctx),
         "diagnosis": dict(ctx.diagnosis) if ctx.diagnosis else None,
     }
     return {k: v for k, v in status.items() if v is not None and v != ""}
@@ -195,6 +199,18 @@ def last_recovery_record(ctx: Pass) -> Mapping[str, Any] | None:
                 and (report.get("rank") in (None, 0)):
             current = last_recovery(current, last_incident_record(ctx), report)
     return current
+
+
+def goodput_record(ctx: Pass) -> Mapping[str, Any] | None:
+    """status.goodput (goodput.py), taken further on a recovery, a phase change, the first step and the end."""
+    suspended = get_condition(list(ctx.prev.conditions), names.COND_SUSPENDED) or {}
+    since = parse_time(suspended.get("lastTransitionTime")) if suspended.get("status") == "True" else None
+    finished = ctx.phase in names.FINISHED_PHASES
+    return goodputmod.derive(ctx.prev.goodput, created=ctx.job.created, now=ctx.now, phase=ctx.phase,
+                             prev_phase=ctx.prev.phase, suspended_since=since,
+                             completed=(ctx.completion_time or ctx.now) if finished else None,
+                             progress=ctx.progress, prev_progress=ctx.prev.progress,
+                             recovery=last_recovery_record(ctx))
 
 
 def phase_event(old_phase: str | None, new_status: Mapping[str, Any], condition_evts: list[Event]) -> list[Event]:

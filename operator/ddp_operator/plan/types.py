@@ -118,6 +118,7 @@ class PrevStatus:
     last_incident: Mapping[str, Any] | None = None
     last_recovery: Mapping[str, Any] | None = None
     last_failure: Mapping[str, Any] | None = None
+    goodput: Mapping[str, Any] | None = None
     nodes: Counts = Counts()
     spares: Counts = Counts()
 
@@ -145,6 +146,7 @@ class PrevStatus:
             last_incident=prev.get("lastIncident"),
             last_recovery=prev.get("lastRecovery"),
             last_failure=prev.get("lastFailure"),
+            goodput=prev.get("goodput") if isinstance(prev.get("goodput"), Mapping) else None,
             nodes=Counts(prev.get("nodes") or {}),
             spares=Counts(prev.get("spares") or {}),
         )
