@@ -7,8 +7,10 @@ exists, so deleting the job deletes it. A ConfigMap holds at most 1 MiB: beyond 
 image (docs/cli.md).
 
 Following (`follow`): a progress line (phase, nodes, step, epoch, loss, samples/s, ETA when the script reports
-metrics.totalSteps) kept at the bottom of the terminal, rank 0's output streamed above it (kubectl_ddp.logs, which
-follows a replaced or restarted rank 0), and each incident and recovery announced as the operator records it. The
+`totalSteps`) kept at the bottom of the terminal, global rank 0's output streamed above it (the pod
+status.progress.pod names: the rendezvous, not the pod index, decides where rank 0 runs; kubectl_ddp.logs follows
+it when it is replaced or restarted, and `run` moves to another pod when rank 0 does), and each incident and
+recovery announced as the operator records it. The
 exit status is the job's result: 0 Succeeded, 1 Failed; Ctrl-C detaches (130) and says how to reattach or delete.
 """
 
@@ -194,6 +196,7 @@ def follow(kube: Kube, name: str, console: Any, out: TextIO = sys.stdout) -> int
     stop = threading.Event()
     writer = _ConsoleLines(console)
     streamer: threading.Thread | None = None
+    streaming: int | None = None  # the pod index whose log is streamed: global rank 0's
     seen: dict[str, Any] = {}
     since: tuple[float, float] | None = None
     live = Live(Text(""), console=console, refresh_per_second=4, transient=True) if console.is_terminal else None
@@ -214,8 +217,14 @@ def follow(kube: Kube, name: str, console: Any, out: TextIO = sys.stdout) -> int
             elif seen.get("line") != line:
                 console.print(line)
             seen["line"] = line
-            if streamer is None and _trainer_started(kube, name):
-                streamer = threading.Thread(target=_stream_rank0, args=(kube, name, writer, stop), daemon=True,
+            index = _rank0_index(kube, name, p.get("pod"))
+            if index is not None and index != streaming:
+                if streamer is not None:  # global rank 0 moved to another pod (a recovery): follow it there
+                    stop.set()
+                    writer.write(f"--- rank 0 is now in pod {p.get('pod')}\n")
+                    stop = threading.Event()
+                streaming = index
+                streamer = threading.Thread(target=_stream, args=(kube, name, index, writer, stop), daemon=True,
                                             name="rank0-log")
                 streamer.start()
             if view.finished(job):
@@ -265,17 +274,24 @@ def announcements(seen: dict[str, Any], status: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def _trainer_started(kube: Kube, name: str) -> bool:
+def _rank0_index(kube: Kube, name: str, rank0_pod: Any) -> int | None:
+    """The pod index (ddp.dev/node-index) of global rank 0's pod (status.progress.pod; the rendezvous, not the
+    index, decides which pod holds rank 0), or of pod 0 before any report, once its trainer has started."""
     for pod in kube.pods(name):
-        for c in (pod.get("status") or {}).get("containerStatuses") or []:
-            if c.get("name") == names.TRAINER_CONTAINER and set(c.get("state") or {}) & {"running", "terminated"}:
-                return True
-    return False
+        meta = pod.get("metadata") or {}
+        index = (meta.get("labels") or {}).get(names.LABEL_NODE_INDEX)
+        if not isinstance(index, str) or not index.isdigit():
+            continue
+        if (rank0_pod and meta.get("name") == rank0_pod) or (not rank0_pod and index == "0" and any(
+                c.get("name") == names.TRAINER_CONTAINER and set(c.get("state") or {}) & {"running", "terminated"}
+                for c in (pod.get("status") or {}).get("containerStatuses") or [])):
+            return int(index)
+    return None
 
 
-def _stream_rank0(kube: Kube, name: str, out: TextIO, stop: threading.Event) -> None:
+def _stream(kube: Kube, name: str, index: int, out: TextIO, stop: threading.Event) -> None:
     try:
-        logs.show_logs(kube.core, kube.namespace, name, follow=True, rank=0, previous=False, out=out, stop=stop)
+        logs.show_logs(kube.core, kube.namespace, name, follow=True, rank=index, previous=False, out=out, stop=stop)
     except Exception as e:  # the log is a courtesy of `run`: the job's result still decides
         out.write(f"--- rank 0's log stopped: {e}\n")
 

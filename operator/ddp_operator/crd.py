@@ -703,6 +703,8 @@ def _status_schema() -> dict:
                                        "world, as rank 0 reported them (ddp_trainer; with spares the rendezvous "
                                        "decides which pods train)."},
             "summary": _str("One-line form for `kubectl get`."),
+            "pod": _str("The pod of global rank 0, which answered this report (the rendezvous, not the pod index, "
+                        "decides which pod that is; `kubectl ddp run` streams its log)."),
         },
     )
     last_recovery = _obj(

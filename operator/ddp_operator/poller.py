@@ -236,7 +236,8 @@ class ProgressPoller:
                 others = [r for pod, r in reports.items() if found is None or pod != found[0]]
                 obj.hang_watch = hang.watch(obj.hang_watch, current, report, time.monotonic(), others)
             if report is not None:
-                self._write_progress(key, job, status, report)
+                pod = next((p["metadata"]["name"] for p in trainers if p["metadata"]["uid"] == found[0]), None)
+                self._write_progress(key, job, status, report, pod)
             hung = self.hang_check_due(key, body, time.monotonic())
             if hung:
                 self._hang_check(key, job, body, trainers, reports)
@@ -352,10 +353,11 @@ class ProgressPoller:
                 and p["metadata"].get("labels", {}).get(names.LABEL_ROLE) == names.ROLE_TRAINER
                 and owned_by(p, uid)]
 
-    def _write_progress(self, key: Key, job: Job, status: Mapping[str, Any], report: Mapping[str, Any]) -> None:
-        """status.progress (when the step moved forward, at most once per progressPeriodSeconds) and
-        status.lastRecovery (when rank 0's recovery report changes it)."""
-        new = progress_status(report)
+    def _write_progress(self, key: Key, job: Job, status: Mapping[str, Any], report: Mapping[str, Any],
+                        pod: str | None = None) -> None:
+        """status.progress (when the step moved forward, at most once per progressPeriodSeconds; `pod`: the one
+        that answered as global rank 0) and status.lastRecovery (when rank 0's recovery report changes it)."""
+        new = {**progress_status(report), **({"pod": pod} if pod else {})}
         period = job.spec.progress_period_seconds
         # Polled faster than the period for hang detection: the writes still keep to the period.
         interval = _poll_interval(job) or period
