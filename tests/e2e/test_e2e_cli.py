@@ -192,14 +192,20 @@ def test_run_of_a_failing_script_exits_non_zero_and_says_why(kubectl, ns, tmp_pa
 def test_an_oom_kill_is_the_infrastructures_and_never_spends_the_users_budget(kubectl, ns, tmp_path):
     """backoffLimit 0: one failure of the user's code would fail the job; an OOM kill spends infraBackoffLimit."""
     shutil.copy(SCRIPTS / "oom.py", tmp_path / "oom.py")
-    p = ddp(kubectl, "run", "oom.py", "--nodes", "1", "--name", "hog", "-n", ns, "--backoff-limit", "0",
-            "--max-restarts", "0", "--memory", "256Mi", "--memory-limit", "700Mi", "--detach", cwd=tmp_path)
-    assert p.returncode == 0, p.stderr
-
-    def failed_once():
-        st = h.status(kubectl, ns, "hog")
-        return st if (st.get("lastFailure") or {}).get("class") else None
-    st = wait_for(failed_once, 180, "hog's first failure on record")
+    term = Terminal(kubectl, "hog", f"kubectl ddp run oom.py --nodes 1 --name hog -n {ns} --backoff-limit 0 "
+                                    f"--max-restarts 0 --memory 256Mi --memory-limit 700Mi", tmp_path)
+    try:
+        def failed_once():
+            st = h.status(kubectl, ns, "hog")
+            return st if (st.get("lastFailure") or {}).get("class") else None
+        st = wait_for(failed_once, 180, "hog's first failure on record")
+        # Ctrl-C detaches: the job keeps running, and the terminal says how to come back or delete it.
+        term.keys("C-c")
+        term.wait_for(r"^EXIT=130", 30, history=True)
+        said = " ".join(term.screen(history=True).split())  # the terminal wraps long lines at spaces
+        assert "detached from hog; it keeps running." in said and f"kubectl delete ddpj hog -n {ns}" in said, said
+    finally:
+        term.close()
     failure = st["lastFailure"]
     assert (failure["class"], failure["budget"]) == ("Infrastructure", "infraBackoffLimit"), failure
     assert failure["reason"] in ("OOMKilled", "Killed"), failure
