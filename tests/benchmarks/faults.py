@@ -26,6 +26,13 @@ crash back-off starts fresh. Once rank 0 reports --inject-step steps, the fault 
   (an attempt with reason NodeLost), force-delete and recreate them. On a one-node
   cluster every pod of the job is on the lost node: nothing in memory survives, and without a checkpoint
   volume training starts over. The steps lost are recorded as they are and not held against survival.
+- `evict_all`: every trainer pod evicted at once through the eviction API (a policy/v1 Eviction per pod, as
+  `kubectl drain` does; the node is not cordoned) with the pods' grace period; the job has a checkpoint volume (a
+  hostPath under harness.SHARED_HOST_DIR) whose periodic checkpoint never comes (every 1000 steps), so only the
+  checkpoint rank 0 writes on SIGTERM can keep the loss to the step in flight. The evicted pods' logs are followed
+  (`kubectl logs -f`) until their containers end. Checked: status.lastRecovery says `resumedFrom: disk` and
+  `stepsLost` <= 1 (the trainer's figure), the evictions spent no backoffLimit (`status.restarts` 0) and each is a
+  disruption (evict_all_wrong).
 
 What is measured, from the trainer's own log lines (`<time>Z ddp_trainer rank=R event=...`; the embedded
 cluster's containers share the host's clock). Logs are collected at every poll from every trainer pod and
@@ -48,7 +55,8 @@ pods that are replaced later and of restarted containers are kept.
   node_notready on a one-node cluster: Succeeded alone).
 
 Exits 1 (after printing the JSON) when a fault was not survived. The last line of output is one JSON
-object: one entry per fault, `{"survived", "recovery_s", "steps_lost", "resumed_from"}`, `all_survived`,
+object: one entry per fault, `{"survived", "recovery_s", "steps_lost", "resumed_from", "goodput"}` (goodput: the job's
+status.goodput.ratio at its end, the share of its run that made progress, docs/recovery.md), `all_survived`,
 and `detail` (per fault: restores, checks, the operator's status.lastRecovery when it reports one, error).
 --record also writes docs/bench/faults.json.
 """
@@ -58,6 +66,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -67,12 +76,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.benchmarks import results  # noqa: E402
 from tests.e2e import harness as h  # noqa: E402
 
-FAULTS = ["store_loss", "agent_kill", "worker_kill", "hang", "operator_kill", "apiserver_restart", "node_notready"]
+FAULTS = ["store_loss", "agent_kill", "worker_kill", "hang", "operator_kill", "apiserver_restart", "node_notready",
+          "evict_all"]
 QUICK = ["store_loss", "agent_kill", "worker_kill"]
 STEPS_PER_EPOCH = 20  # 2 nodes x batch 32 over the 1258 training samples
 HANG_TIMEOUT_S = 20
 NODE_LOST_TIMEOUT_S = 20  # node_notready's failurePolicy.nodeLostTimeoutSeconds
 SOURCES = {"peer": "peer", "local": "local", "checkpoint": "disk", "fresh": "start"}
+EVICT_CHECKPOINT_EVERY = 1000  # evict_all's periodic checkpoint: never reached, only the SIGTERM one counts
 LABEL_INDEX = "ddp.dev/node-index"
 POD_LOGS = Path("/var/log/pods")
 
@@ -85,6 +96,7 @@ EXPECTED_FAULT = {
     "worker_kill": "WorkerRestart",
     "hang": "Hang",
     "operator_kill": "NodeFailed",
+    "evict_all": "NodeDisrupted",
 }
 
 
@@ -93,6 +105,39 @@ def wrong_fault(fault: str, status: dict) -> str | None:
     want = EXPECTED_FAULT.get(fault)
     got = (status.get("lastRecovery") or {}).get("fault")
     return f"status.lastRecovery.fault is {got!r}, not {want!r}" if want and got != want else None
+
+
+def host_dir(ns: str, job: str) -> str:
+    """evict_all's checkpoint volume: a directory of every node (harness.SHARED_HOST_DIR), removed after the fault."""
+    return f"{h.SHARED_HOST_DIR}/{ns}-{job}-checkpoints"
+
+
+def evict_all_wrong(status: dict, evicted: int) -> list[str]:
+    """What is wrong with the job's status after `evicted` pods were all evicted at once (evict_all; [] if nothing):
+    it must have resumed from the checkpoint rank 0 wrote on SIGTERM, at most one step behind, and the evictions
+    must be disruptions that spent no backoffLimit."""
+    wrong = []
+    last = status.get("lastRecovery") or {}
+    if last.get("resumedFrom") != "disk":
+        wrong.append(f"status.lastRecovery.resumedFrom is {last.get('resumedFrom')!r}, not 'disk' (the SIGTERM "
+                     "checkpoint)")
+    lost = last.get("stepsLost")
+    if not isinstance(lost, int) or lost > 1:
+        wrong.append(f"status.lastRecovery.stepsLost is {lost!r}, not at most 1")
+    if status.get("restarts"):
+        wrong.append(f"status.restarts {status['restarts']}: the evictions spent backoffLimit")
+    if (status.get("disruptions") or 0) < evicted:
+        wrong.append(f"status.disruptions {status.get('disruptions') or 0} < {evicted} pods evicted")
+    return wrong
+
+
+def verdict(succeeded: bool, d: dict, steps_lost: int | None, *, judge_steps: bool = True) -> tuple[bool, list[str]]:
+    """Whether a fault was survived, and why not: the job Succeeded, no error, no violation of the fault's checks and
+    (`judge_steps`) at most one step lost."""
+    steps_ok = not judge_steps or (steps_lost is not None and steps_lost <= 1)
+    why = [x for x in (d.get("error"), *(d.get("violations") or []),
+                       None if steps_ok or d.get("error") else f"steps lost {steps_lost} (at most 1 allowed)") if x]
+    return succeeded and not why, why
 
 
 def parse_args() -> argparse.Namespace:
@@ -309,10 +354,15 @@ class Bench:
                 self.kubelet_stopped = False
             d["kubelet_stopped_s"] = round(time.time() - t, 1)
             return t
+        if fault == "evict_all":
+            pods = sorted(p["metadata"]["name"] for p in h.trainer_pods(self.k, ns, job))
+            self.followers = h.follow_logs(self.k, ns, pods)  # their logs go with the pods
+            d["evicted"] = pods
+            return h.evict_pods(self.k, ns, pods)
         raise KeyError(fault)
 
     # -- one fault --------------------------------------------------------------------------------
-    def job_spec(self, fault: str, name: str) -> dict:
+    def job_spec(self, fault: str, name: str, ns: str) -> dict:
         epochs = self.a.epochs
         if fault == "node_notready":  # training must outlast the outage (the containers keep running)
             epochs = max(epochs, int(self.a.notready_s / max(self.a.step_delay, 0.05) / STEPS_PER_EPOCH) + 6)
@@ -325,8 +375,11 @@ class Bench:
             # The node turns NotReady ~20-25 s after the kubelet stops; with the default 60 s the operator would
             # act after --notready-s, and the node-loss path would go untried.
             policy["nodeLostTimeoutSeconds"] = NODE_LOST_TIMEOUT_S
-        return h.digits_job(name, nodes=2, step_delay=self.a.step_delay, epochs=epochs,
-                            env={"DIGITS_PATIENCE": "0"}, spec={"failurePolicy": policy})
+        job = h.digits_job(name, nodes=2, step_delay=self.a.step_delay, epochs=epochs,
+                           env={"DIGITS_PATIENCE": "0"}, spec={"failurePolicy": policy})
+        if fault == "evict_all":
+            job = h.with_disk_checkpoint(job, host_dir(ns, name), every=EVICT_CHECKPOINT_EVERY)
+        return job
 
     def check_invariants(self, fault: str, pods: list[dict], st: dict, d: dict) -> None:
         if fault != "operator_kill":
@@ -354,10 +407,11 @@ class Bench:
         self.detail[fault] = d
         self.book = LogBook(self.k, ns, name, host=self.cluster.embedded)
         self.stopped_pid = None
+        self.followers: list = []
         injected_at = None
         phase = None
         try:
-            h.apply(self.k, ns, self.job_spec(fault, name))
+            h.apply(self.k, ns, self.job_spec(fault, name, ns))
             h.log(f"{fault}: {ns}/{name} applied")
             _, prog = h.wait_rank0_step(self.k, ns, name, self.a.inject_step, 300)
             d["step_at_injection"] = prog.get("step")
@@ -381,6 +435,8 @@ class Bench:
             st = h.status(self.k, ns, name)
             phase = st.get("phase")
             self.book.collect()
+            for f in self.followers:  # the evicted pods' logs, to their end
+                self.book.texts[(f.pod, "evicted", -1)] = f.text(timeout=10)
             d.update(phase=phase, restarts=st.get("restarts"), reason=st.get("reason"),
                      attempts=[{k: a.get(k) for k in ("pod", "reason", "exitCode", "counted")}
                                for a in st.get("attempts") or []])
@@ -388,6 +444,8 @@ class Bench:
             d["operator_acted"] = bool(st.get("attempts"))
             if st.get("lastRecovery") is not None:
                 d["lastRecovery"] = st["lastRecovery"]
+            if isinstance(st.get("goodput"), dict):  # what the fault cost over the job's run (docs/recovery.md)
+                d["goodput"] = st["goodput"]
             if wrong := wrong_fault(fault, st):
                 d.setdefault("violations", []).append(wrong)
             if phase != "Succeeded":
@@ -401,6 +459,8 @@ class Bench:
                 d.setdefault("violations", []).append("the operator never treated the NotReady node's pods as lost")
             if fault == "operator_kill" and (st.get("restarts") or 0) > 1:
                 d.setdefault("violations", []).append(f"status.restarts {st.get('restarts')} > 1 at the end")
+            if fault == "evict_all" and (wrong_status := evict_all_wrong(st, len(d.get("evicted") or []))):
+                d.setdefault("violations", []).extend(wrong_status)
         except Exception as e:  # noqa: BLE001 - reported, never swallowed: survived is false
             d["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             h.log(f"{fault}: {d['error']}")
@@ -420,16 +480,15 @@ class Bench:
         one_node = fault == "node_notready" and self.nodes == 1
         if fault == "node_notready":
             d["nodes"] = self.nodes
-        steps_ok = one_node or (m["steps_lost"] is not None and m["steps_lost"] <= 1)
-        survived = succeeded and not d.get("violations") and not d.get("error") and steps_ok
+        survived, why = verdict(succeeded, d, m["steps_lost"], judge_steps=not one_node)
         self.results[fault] = {"survived": survived, "recovery_s": m["recovery_s"], "steps_lost": m["steps_lost"],
-                               "resumed_from": m["resumed_from"]}
-        why = [x for x in (d.get("error"), *(d.get("violations") or []),
-                           None if steps_ok or d.get("error") else f"steps lost {m['steps_lost']} (at most 1 allowed)") if x]
+                               "resumed_from": m["resumed_from"], "goodput": (d.get("goodput") or {}).get("ratio")}
         if why:
             d["why_not_survived"] = why
         h.log(f"{fault}: {json.dumps(self.results[fault])}" + (f" -- {'; '.join(why)}" if why else ""))
         h.delete_namespace(self.k, ns)
+        if fault == "evict_all":
+            shutil.rmtree(host_dir(ns, name), ignore_errors=True)
 
     def run(self) -> None:
         self.nodes = len(self.k.json("get", "nodes")["items"])

@@ -262,6 +262,13 @@ FAULT_ROWS: list[tuple[str, str, str]] = [
      "operator acts while the kubelet is still down) the pods on the node are treated as lost "
      "and replaced. On a one-node cluster that is every pod of the job at once: no peer is left to hold a "
      "snapshot, so training resumes from a disk checkpoint (`spec.checkpoint`) or starts over"),
+    ("evict_all", "every trainer pod evicted at once (the eviction API, as `kubectl drain` does; the pods' grace "
+     "period), a checkpoint volume whose periodic checkpoint never comes",
+     "SIGTERM in each pod: every rank finishes the step in progress and starts no other; global rank 0 (its agent, "
+     "if its worker died first) writes a checkpoint of its last save point and the high-water mark beside it; the "
+     "operator records the evictions as disruptions (no `backoffLimit`) and recreates the pods, which resume from "
+     "that checkpoint (`status.lastRecovery`: `resumedFrom: disk`, `stepsLost` ≤ 1; docs/recovery.md, \"Checkpoint "
+     "on eviction\")"),
 ]
 
 

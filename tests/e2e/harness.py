@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from calendar import timegm
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -494,6 +495,47 @@ def kill_pod(k: Kubectl, namespace: str, pod: str) -> float:
     t = time.time()
     k("delete", "pod", pod, "-n", namespace, "--grace-period=0", "--force", "--wait=false")
     return t
+
+
+def evict_pods(k: Kubectl, namespace: str, pods: list[str]) -> float:
+    """Evict every pod of `pods` at once through the eviction API (a policy/v1 Eviction POSTed to pods/<name>/eviction,
+    what `kubectl drain` does per pod; kubectl has no verb for it): the API server marks each DisruptionTarget and
+    deletes it with its own grace period (SIGTERM first). The node is not cordoned. Returns the wall-clock time."""
+    def evict(pod: str) -> None:
+        body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}}
+        k("create", "--raw", f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction", "-f", "-", input=json.dumps(body),
+          timeout=30)
+    t = time.time()
+    with ThreadPoolExecutor(max(1, len(pods))) as pool:
+        list(pool.map(evict, pods))
+    return t
+
+
+class LogFollower:
+    """`kubectl logs -f` of one pod's trainer container, from its first line to the container's end: the lines of a
+    pod that is about to go (its log goes with the pod object)."""
+
+    def __init__(self, k: Kubectl, namespace: str, pod: str):
+        self.pod = pod
+        self.proc = subprocess.Popen([k.binary, f"--kubeconfig={k.kubeconfig}", "logs", "-f", "-n", namespace, pod,
+                                      "-c", "trainer"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def text(self, timeout: float = 60) -> str:
+        """Everything it printed, once the container ended (stopped after `timeout` seconds)."""
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        return out
+
+
+def follow_logs(k: Kubectl, namespace: str, pods: list[str]) -> list[LogFollower]:
+    """A LogFollower per pod, given half a second to attach before the caller stops the pods (a pod deleted before
+    its stream opened would leave none)."""
+    followers = [LogFollower(k, namespace, pod) for pod in pods]
+    time.sleep(0.5)
+    return followers
 
 
 _STAMPED = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?Z (.*)$")

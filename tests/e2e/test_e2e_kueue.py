@@ -1,6 +1,7 @@
 """DDPJobs behind a real Kueue (hack/kueue.py installs the pinned release into the cluster): all-or-nothing
 admission of a whole job, queueing behind a quota that fits one 2-node job, recovery of a killed pod without
-Kueue evicting the job, and preemption by a higher-priority job with a resume from the disk checkpoint.
+Kueue evicting the job, and preemption by a higher-priority job with a resume from the checkpoint the preempted
+job's rank 0 wrote on SIGTERM, at most one step behind.
 
 The operator runs with its Kueue integration on (chart value kueue.enabled) from this module on. Each test gets
 its own ClusterQueue (cluster-scoped, named after the test namespace), a LocalQueue in its namespace and a
@@ -54,12 +55,12 @@ def queue(kubectl, ns):
     kubectl("delete", "clusterqueue", cq, "--ignore-not-found", "--wait=false", check=False)
 
 
-def queued_job(name: str, *, priority: str | None = None, checkpoint: str | None = None, epochs: int = 4,
-               step_delay: float = STEP_DELAY) -> dict:
+def queued_job(name: str, *, priority: str | None = None, checkpoint: str | None = None, checkpoint_every: int = 5,
+               epochs: int = 4, step_delay: float = STEP_DELAY) -> dict:
     """The digits job in LocalQueue team-a; `checkpoint`: a directory of every node that outlives the pods
-    (harness.with_disk_checkpoint)."""
+    (harness.with_disk_checkpoint), with a checkpoint every `checkpoint_every` steps."""
     job = h.digits_job(name, nodes=2, step_delay=step_delay, epochs=epochs)
-    return h.queued(h.with_disk_checkpoint(job, checkpoint) if checkpoint else job, priority)
+    return h.queued(h.with_disk_checkpoint(job, checkpoint, every=checkpoint_every) if checkpoint else job, priority)
 
 
 workload = h.workload
@@ -148,35 +149,44 @@ def test_jobs_queue_for_quota_and_run_one_after_the_other(kubectl, ns, queue):
 
 
 def test_preempted_job_resumes_from_its_checkpoint_after_readmission(kubectl, ns, queue, request):
-    """A higher-priority job evicts a running one: its pods go (a disruption, not a failure), the high one runs
-    and succeeds, then the evicted job is admitted again and resumes from its disk checkpoint."""
+    """A higher-priority job evicts a running one: its pods go (a disruption, not a failure) with their grace period,
+    in which the low job's rank 0 writes a checkpoint of its last completed step (its periodic checkpoint, every 1000
+    steps, never comes: the SIGTERM checkpoint is the only one); the high one runs and succeeds, then the evicted job
+    is admitted again and resumes from that checkpoint, at most one step behind the highest step it logged."""
     host_dir = f"{h.SHARED_HOST_DIR}/{ns}-checkpoints"  # every node sees it: the job may come back on another
     request.addfinalizer(lambda: shutil.rmtree(host_dir, ignore_errors=True))
-    h.apply(kubectl, ns, queued_job("low", priority="ddp-e2e-low", checkpoint=host_dir, epochs=5))
-    h.wait_rank0_step(kubectl, ns, "low", 20, 240)
+    h.apply(kubectl, ns, queued_job("low", priority="ddp-e2e-low", checkpoint=host_dir, checkpoint_every=1000,
+                                    epochs=5))
+    _, prog = h.wait_rank0_step(kubectl, ns, "low", 20, 240)
+    followers = h.follow_logs(kubectl, ns, [p["metadata"]["name"] for p in h.trainer_pods(kubectl, ns, "low")])
     h.apply(kubectl, ns, queued_job("high", priority="ddp-e2e-high", step_delay=0.0, epochs=3))
     evicted_at = time.time()
 
     st = wait_reason(kubectl, ns, "low", "Evicted")
     assert st["phase"] == "Suspended" and "preempt" in st.get("message", "").lower(), st
     assert st.get("disruptions") == 1 and st.get("restarts", 0) == 0, st
-    # trained to step >= 20 with a checkpoint every 5 steps: status.progress names the last one
-    checkpoint_step = (st.get("progress") or {}).get("lastCheckpointStep")
-    assert checkpoint_step is not None and checkpoint_step >= 5, st.get("progress")
     h.wait_for(lambda: not h.trainer_pods(kubectl, ns, "low"), 120, "the evicted job's pods to go")
+    before = sorted((e for f in followers for e in h.events(f.text(), f.pod)), key=lambda e: e.time)
+    sigterm = [e for e in before if e.event == "checkpoint" and e.fields.get("reason") == "sigterm"]
+    assert sigterm, "the preempted job's rank 0 wrote no checkpoint on SIGTERM"
 
     high = h.wait_phase(kubectl, ns, "high", "Succeeded", RUN_TIMEOUT)
     assert high.get("restarts", 0) == 0, high
-    # Readmitted once the high-priority job finished: it resumes from its disk checkpoint.
+    # Readmitted once the high-priority job finished: it resumes from the SIGTERM checkpoint.
     rec = h.recovery_after(kubectl, ns, "low", evicted_at, None, RUN_TIMEOUT)
-    assert rec.source == "checkpoint" and rec.resumed_from > 0, rec  # the trainer's log word for the disk
-    assert rec.resumed_from >= checkpoint_step, (rec, checkpoint_step)
+    assert rec.source == "checkpoint", rec  # the trainer's log word for the disk
+    assert rec.resumed_from == sigterm[-1].int("step") >= prog["step"], (rec, sigterm[-1], prog)
+    lost = h.steps_lost([(e.time, e.int("step")) for e in before if e.event == "step"], rec.resumed_from,
+                        rec.restored_at)
+    assert lost is not None and lost <= 1, (lost, rec)
     low = h.wait_phase(kubectl, ns, "low", "Succeeded", RUN_TIMEOUT)
     assert low.get("disruptions") == 1 and low.get("restarts", 0) == 0, low
-    assert (low.get("lastRecovery") or {}).get("resumedFrom") == "disk", low.get("lastRecovery")
-    print(f"kueue preemption: low job evicted at step >= {(st.get('progress') or {}).get('step')} (status.progress), "
-          f"resumed from its checkpoint at step {rec.resumed_from}; readmitted and training "
-          f"{rec.seconds:.1f} s after the high-priority job arrived")
+    last = low.get("lastRecovery") or {}
+    assert last.get("resumedFrom") == "disk", last
+    assert last.get("stepsLost") == lost, (last, lost)  # rank 0's mark beside its checkpoint, as the logs say
+    print(f"kueue preemption: low job evicted at rank 0's step >= {prog['step']}, SIGTERM checkpoint of step "
+          f"{rec.resumed_from}, {lost} step(s) lost; readmitted and training {rec.seconds:.1f} s after the "
+          f"high-priority job arrived; status.lastRecovery {last}")
 
 
 def test_scaling_an_admitted_job_follows_kueues_rules(kubectl, ns):

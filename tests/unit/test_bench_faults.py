@@ -89,3 +89,47 @@ def test_last_recovery_must_name_the_fault(fault, want):
 
 def test_a_fault_without_a_recovery_expects_no_last_recovery():
     assert faults.wrong_fault("apiserver_restart", {}) is None
+
+
+def test_evict_all_every_pod_gone_resumes_from_the_disk_one_step_behind():
+    """Both pods' lines, followed to their end (rank 1 completed step 31 as rank 0 wrote its SIGTERM checkpoint of
+    30); the replacements resume from that checkpoint: one step lost, resumed from the disk."""
+    pod0 = [line(T0, 0, "start", source="fresh"), *run(range(1, 31), T0 + 1),
+            line(T0 + 7.0, 0, "checkpoint", step=30, reason="sigterm", highest_step=30)]
+    pod1 = run(range(1, 32), T0 + 1, rank=1)
+    new0 = [line(T0 + 20, 0, "resume", source="checkpoint", step=30), *run(range(31, 40), T0 + 21)]
+    m = faults.measure(evs(("ev-0#-1", pod0), ("ev-1#-1", pod1), ("ev-0#0", new0)), injected_at=T0 + 6.9,
+                       succeeded=True)
+    assert (m["resumed_from"], m["steps_lost"]) == ("disk", 1)
+    assert m["recovery_s"] == pytest.approx(21 - 6.9, abs=0.01)
+
+
+GOOD_EVICTION = {"phase": "Succeeded", "restarts": 0, "disruptions": 2,
+                 "lastRecovery": {"fault": "NodeDisrupted", "resumedFrom": "disk", "stepsLost": 1}}
+
+
+@pytest.mark.parametrize("change,wrong", [
+    ({"lastRecovery": {**GOOD_EVICTION["lastRecovery"], "resumedFrom": "start"}}, "'start', not 'disk'"),
+    ({"lastRecovery": {**GOOD_EVICTION["lastRecovery"], "resumedFrom": "peer"}}, "'peer', not 'disk'"),
+    ({"lastRecovery": {"fault": "NodeDisrupted", "resumedFrom": "disk"}}, "stepsLost is None"),  # no mark survived
+    ({"lastRecovery": {**GOOD_EVICTION["lastRecovery"], "stepsLost": 2}}, "stepsLost is 2, not at most 1"),
+    ({"restarts": 1}, "spent backoffLimit"),
+    ({"disruptions": 1}, "disruptions 1 < 2"),
+    ({"lastRecovery": None}, "resumedFrom is None"),
+])
+def test_evict_all_judges_what_the_status_tells_the_user(change, wrong):
+    assert faults.evict_all_wrong(GOOD_EVICTION, 2) == []
+    got = faults.evict_all_wrong({**GOOD_EVICTION, **change}, 2)
+    assert len(got) >= 1 and any(wrong in w for w in got), got
+
+
+def test_a_fault_is_survived_only_within_one_step_and_without_a_violation():
+    assert faults.verdict(True, {}, 0) == (True, [])
+    assert faults.verdict(True, {}, 1) == (True, [])
+    assert faults.verdict(True, {}, 2) == (False, ["steps lost 2 (at most 1 allowed)"])
+    assert faults.verdict(True, {}, None)[0] is False  # not measured: not shown to be within the goal
+    assert faults.verdict(False, {}, 0)[0] is False
+    assert faults.verdict(True, {"violations": ["status.restarts 1: the evictions spent backoffLimit"]}, 0) == \
+        (False, ["status.restarts 1: the evictions spent backoffLimit"])
+    assert faults.verdict(True, {}, 557, judge_steps=False) == (True, [])  # node_notready on one node
+    assert faults.verdict(False, {"error": "job Failed"}, 3) == (False, ["job Failed"])  # the error says why

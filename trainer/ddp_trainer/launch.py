@@ -39,6 +39,14 @@ go"):
    end of the training, which also releases the hot spares); a failed one leaves its round, so that the others
    re-form at once with its replacement. Outside a DDPJob torch's behaviour stays.
 
+6. **A stopped pod keeps its last step.** When every pod is stopped (a drain, an eviction, a preemption), the pods'
+   SIGTERMs come one after the other: a pod stopped first ends its workers at once, and global rank 0's worker,
+   whose collective then fails, may die of it before its own SIGTERM would have made it checkpoint the last step
+   (``savepoints.py``). So the agent that ran global rank 0, stopped by a signal once its workers are gone, writes the
+   newest state its pod's ``/dev/shm`` holds as a checkpoint unless the disk has that step already, with the pod's
+   high-water mark beside it (``checkpoint.checkpoint_pod_state``; ``DDPJOB_CHECKPOINT_DIR`` set, as ``spec.checkpoint``
+   does).
+
 CUDA stays correct: the agent and the forkserver import torch but never initialise CUDA (torch initialises it
 lazily, in the worker, after the fork); the forkserver is forked before torchrun parses its arguments, while the
 agent has no other thread (else it is exec'd as multiprocessing does); nothing here touches a device. What
@@ -196,6 +204,38 @@ def leave_rendezvous(handler: Any, timeout: float = LEAVE_TIMEOUT_S) -> bool:
     return True
 
 
+def checkpoint_on_stop(agent: Any) -> dict[str, Any] | None:
+    """Item 6 of the module doc, for an agent stopped by a signal whose workers are gone: the pod's last checkpoint if
+    this agent ran global rank 0 (None when it did not, or has nothing to write it from, or could not)."""
+    group = getattr(agent, "_worker_group", None)
+    if not any(getattr(w, "global_rank", None) == 0 for w in getattr(group, "workers", None) or []):
+        return None
+    from .checkpoint import checkpoint_pod_state
+    from .config import RunConfig
+    from .env import RUN_ID, run_key
+    from .log import Logger
+
+    env = dict(os.environ)
+    try:
+        env.setdefault(RUN_ID, group.spec.rdzv_handler.get_run_id())  # what the workers' TORCHELASTIC_RUN_ID was
+    except AttributeError:
+        pass
+    key = run_key(env)
+    try:
+        config = RunConfig.from_env(env, key)
+        if not config.checkpoint_dir or not config.snapshot_dir:
+            return None
+        done = checkpoint_pod_state(config.snapshot_dir, config.checkpoint_dir, key, keep=config.keep_checkpoints)
+    except Exception as e:  # noqa: BLE001 - stopping anyway: say why there is no checkpoint
+        print(f"ddp_trainer.launch: no checkpoint of the pod's state: {type(e).__name__}: {e}", file=sys.stderr,
+              flush=True)
+        return None
+    if done["written"]:
+        Logger(0)("checkpoint", step=done["step"], reason="sigterm", by="agent", highest_step=done["highest_step"],
+                  seconds=done["seconds"])
+    return done
+
+
 def keep_open_on_failure(handler: Any, succeeded: Callable[[], bool]) -> None:
     """Item 5 of the module doc: the handler's ``shutdown`` (torchrun calls it as its agent ends) closes the rendezvous
     only when ``succeeded()``; otherwise this node leaves its round and the rendezvous stays open."""
@@ -263,7 +303,11 @@ def _tune_torchrun(poll_s: float, leave_on_signal: bool = True, in_ddpjob: bool 
         return handler
 
     def agent_run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = torch_agent_run(self, *args, **kwargs)
+        try:
+            result = torch_agent_run(self, *args, **kwargs)
+        except SignalException:
+            checkpoint_on_stop(self)  # item 6: torch's run has stopped the workers
+            raise
         succeeded[:] = [not result.is_failed()]
         return result
 

@@ -34,7 +34,7 @@ class Restored:
     bound: int | None  # a snapshot's: the snapshot interval K in force when it was written
     pod: str | None  # a snapshot's: the host name of the pod it came from
     disk_step: int  # the newest checkpoint on disk (-1: none)
-    marks: list[Any]  # every rank's high-water mark (recovery.HighWaterMark.read)
+    marks: list[Any]  # every rank's high-water mark (recovery.HighWaterMark.read), and the one left on the disk
     pod_indices: list[int | None]  # every rank's DDPJOB_POD_INDEX
 
 
@@ -53,9 +53,13 @@ def newest_state(
     local_every = local.every if local is not None else None
     disk_steps = checkpoints.steps() if checkpoints is not None else []
     disk_step = disk_steps[0] if disk_steps else -1
+    # The mark a run stopped by SIGTERM left beside its checkpoint (checkpoint.py): the last step of the incarnation
+    # that ended, for when no rank's own mark survived (every pod replaced). Taken, so that no later restore uses it.
+    taken = checkpoints.take_mark(s.run_key) if checkpoints is not None else None
+    disk_mark = (taken[0], taken[1]) if taken is not None else None
     gathered: list[Any] = [None] * s.world_size
     dist.all_gather_object(
-        gathered, (local_step, disk_step, local_every, mark, socket.gethostname(), pod_index)
+        gathered, (local_step, disk_step, local_every, mark, socket.gethostname(), pod_index, disk_mark)
     )
     snap_steps = [int(g[0]) for g in gathered]
     disk_step = int(gathered[0][1])
@@ -84,8 +88,13 @@ def newest_state(
             state, source = broadcast_state(s, mine, src_rank, live), "peer"
         bound = gathered[src_rank][2]
     pod = gathered[src_rank][4] if source in ("peer", "local") and src_rank is not None else None
+    restored_step = int(state["position"]["step"]) if state is not None else 0
+    marks = [g[3] for g in gathered]
+    left = gathered[0][6]
+    if left is not None and left[0] >= restored_step:  # never one from before the state restored (a stale file)
+        marks.append(left)
     return Restored(state=state, source=source, src_rank=src_rank, bound=bound, pod=pod, disk_step=disk_step,
-                    marks=[g[3] for g in gathered], pod_indices=[g[5] for g in gathered])
+                    marks=marks, pod_indices=[g[5] for g in gathered])
 
 
 def broadcast_state(session: Session, state: dict[str, Any] | None, src: int, live: Any = None) -> dict[str, Any]:

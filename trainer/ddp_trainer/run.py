@@ -104,7 +104,7 @@ class Run:
         self._last_loss: float | None = None
         self._finished = False
         self.restored_from: str | None = None
-        self.saves.on_terminate(checkpoint_on_terminate)
+        self.saves.on_terminate(checkpoint_on_terminate, highwater=self._mark)
 
     # -- properties ----------------------------------------------------------------------------------------
     @property
@@ -260,6 +260,7 @@ class Run:
         for _ in range(skip):
             next(it)
         while True:
+            self.saves.step_begins()  # after SIGTERM no step starts (savepoints.py)
             rng.seed_step(self.seed, self.position.step, rank)
             try:
                 batch = next(it)

@@ -19,11 +19,21 @@ weights) says so with :meth:`SavePoints.weights_swapped` (``with run.weights_swa
 read the live tensors first, the resident file is invalid during the swap and sealed again after it. A swap without
 it is caught at restore by the file's fingerprint (``event=resident_state_modified``; the copies or a checkpoint are
 used instead).
+
+On SIGTERM (an eviction, a drain, a preemption; torchrun stopping the workers for a new round) every rank finishes the
+step it is in, if it can, and starts no other (:meth:`SavePoints.step_begins`, which :meth:`Run.batches` calls before
+each step): no rank then gets past the step rank 0 reaches, since each step needs every rank's gradients. Global rank
+0 then writes a checkpoint of its newest save point (the copy in flight completed first) and the high-water mark of
+the last step it completed beside it (checkpoint.py), so a job whose pods are all stopped at once resumes at most one
+step behind (none when the step in progress could finish), and says how many it lost. The wait for the step in
+progress is bounded (:func:`stop_wait_s`): a step blocked in a collective whose peer is gone never finishes, and one
+whose collective failed ends the process (session.py waits for the checkpoint then).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,11 +44,21 @@ import torch
 from .cadence import Cadence
 from .checkpoint import CheckpointStore
 from .config import RunConfig
+from .recovery import HighWaterMark
 from .resident import ResidentState, Trial, supported as resident_supported
 from .session import Session
 from .slot import Snapshot
 from .snapshot import PeerSnapshots
 from .state import Components, Position, detached_copy
+
+
+STOP_WAIT_MIN_S, STOP_WAIT_MAX_S = 0.5, 10.0
+
+
+def stop_wait_s(step_s: float | None) -> float:
+    """How long SIGTERM waits for the step in progress to reach its save point: two steps' time, within 0.5-10 s
+    (2 s before a step was timed)."""
+    return 2.0 if step_s is None else min(max(2.0 * step_s, STOP_WAIT_MIN_S), STOP_WAIT_MAX_S)
 
 
 class SavePoints:
@@ -72,6 +92,8 @@ class SavePoints:
             self.resident = ResidentState(snapshot_dir, session.run_key, session.local_rank)
         self._resident_trial = Trial() if resident_mode is None else None
         self._hook: Any = None
+        self._stopping = threading.Event()  # set on SIGTERM: no step starts any more (step_begins)
+        self._highwater: HighWaterMark | None = None
         if (self.writes_snapshots or self.resident is not None) and optimizer is not None:
             # The snapshot thread copies parameters and optimizer state from the live tensors: the next
             # optimizer step (the first thing that changes them) waits until it has read them. And the
@@ -81,14 +103,36 @@ class SavePoints:
         if self.resident is not None and optimizer is not None:
             self._post_hook = optimizer.register_step_post_hook(self._after_optimizer_step)
 
-    def on_terminate(self, checkpoint: bool) -> None:
-        """Register what SIGTERM does (``checkpoint``: a last checkpoint from the newest save point)."""
+    def on_terminate(self, checkpoint: bool, highwater: HighWaterMark | None = None) -> None:
+        """Register what SIGTERM does (``checkpoint``: a last checkpoint from the newest save point, and the
+        ``highwater`` mark of this rank's last completed step beside it). Callbacks run in reverse order."""
         if checkpoint and self.checkpoints is not None and self.writes_snapshots:
+            self._highwater = highwater
             self.session.on_terminate(self._checkpoint_on_terminate)
         if self.resident is not None:
-            # Registered last, so it runs first: an optimizer step in progress reaches its save point before the
-            # process exits (and before the checkpoint above reads the newest state).
+            # Before the checkpoint: an optimizer step in progress reaches its save point before the process exits
+            # (and before the checkpoint above reads the newest state).
             self.session.on_terminate(self._hold_resident)
+        # First of all, on every rank: the step in progress finishes, no other starts (module doc).
+        self.session.on_terminate(self._stop)
+        if self.writes_snapshots:
+            # A process that ends otherwise (its collective failed: a peer is gone) leaves its copy in flight whole.
+            self.session.on_exit(self._finish_copy)
+
+    def step_begins(self) -> None:
+        """The training loop is about to start a step (:meth:`Run.batches`). After SIGTERM it starts none: this blocks
+        until the SIGTERM watcher ends the process."""
+        if self._stopping.is_set():
+            self.session.main_idle.set()
+            threading.Event().wait()
+
+    def _stop(self) -> None:
+        self._stopping.set()
+        self.session.main_idle.wait(stop_wait_s(self.cadence.step_s))
+
+    def _finish_copy(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.wait_written(STOP_WAIT_MAX_S)
 
     # -- reading ---------------------------------------------------------------------------------------------
     def newest_local(self, copies: Snapshot | None, *, exiting: bool = False) -> Snapshot | None:
@@ -250,13 +294,25 @@ class SavePoints:
                               "(blocked after it, e.g. in a collective): the copies or a peer hold the state")
 
     def _checkpoint_on_terminate(self) -> None:
-        # Runs on the SIGTERM thread while the main thread may be mid-step: use the last save point.
+        # Runs on the SIGTERM thread while the main thread may be mid-step: use the last save point, its copy complete.
         assert self.snapshots is not None and self.checkpoints is not None
+        t0 = time.perf_counter()
+        self.snapshots.wait_written()
         snap = self.newest_local(self.snapshots.read_latest(), exiting=True)
         last = self.checkpoints.last_saved_step
-        if snap is not None and (last is None or snap.step > last):
+        written = snap is not None and (last is None or snap.step > last)
+        if written:
+            assert snap is not None
             self.checkpoints.save(snap.step, snap.state)
-            self.log("checkpoint", step=snap.step, reason="sigterm")
+            last = snap.step
+        # Read after the checkpoint: a step that was in progress at the signal and completed meanwhile counts.
+        mark = self._highwater.read() if self._highwater is not None else None
+        if mark is not None:
+            self.checkpoints.save_mark(mark[0], mark[1], self.session.run_key, last)
+        if written:
+            # seconds: what the grace period must cover (docs/recovery.md, "Checkpoint on eviction")
+            self.log("checkpoint", step=last, reason="sigterm", highest_step=mark[0] if mark else None,
+                     seconds=round(time.perf_counter() - t0, 3))
 
     def final_checkpoint(self, position: Position) -> None:
         """The last checkpoint, of the run's end (unless the newest already is), and no more."""

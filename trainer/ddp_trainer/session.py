@@ -9,10 +9,17 @@ or joined) and what the kubelet sends on pod deletion. A worker is then often bl
 collective that will never finish, where a Python signal handler would not run until the collective
 times out. So a watcher thread learns of SIGTERM through Python's signal wakeup fd, runs the registered
 callbacks (e.g. a checkpoint of the last completed step) and exits with 143.
+
+When every pod is stopped at once (an eviction, a drain, a preemption) the other ranks exit at once and rank 0's
+collective fails: its main thread raises and the process would end, killing the watcher (a daemon thread) in the
+middle of the checkpoint. Once SIGTERM has arrived, the process's end therefore waits for the watcher, which ends it.
+The end of the process also runs the :meth:`Session.on_exit` callbacks and sets :attr:`Session.main_idle` (the main
+thread does nothing more), which callbacks on the watcher may wait for.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import signal
@@ -82,7 +89,10 @@ class Session:
     backend: str
     log: Logger
     _term_callbacks: list[Callable[[], None]] = field(default_factory=list)
+    _exit_callbacks: list[Callable[[], None]] = field(default_factory=list)
     _wakeup_sockets: tuple = ()
+    # set once the main thread does nothing more: it is ending, or waits for the watcher to end the process
+    main_idle: threading.Event = field(default_factory=threading.Event)
 
     @property
     def is_main(self) -> bool:
@@ -109,6 +119,19 @@ class Session:
     def on_terminate(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` (from a signal-watcher thread) when SIGTERM arrives, before exiting."""
         self._term_callbacks.append(callback)
+
+    def on_exit(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the main thread as the process ends (returned or raised), before its threads stop
+        (with ``init_session(handle_sigterm=True)``, the default)."""
+        self._exit_callbacks.append(callback)
+
+    def _exiting(self) -> None:
+        self.main_idle.set()
+        for cb in reversed(self._exit_callbacks):
+            try:
+                cb()
+            except BaseException as exc:  # exiting anyway
+                self.log("exit_callback_failed", all_ranks=True, error=repr(exc))
 
     def _terminate(self) -> None:
         # Only the watcher thread calls this, once (_install_sigterm): it ends in os._exit.
@@ -147,15 +170,30 @@ def _install_sigterm(session: Session) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
 
+    received = threading.Event()
+
     def watch() -> None:
         while True:
             data = reader.recv(64)
             if not data or signal.SIGTERM in data:
                 break
+        received.set()
         session._terminate()
 
-    threading.Thread(target=watch, name="ddp-sigterm", daemon=True).start()
+    watcher = threading.Thread(target=watch, name="ddp-sigterm", daemon=True)
+    watcher.start()
     session._wakeup_sockets = (reader, writer)  # keep both ends open for the life of the process
+
+    def wait_for_watcher() -> None:
+        # The main thread is done (returned, or raised: a collective failed because the peers, stopped by the same
+        # signal, exited first). Once SIGTERM came the watcher's callbacks end the process (143), not this exit.
+        session._exiting()
+        if received.is_set():
+            watcher.join()
+
+    # Called as the process ends, before its threads are stopped: at the interpreter's exit, and where
+    # multiprocessing ends a worker forked by ddp_trainer.launch's forkserver with os._exit (atexit never runs there).
+    getattr(threading, "_register_atexit", atexit.register)(wait_for_watcher)
 
 
 def _stat(pid: int | str) -> list[str]:

@@ -240,6 +240,11 @@ class PeerSnapshots:
             raise exc
         return waited
 
+    def wait_written(self, timeout: float | None = None) -> bool:
+        """For the SIGTERM watcher (another thread): wait until the write in flight, if any, has sealed its slot;
+        its error, if any, stays for the training thread."""
+        return self._done.wait(timeout)
+
     def _prepare(self, skeleton: Any, tensors: list[torch.Tensor], every: int | None) -> bytes:
         """The slot's meta, pickled now: the skeleton refers to live dicts (extra, param groups)."""
         layout = tuple((t.dtype, t.shape) for t in tensors)
