@@ -762,6 +762,10 @@ def _status_schema() -> dict:
             "recoveringTotal": num("Bookkeeping: seconds.recovering without rounding."),
             "redoneTotal": num("Bookkeeping: seconds.redone without rounding."),
             "counted": _str("Bookkeeping: the last recovery taken in (startedAt/fault), so none counts twice."),
+            "lastQueued": _obj("Bookkeeping: the last suspended period that ended, so that a recovery spanning it "
+                               "is not also counted as recovering.", {
+                                   "end": _str("When it ended.", format="date-time"),
+                                   "seconds": num("How long it was.")}),
         },
     )
     last_failure = _obj(

@@ -90,13 +90,20 @@ def derive(prev: Mapping[str, Any] | None, *, created: datetime | None, now: dat
         changed = True
     # A suspended period ends in this pass: added once (the next pass's prev_phase is no longer Suspended).
     if prev_phase == names.PHASE_SUSPENDED and phase != names.PHASE_SUSPENDED and suspended_since is not None:
-        g["queuedClosed"] = round(_secs(g.get("queuedClosed")) + _secs((now - suspended_since).total_seconds()), 3)
+        period = _secs((now - suspended_since).total_seconds())
+        g["queuedClosed"] = round(_secs(g.get("queuedClosed")) + period, 3)
+        g["lastQueued"] = {"end": format_time(now), "seconds": round(period, 3)}
         changed = True
     key = recovery_key(recovery)
     if key is not None and key != g.get("counted"):
         changed = True
         g["counted"] = key
         seconds = _recovery_seconds(recovery)
+        last_queued = g.get("lastQueued") if isinstance(g.get("lastQueued"), Mapping) else {}
+        started, ended = parse_time(recovery.get("startedAt")), parse_time(last_queued.get("end"))
+        if started is not None and ended is not None and ended >= started:
+            # Preempted, queued, readmitted: the queued part of this recovery is already seconds.queued.
+            seconds = max(0.0, seconds - _secs(last_queued.get("seconds")))
         lost = recovery.get("stepsLost")
         lost = lost if isinstance(lost, int) and not isinstance(lost, bool) and lost > 0 else 0
         redone = lost * _secs(g.get("stepSeconds"))

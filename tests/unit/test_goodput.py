@@ -96,3 +96,15 @@ def test_faults_are_bounded(faults):
         g = goodput.derive(g, created=T0, now=at(i + 1), phase="Running", recovery=recovery(i, 1.0, 0, f"F{i}"),
                            refresh=True)
     assert len(g["byFault"]) == goodput.MAX_FAULTS and g["recoveries"] == faults
+
+
+def test_a_preemption_is_queued_time_not_recovering_time():
+    """Evicted by Kueue at 40 s, queued until 100 s, the first step after the resume at 110 s: the trainer's
+    recovery record spans 70 s, of which 60 s are queued; recovering keeps the other 10 s."""
+    g = goodput.derive(None, created=T0, now=at(10), phase="Running", progress=progress(1, 10))
+    g = goodput.derive(g, created=T0, now=at(100), phase="Pending", prev_phase=names.PHASE_SUSPENDED,
+                       suspended_since=at(40))
+    g = goodput.derive(g, created=T0, now=at(111), phase="Running", refresh=True,
+                       recovery=recovery(40, 70.0, 0, fault="Evicted"))
+    assert (g["seconds"]["queued"], g["seconds"]["recovering"]) == (60.0, 10.0)
+    assert g["byFault"]["Evicted"]["seconds"] == 10.0

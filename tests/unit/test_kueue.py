@@ -156,6 +156,8 @@ def test_eviction_stops_the_pods_then_gives_the_quota_back():
     assert p.status["phase"] == names.PHASE_SUSPENDED and p.status["reason"] == names.REASON_EVICTED
     assert "Preempted" in p.status["message"]
     assert p.status["disruptions"] == 1 and p.status["restarts"] == 0
+    # The incident names the eviction: the recovery after the readmission is put down to it (lastRecovery.fault).
+    assert p.status["lastIncident"]["reason"] == names.REASON_EVICTED
     # The same eviction seen again is not a second disruption; once the pods are gone the admission is released.
     p2 = plan(job, p.status, kueue_observed(ws=ws, gone=[trainer(0), trainer(1), rdzv()]), later(12))
     assert p2.status["disruptions"] == 1 and p2.status["restarts"] == 0

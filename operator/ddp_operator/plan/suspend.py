@@ -71,8 +71,10 @@ def queued(ctx: Pass) -> bool:
     if g.hold:
         if g.evicted and not (held_before and before.get("reason") == names.REASON_EVICTED):
             # A disruption: never counted against backoffLimit; status.progress stays. The condition's Event
-            # (reason Evicted) tells the user.
+            # (reason Evicted) tells the user; the incident names it, so the recovery after the readmission does
+            # (status.lastRecovery.fault, goodput's byFault).
             ctx.disruptions += 1
+            ctx.incident_reason = names.REASON_EVICTED
         suspended(ctx, g.reason, g.message)
         return True
     if held_before and any(p.deleting for p in ctx.live):
