@@ -7,8 +7,9 @@ what Kubernetes and torchrun leave behind, most telling first:
 1. a disruption (eviction, preemption, node loss: the pod's DisruptionTarget condition or reason) -> Infrastructure;
 2. the pod deleted without its trainer exiting (someone or something removed it) -> Infrastructure, PodDeleted;
 3. the container OOM-killed (reason OOMKilled) -> Infrastructure, OOMKilled;
-4. a network error in a collective or the store (the log tail names one: connection reset or closed by peer, a
-   gloo/NCCL transport error, DistNetworkError...) -> Infrastructure, NetworkError;
+4. a network error in a collective, the store or the rendezvous (the log tail names one: connection reset or closed
+   by peer, a gloo/NCCL transport error, DistNetworkError, torch's RendezvousConnectionError...) -> Infrastructure,
+   NetworkError;
 5. a Python exception (the last traceback in the log tail, which the kubelet keeps as the termination message) ->
    UserCode, with the exception type as the reason, its line and the traceback's last lines as the message;
 6. a worker or the container killed by a signal with no traceback (SIGKILL from the OOM killer of a worker,
@@ -39,6 +40,7 @@ MAX_MESSAGE = 1024
 TRACEBACK_LINES = 6
 _NETWORK = re.compile(
     r"Connection (reset|closed|refused) by peer|Broken pipe|DistNetworkError|DistStoreError|"
+    r"Rendezvous(Connection|Timeout|Closed)Error|"
     r"\bgloo\b.*(Connection|[Tt]imed out|timeout|Socket)|NCCL (error|WARN).*(remote|network|socket|Connection)|"
     r"ncclRemoteError|ncclSystemError|Socket Timeout|Network is unreachable|No route to host", re.IGNORECASE)
 _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning|Failure))(?::\s?(.*))?$")

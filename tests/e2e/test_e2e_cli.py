@@ -143,7 +143,7 @@ def test_run_follows_a_script_through_a_killed_pod_and_every_view_shows_it(kubec
 
         text = ddp(kubectl, "describe", "cli", "-n", ns).stdout
         assert re.search(r"^Phase: +Succeeded", text, re.MULTILINE), text
-        assert re.search(r"rank 1 +cli-1 on \S+: \w+", text), text
+        assert re.search(rf"rank {other[-1]} +{other} on \S+: Infrastructure PodDeleted", text), text
         assert "Last recovery: recovered from" in text, text
 
         # What the recovery cost, in status.goodput: the share of the wall time that made progress, one recovery.

@@ -70,6 +70,8 @@ def test_every_pod_evicted_resumes_from_the_sigterm_checkpoint_losing_at_most_on
     assert st.get("disruptions") == len(old) and st.get("restarts", 0) == 0, st  # no backoffLimit spent
     evictions = [a for a in st.get("attempts") or [] if a.get("uid") in old.values()]
     assert len(evictions) == len(old) and not any(a.get("counted") for a in evictions), st.get("attempts")
+    failure = st.get("lastFailure") or {}  # an eviction is the infrastructure's, and spends no budget
+    assert (failure.get("class"), failure.get("budget")) == ("Infrastructure", "none"), failure
 
     h.wait_phase(kubectl, ns, "same", "Succeeded", SUCCEED_TIMEOUT)
     digests = {name: _digest(kubectl, ns, name) for name in ("ev", "same")}

@@ -132,7 +132,7 @@ def test_jobs_queue_for_quota_and_run_one_after_the_other(kubectl, ns, queue):
     assert h.status(kubectl, ns, "second").get("reason") == "Queued"
 
     done = h.wait_phase(kubectl, ns, "first", "Succeeded", RUN_TIMEOUT)
-    assert done.get("restarts") == 1 and done.get("disruptions", 0) == 0, done
+    assert done.get("infraRestarts") == 1 and done.get("restarts", 0) == 0 and done.get("disruptions", 0) == 0, done
     succeeded_at = time.time()
     h.wait_for(lambda: wl_condition(workload(kubectl, ns, "first"), "Finished").get("status") == "True", 60,
                "the first job's Workload to be Finished")
@@ -184,6 +184,10 @@ def test_preempted_job_resumes_from_its_checkpoint_after_readmission(kubectl, ns
     last = low.get("lastRecovery") or {}
     assert last.get("resumedFrom") == "disk", last
     assert last.get("stepsLost") == lost, (last, lost)  # rank 0's mark beside its checkpoint, as the logs say
+    assert last.get("fault") == "Evicted", last  # the incident the eviction recorded names the recovery
+    # What it cost: the preemption's wait is queued time, not recovering time.
+    g = low.get("goodput") or {}
+    assert g.get("recoveries") == 1 and g["seconds"]["queued"] > 0 and "Evicted" in g.get("byFault", {}), g
     print(f"kueue preemption: low job evicted at rank 0's step >= {prog['step']}, SIGTERM checkpoint of step "
           f"{rec.resumed_from}, {lost} step(s) lost; readmitted and training {rec.seconds:.1f} s after the "
           f"high-priority job arrived; status.lastRecovery {last}")

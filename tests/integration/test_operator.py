@@ -207,17 +207,17 @@ def test_rendezvous_store_loss_recreates_the_store_only(k):
     assert all(p.metadata.labels["ddp.dev/group"] == "0" for p in pods.values())
     status = k.status()
     assert status["group"] == 0 and status["rendezvousId"].endswith("-0")
-    assert status["restarts"] == 1 and status["reason"] == "RendezvousStoreLost"
+    assert status["infraRestarts"] == 1 and status["reason"] == "RendezvousStoreLost"
     k.wait_events("RendezvousStoreLost", lambda e: e.type == "Warning")
     # The trainers' containers fail on the lost store and are restarted in place: the same incident.
     for name in ("job-0", "job-1"):
         k.restart_in_place(name, exit_code=1)
     status = wait_for(lambda: (lambda s: s if len(s.get("attempts") or []) == 3 else None)(k.status()),
                       what="the in-place restarts on record")
-    assert status["restarts"] == 1 and [a["counted"] for a in status["attempts"]] == [True, False, False]
+    assert status["infraRestarts"] == 1 and [a["counted"] for a in status["attempts"]] == [True, False, False]
     k.set_phase("job-rdzv", "Running")
     status = k.wait_phase("Running")
-    assert status["restarts"] == 1 and status["group"] == 0
+    assert status["infraRestarts"] == 1 and status["group"] == 0
     assert {n: p.metadata.uid for n, p in k.pods().items() if n != "job-rdzv"} == \
         {n: old[n] for n in ("job-0", "job-1")}
 
@@ -226,13 +226,13 @@ def test_in_place_restart_is_counted_once_and_the_pod_kept(k):
     _running(k, failurePolicy={"permanentExitCodes": [3]})
     old = _uid(k, "job-1")
     k.restart_in_place("job-1", exit_code=137, restart_count=1)
-    status = wait_for(lambda: (lambda s: s if s.get("restarts") == 1 else None)(k.status()),
+    status = wait_for(lambda: (lambda s: s if s.get("infraRestarts") == 1 else None)(k.status()),
                       what="the restart counted")
     att = status["attempts"][-1]
     assert (att["pod"], att["exitCode"], att["restartCount"], att["counted"]) == ("job-1", 137, 1, True)
     k.wait_events("TrainerRestarted", lambda e: "exited 137 and was restarted in place" in e.message)
     time.sleep(1)  # asserting that nothing more happens
-    assert _uid(k, "job-1") == old and k.status()["restarts"] == 1
+    assert _uid(k, "job-1") == old and k.status()["infraRestarts"] == 1
     # A permanent exit code on a later in-place restart fails the job and stops the pods.
     k.restart_in_place("job-1", exit_code=3, restart_count=2)
     status = k.wait_phase("Failed")
@@ -343,7 +343,7 @@ def test_operator_killed_mid_recovery_records_everything_once(k, operator):
                       what="both on record")
     by_pod = {a["pod"]: a for a in status["attempts"]}
     assert by_pod["job-1"]["reason"] == "NodeMissing" and by_pod["job-0"]["restartCount"] == 1
-    assert status["restarts"] == 1
+    assert status["infraRestarts"] == 1
     assert _uid(k, "job-0") == old["job-0"]
     k.set_phase("job-1", "Running")
     status = k.wait_phase("Running")
@@ -352,7 +352,7 @@ def test_operator_killed_mid_recovery_records_everything_once(k, operator):
              what="a reconcile pass by the restarted operator")
     time.sleep(1)  # asserting that nothing happens
     after = k.status()
-    assert after["restarts"] == 1 and after["attempts"] == status["attempts"]
+    assert after["infraRestarts"] == 1 and after["attempts"] == status["attempts"]
     assert {n: p.metadata.uid for n, p in k.pods().items() if n != "job-1"} == \
         {n: old[n] for n in ("job-0", "job-rdzv")}
 

@@ -78,9 +78,9 @@ def test_spares_are_extra_pods_shown_apart_and_scale_is_followed(k):
     wait_for(lambda: k.status().get("nodesReady") == "2/2 +1" or None, what="2/2 +1 again")
     # a lost pod (whichever it was) is replaced; while it is away the column shows no spare ready
     k.set_phase("job-1", "Failed", exit_code=137)
-    wait_for(lambda: k.status().get("restarts") == 1, what="the failure counted")
+    wait_for(lambda: k.status().get("infraRestarts") == 1, what="the failure counted (exit 137: infraBackoffLimit)")
     wait_for(lambda: "job-1" in k.pods() and k.pods()["job-1"].status.phase == "Pending", what="job-1 recreated")
     assert k.status()["nodesReady"] == "2/2 +0" and k.status()["phase"] == "Running"
     k.set_phase("job-1", "Running")
     wait_for(lambda: k.status().get("nodesReady") == "2/2 +1", what="the spare replenished")
-    assert k.status()["restarts"] == 1
+    assert k.status()["infraRestarts"] == 1

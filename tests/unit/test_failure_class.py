@@ -45,6 +45,10 @@ def test_each_class_is_read_from_what_the_pod_left():
     assert user.message.endswith("FileNotFoundError: [Errno 2] No such file or directory: 'config.json'")
     net = fc.classify(exit_code=1, reason="Error", message=NETWORK_ERROR, disruption=None)
     assert (net.cls, net.reason) == (fc.INFRASTRUCTURE, fc.REASON_NETWORK) and "Connection closed by peer" in net.message
+    store = PYTHON_ERROR.replace("FileNotFoundError: [Errno 2] No such file or directory: 'config.json'",
+                                 "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection "
+                                 "to the C10d store has failed. See inner exception for details.")
+    assert fc.classify(exit_code=1, reason="Error", message=store, disruption=None).reason == fc.REASON_NETWORK
     cases = {
         (fc.INFRASTRUCTURE, "Evicted"): dict(exit_code=None, reason="", message="", disruption="Evicted"),
         (fc.INFRASTRUCTURE, fc.REASON_POD_DELETED): dict(exit_code=None, reason="", message="", disruption=None,

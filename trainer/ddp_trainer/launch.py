@@ -308,7 +308,7 @@ def _tune_torchrun(poll_s: float, leave_on_signal: bool = True, in_ddpjob: bool 
         except SignalException:
             checkpoint_on_stop(self)  # item 6: torch's run has stopped the workers
             raise
-        succeeded[:] = [not result.is_failed()]
+        succeeded[:] = [result is not None and not result.is_failed()]  # None: a spare released
         return result
 
     def on_signal(signum: int, frame: Any) -> None:
