@@ -100,6 +100,11 @@ EXPECTED_FAULT = {
 }
 
 
+def counted(status: dict) -> int:
+    """Failures counted against either budget (backoffLimit: status.restarts; infraBackoffLimit: infraRestarts)."""
+    return int(status.get("restarts") or 0) + int(status.get("infraRestarts") or 0)
+
+
 def wrong_fault(fault: str, status: dict) -> str | None:
     """What is wrong with the job's status.lastRecovery.fault after `fault`, or None."""
     want = EXPECTED_FAULT.get(fault)
@@ -124,8 +129,8 @@ def evict_all_wrong(status: dict, evicted: int) -> list[str]:
     lost = last.get("stepsLost")
     if not isinstance(lost, int) or lost > 1:
         wrong.append(f"status.lastRecovery.stepsLost is {lost!r}, not at most 1")
-    if status.get("restarts"):
-        wrong.append(f"status.restarts {status['restarts']}: the evictions spent backoffLimit")
+    if counted(status):
+        wrong.append(f"status.restarts + infraRestarts {counted(status)}: the evictions spent a failure budget")
     if (status.get("disruptions") or 0) < evicted:
         wrong.append(f"status.disruptions {status.get('disruptions') or 0} < {evicted} pods evicted")
     return wrong
@@ -391,10 +396,11 @@ class Bench:
         dup = {i: names for i, names in per_index.items() if len(names) > 1}
         if dup:
             d.setdefault("violations", []).append(f"two live pods for one index: {dup}")
-        restarts = st.get("restarts") or 0
+        restarts = counted(st)
         d["max_restarts_seen"] = max(d.get("max_restarts_seen", 0), restarts)
         if restarts > 1:
-            d.setdefault("violations", []).append(f"status.restarts {restarts} > 1 (one pod was deleted)")
+            d.setdefault("violations", []).append(f"status.restarts + infraRestarts {restarts} > 1 (one pod was "
+                                                  f"deleted)")
         uids = [a.get("uid") for a in st.get("attempts") or [] if a.get("uid")]
         if len(uids) != len(set(uids)):
             d.setdefault("violations", []).append(f"a pod UID recorded twice in status.attempts: {uids}")
@@ -457,8 +463,8 @@ class Bench:
                     d.setdefault("violations", []).append("the operator was restarted (or replaced)")
             if fault == "node_notready" and not any(a.get("reason") == "NodeLost" for a in st.get("attempts") or []):
                 d.setdefault("violations", []).append("the operator never treated the NotReady node's pods as lost")
-            if fault == "operator_kill" and (st.get("restarts") or 0) > 1:
-                d.setdefault("violations", []).append(f"status.restarts {st.get('restarts')} > 1 at the end")
+            if fault == "operator_kill" and counted(st) > 1:
+                d.setdefault("violations", []).append(f"status.restarts + infraRestarts {counted(st)} > 1 at the end")
             if fault == "evict_all" and (wrong_status := evict_all_wrong(st, len(d.get("evicted") or []))):
                 d.setdefault("violations", []).extend(wrong_status)
         except Exception as e:  # noqa: BLE001 - reported, never swallowed: survived is false

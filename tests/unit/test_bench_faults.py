@@ -113,7 +113,8 @@ GOOD_EVICTION = {"phase": "Succeeded", "restarts": 0, "disruptions": 2,
     ({"lastRecovery": {**GOOD_EVICTION["lastRecovery"], "resumedFrom": "peer"}}, "'peer', not 'disk'"),
     ({"lastRecovery": {"fault": "NodeDisrupted", "resumedFrom": "disk"}}, "stepsLost is None"),  # no mark survived
     ({"lastRecovery": {**GOOD_EVICTION["lastRecovery"], "stepsLost": 2}}, "stepsLost is 2, not at most 1"),
-    ({"restarts": 1}, "spent backoffLimit"),
+    ({"restarts": 1}, "spent a failure budget"),
+    ({"infraRestarts": 1}, "spent a failure budget"),
     ({"disruptions": 1}, "disruptions 1 < 2"),
     ({"lastRecovery": None}, "resumedFrom is None"),
 ])
