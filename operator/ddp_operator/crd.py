@@ -818,13 +818,15 @@ def _status_schema() -> dict:
             "goodput": goodput,
             "avoidedNodes": {
                 "type": "array",
-                "description": "Nodes this job's replacement pods are kept off (a required node affinity the "
-                               "operator adds to pods it creates): each failed the job twice for reasons of the "
-                               "infrastructure within 10 minutes; lifted at `until`.",
+                "description": "Nodes this job's replacement pods keep off when anything else fits (a preferred "
+                               "node affinity, weight 100, the operator adds to pods it creates): each failed the "
+                               "job twice (failures a minute or more apart) for reasons of the infrastructure "
+                               "within 10 minutes; lifted at `until`.",
                 "maxItems": 8,
                 "items": _obj("An avoided node.", {
                     "node": _str("Node name."),
-                    "failures": _int("Infrastructure failures of the job on it within the window."),
+                    "failures": _int("Infrastructure failures of the job on it within the window (those under a "
+                                     "minute apart count once)."),
                     "until": _str("When the avoidance is lifted.", format="date-time"),
                 }),
             },

@@ -129,9 +129,11 @@ def test_a_node_that_failed_the_job_twice_is_kept_off_by_its_replacement_pods():
     assert any(e.reason == names.REASON_NODE_AVOIDED for e in p2.events)
     created = plan(job, p2.status, observed(rdzv(), trainer(0)), later(101))
     pod = next(a.body for a in created.actions if a.verb == CREATE and a.name == "mnist-1")
-    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert terms["nodeSelectorTerms"] == [{"matchFields": [{"key": "metadata.name", "operator": "NotIn",
-                                                            "values": ["bad-node"]}]}]
+    preferred = pod["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert preferred == [{"weight": 100, "preference": {"matchFields": [
+        {"key": "metadata.name", "operator": "NotIn", "values": ["bad-node"]}]}}]
+    # A preference: never a requirement that could leave the job nowhere to run (a one-node cluster).
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in pod["spec"]["affinity"]["nodeAffinity"]
     assert not any(e.reason == names.REASON_NODE_AVOIDED for e in created.events)  # said once
     # Lifted once its time is up.
     assert avoided_nodes(created.status["attempts"], later(100 + AVOID_SECONDS + 1)) == []
@@ -144,15 +146,26 @@ def test_failures_that_say_nothing_about_the_node_never_avoid_it():
     assert avoided_nodes(attempts, NOW) == []
 
 
-def test_the_avoidance_is_anded_into_the_templates_own_terms():
-    own = {"spec": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-        "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["a100"]}]},
-                              {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}]}}}}}
+def test_one_node_loss_taking_several_pods_at_once_is_one_failure_of_the_node():
+    attempts = [{"class": "Infrastructure", "cause": "NodeLost", "node": "n1", "time": f"2025-01-01T12:00:{s:02d}Z"}
+                for s in (0, 1, 2)]
+    assert avoided_nodes(attempts, NOW) == []
+    attempts.append({"class": "Infrastructure", "cause": "NodeLost", "node": "n1", "time": "2025-01-01T12:05:00Z"})
+    assert [(a["node"], a["failures"]) for a in avoided_nodes(attempts, NOW)] == [("n1", 2)]
+
+
+def test_the_avoidance_keeps_the_templates_own_affinity():
+    own = {"spec": {"affinity": {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["a100"]}]}]},
+        "preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 5, "preference": {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}}]}}}}
     out = kept_off(own, ["n2", "n1"])
-    terms = out["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert [t["matchExpressions"][0]["values"] for t in terms] == [["a100"], ["h100"]]
-    assert all(t["matchFields"] == [{"key": "metadata.name", "operator": "NotIn", "values": ["n1", "n2"]}]
-               for t in terms)
-    assert "matchFields" not in own["spec"]["affinity"]["nodeAffinity"][
-        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]  # the template is not changed
+    affinity = out["spec"]["affinity"]["nodeAffinity"]
+    assert affinity["requiredDuringSchedulingIgnoredDuringExecution"] == \
+        own["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert [p["weight"] for p in affinity["preferredDuringSchedulingIgnoredDuringExecution"]] == [5, 100]
+    assert affinity["preferredDuringSchedulingIgnoredDuringExecution"][1]["preference"]["matchFields"][0]["values"] \
+        == ["n1", "n2"]
+    assert len(own["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]) == 1
     assert kept_off(own, []) is own

@@ -1,10 +1,12 @@
 """Nodes that keep failing a job: its replacement pods keep off them for a while (status.avoidedNodes).
 
-A node on which the job's pods failed twice (AVOID_AFTER) for reasons of the infrastructure that point at the node
-within WINDOW_SECONDS is avoided until AVOID_SECONDS after the last of them: every trainer pod the operator creates
-from then on carries a required node affinity `metadata.name NotIn [...]`, added to each of the template's own node
-selector terms (so the user's affinity still holds). Pods already running are left where they are. At most
-MAX_AVOIDED nodes, the most recent first, so that a cluster-wide outage never leaves a job nowhere to run.
+A node on which the job failed twice (AVOID_AFTER incidents: failures at least INCIDENT_GAP_SECONDS apart, so the
+pods one node loss takes at once count once) for reasons of the infrastructure that point at the node within
+WINDOW_SECONDS is avoided until AVOID_SECONDS after the last of them: every trainer pod the operator creates from
+then on carries a preferred node affinity (weight 100) for any node but these (`metadata.name NotIn [...]`). A
+preference, not a requirement: the scheduler puts the replacement elsewhere when anything else fits and on the
+avoided node when nothing does (a one-node cluster, a full cluster), so avoidance never leaves a job unschedulable.
+Pods already running are left where they are. At most MAX_AVOIDED nodes, the most recent first.
 
 Level-based: the list is derived on every pass from status.attempts (node, class, cause, time), so it is the same
 after an operator restart and lifts itself once its time is up.
@@ -20,6 +22,7 @@ from ddp_operator import failure_class
 from ddp_operator.observed import format_time, parse_time
 
 AVOID_AFTER = 2
+INCIDENT_GAP_SECONDS = 60
 WINDOW_SECONDS = 600
 AVOID_SECONDS = 1800
 MAX_AVOIDED = 8
@@ -43,23 +46,26 @@ def avoided_nodes(attempts: list[Mapping[str, Any]], now: datetime) -> list[dict
     for node, seen in times.items():
         seen.sort()
         last = seen[-1]
-        recent = [t for t in seen if last - t <= window]
+        incidents: list[datetime] = []
+        for t in (t for t in seen if last - t <= window):
+            if not incidents or (t - incidents[-1]).total_seconds() >= INCIDENT_GAP_SECONDS:
+                incidents.append(t)
         until = last + timedelta(seconds=AVOID_SECONDS)
-        if len(recent) >= AVOID_AFTER and now < until:
-            out.append({"node": node, "failures": len(recent), "until": format_time(until)})
+        if len(incidents) >= AVOID_AFTER and now < until:
+            out.append({"node": node, "failures": len(incidents), "until": format_time(until)})
     out.sort(key=lambda a: a["until"], reverse=True)
     return out[:MAX_AVOIDED]
 
 
 def kept_off(pod: dict, nodes: list[str]) -> dict:
-    """The pod with a required node affinity that keeps it off `nodes` (ANDed into each of its own terms)."""
+    """The pod with a preferred node affinity (weight 100) for any node but `nodes`, beside the template's own."""
     if not nodes:
         return pod
     pod = copy.deepcopy(pod)
     spec = pod.setdefault("spec", {})
     node_affinity = spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
-    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
-    terms = required.get("nodeSelectorTerms") or [{}]
-    rule = {"key": "metadata.name", "operator": "NotIn", "values": sorted(nodes)}
-    required["nodeSelectorTerms"] = [{**t, "matchFields": [*(t.get("matchFields") or []), rule]} for t in terms]
+    preferred = list(node_affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or [])
+    preferred.append({"weight": 100, "preference": {"matchFields": [
+        {"key": "metadata.name", "operator": "NotIn", "values": sorted(nodes)}]}})
+    node_affinity["preferredDuringSchedulingIgnoredDuringExecution"] = preferred
     return pod
