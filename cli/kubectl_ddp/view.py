@@ -8,10 +8,12 @@ of another type (status is only as trustworthy as whoever may write it), and is 
 from __future__ import annotations
 
 import math
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any, Mapping
 
 from ddp_operator import names
+from ddp_operator.observed import parse_time
+from ddp_operator.report import real
 
 DASH = "-"
 
@@ -20,21 +22,7 @@ def _map(value: Any) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
 
 
-def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
-def parse_time(value: Any) -> datetime | None:
-    if isinstance(value, datetime):
-        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
+_num = real  # a finite number, else None (the operator's own check of untrusted numbers)
 
 
 def duration(seconds: float | None) -> str:

@@ -21,22 +21,19 @@ rewritten for it.
 
 from __future__ import annotations
 
-import math
 from datetime import datetime, timezone
 from typing import Any, Mapping
 
 from ddp_operator import names
 from ddp_operator.observed import format_time, parse_time
+from ddp_operator.report import MAX_UNIX_TIME, real
 
 CAUSES = ("starting", "queued", "recovering", "redone")
 MAX_FAULTS = 16
 _MAX_SECONDS = 10 * 366 * 86400.0
 
 
-def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
+_num = real  # a finite number, else None (report.real: bools, NaN, ints no float holds)
 
 
 def _secs(value: Any) -> float:
@@ -81,7 +78,9 @@ def derive(prev: Mapping[str, Any] | None, *, created: datetime | None, now: dat
     g["since"] = format_time(since)
     # The step time, from two consecutive reports of the same run (what a lost step costs to do again).
     p, q = progress or {}, prev_progress or {}
-    t1, s1, t0, s0 = _num(p.get("time")), _num(p.get("step")), _num(q.get("time")), _num(q.get("step"))
+    # Times within what a datetime holds: status is only as trustworthy as whoever may write it.
+    t1, t0 = real(p.get("time"), 0.0, MAX_UNIX_TIME), real(q.get("time"), 0.0, MAX_UNIX_TIME)
+    s1, s0 = _num(p.get("step")), _num(q.get("step"))
     if None not in (t1, s1, t0, s0) and s1 > s0 and t1 > t0:
         g["stepSeconds"] = round((t1 - t0) / (s1 - s0), 6)
     if not g.get("firstStepAt") and s1 is not None and s1 >= 1 and t1 is not None:

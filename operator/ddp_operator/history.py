@@ -24,10 +24,10 @@ Pure: no client, no clock. The operator writes it (`poller`, at most every FLUSH
 from __future__ import annotations
 
 import json
-import math
 from typing import Any, Mapping
 
 from ddp_operator import names
+from ddp_operator.report import real
 
 FORMAT_VERSION = 1
 DATA_KEY = "history.json"
@@ -40,11 +40,7 @@ _MAX_NAME = 63
 _POINT_KEYS = ("step", "time", "loss", "samplesPerSecond", "epoch")
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
+_number = real  # a finite number, else None (report.real: bools, NaN, ints no float holds)
 
 
 def _count(value: Any) -> int | None:

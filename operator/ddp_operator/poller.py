@@ -6,12 +6,12 @@ overall deadline (progress.py), so the ticker that serves every job's wake-ups n
 job's poll, or in deciding whether it is due, is logged and that job is polled again next interval: it never stops
 the other jobs' polls.
 
-A poll asks every trainer pod at once (each probe with its own deadline: a pod that never answers costs one
-deadline and hides no other), takes global rank 0's report and writes status.progress (only when the step moved
-forward, at most once per spec.progressPeriodSeconds; each also becomes a point of the job's metric history,
-history_keeper) and status.lastRecovery (when rank 0's recovery report changes it). Only a report's valid fields are used (report.valid_report); one with invalid fields gets an
-InvalidReport Warning Event, once per pod and set of fields. Hang detection (failurePolicy.hangTimeoutSeconds)
-rides on it: the pods are polled more often while it is on (every hangTimeout/10, 1-5 s), the poll keeps a watch
+A poll asks every trainer pod at once (each probe with its own deadline: a pod that never answers costs one deadline
+and hides no other), takes global rank 0's report and writes status.progress (only when the step moved forward, at
+most once per spec.progressPeriodSeconds; each also becomes a point of the job's metric history, history_keeper) and
+status.lastRecovery (when rank 0's recovery report changes it). Only a report's valid fields are used
+(report.valid_report); one with invalid fields gets an InvalidReport Warning Event, once per pod and set of fields.
+Hang detection (failurePolicy.hangTimeoutSeconds) rides on it: the pods are polled more often while it is on (every hangTimeout/10, 1-5 s), the poll keeps a watch
 of the training's progress (hang.Watch, in the job's record: reset by rank 0's report changing or by a newer step
 from any pod), and once it has not moved for the timeout the same pool thread runs a pass with every pod's answer
 (the `reconcile` callable, the answers keyed by pod UID), which deletes the stuck pod(s). The ticker schedules that

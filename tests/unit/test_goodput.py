@@ -87,6 +87,10 @@ def test_nothing_new_leaves_the_status_alone_and_hostile_fields_read_as_zero():
                                 recovery=recovery(1, float("inf"), 1))
     assert unfinished["recoveries"] == 0
     assert goodput.derive(None, created=None, now=at(1), phase="Running") is None
+    # Numbers no float holds, and times no datetime holds, are nothing (never an exception in a pass).
+    huge = goodput.derive(None, created=T0, now=at(5), phase="Running", refresh=True,
+                          progress={"step": 10 ** 400, "time": 1e300}, prev_progress={"step": 1, "time": 10 ** 400})
+    assert "firstStepAt" not in huge and "stepSeconds" not in huge
 
 
 @pytest.mark.parametrize("faults", [20])

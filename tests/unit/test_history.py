@@ -47,6 +47,7 @@ def test_points_keep_only_finite_numbers_and_scalar_metrics():
                        "metrics": {"acc": 0.5, "hist": [1, 2], "inf": float("inf"), "x" * 100: 1.0}})
     assert p == {"step": 3, "samplesPerSecond": 10.0, "metrics": {"acc": 0.5}}
     assert history.point({"loss": 1.0}) is None and history.point({"step": -1}) is None
+    assert history.point({"step": 1, "loss": 10 ** 400}) == {"step": 1}  # no float holds it: left out, no raise
 
 
 def test_a_hostile_document_reads_as_its_valid_points():
