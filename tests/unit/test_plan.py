@@ -335,6 +335,23 @@ def test_suspend_and_resume():
     assert resumed.status["restarts"] == 0
 
 
+def test_a_resume_before_the_suspended_pods_are_gone_waits_for_them_and_counts_nothing():
+    """The store pod deleted for the suspension still terminating (or its tombstone) when the user resumes is no
+    lost store: the job stays Suspended until it is gone, then starts afresh with nothing counted."""
+    job, status = _running()
+    suspended_job = make_job(runPolicy={"suspend": True})
+    p = plan(suspended_job, status, observed(rdzv(), trainer(0), trainer(1)), later(1))
+    store = rdzv(deleting_since=later(1))
+    early = plan(job, p.status, observed(store, gone=[trainer(0), trainer(1)]), later(2))
+    assert early.status["phase"] == "Suspended" and "waiting for the pods of the last run" in early.status["message"]
+    assert (CREATE, "mnist-rdzv") not in _acts(early)
+    dead = rdzv(phase="Failed", exit_code=137, deleting_since=later(1))
+    resumed = plan(job, early.status, observed(gone=[dead, trainer(0), trainer(1)]), later(3))
+    assert resumed.status["phase"] == "Pending" and "lastFailure" not in resumed.status, resumed.status
+    assert resumed.status["restarts"] == 0 and resumed.status.get("infraRestarts", 0) == 0, resumed.status
+    assert (CREATE, "mnist-rdzv") in _acts(resumed)
+
+
 def test_deadline():
     job, status = _running(runPolicy={"activeDeadlineSeconds": 100})
     before = plan(job, status, observed(rdzv(), trainer(0), trainer(1)), later(40))

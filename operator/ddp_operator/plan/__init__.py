@@ -109,7 +109,8 @@ def run(ctx: Pass) -> None:
     if job.spec.run_policy.suspend:
         suspended(ctx)
         return
-    resumed(ctx)
+    if not resumed(ctx):
+        return
     if deadline_exceeded(ctx):
         finished(ctx)
         return

@@ -34,11 +34,28 @@ def suspended(ctx: Pass, reason: str = names.REASON_SUSPENDED,
         ctx.cond(names.COND_RESTARTING, False, reason, ctx.message)
 
 
-def resumed(ctx: Pass) -> None:
-    """Condition Suspended turns False once spec.runPolicy.suspend is false."""
-    if ctx.phase == names.PHASE_SUSPENDED or get_condition(ctx.conditions, names.COND_SUSPENDED):
-        if (get_condition(ctx.conditions, names.COND_SUSPENDED) or {}).get("status") == "True":
-            ctx.cond(names.COND_SUSPENDED, False, names.REASON_RESUMED, "spec.runPolicy.suspend is false")
+def resumed(ctx: Pass) -> bool:
+    """Condition Suspended turns False once spec.runPolicy.suspend is false, and the pods of the suspended run
+    are gone (`still_held`). False while the job is held still."""
+    before = get_condition(ctx.conditions, names.COND_SUSPENDED) or {}
+    if before.get("status") != "True":
+        return True
+    if still_held(ctx, before.get("reason") or names.REASON_SUSPENDED, "spec.runPolicy.suspend is false"):
+        return False
+    ctx.cond(names.COND_SUSPENDED, False, names.REASON_RESUMED, "spec.runPolicy.suspend is false")
+    return True
+
+
+def still_held(ctx: Pass, reason: str, message: str) -> bool:
+    """A held job released (resumed, or readmitted by Kueue) before the last run's pods were gone: it stays held
+    until they are, for they would be taken for failures of the run that starts now (a store pod being deleted
+    for the hold is no lost store). Once they are, the ends of those pods are dropped from this pass. True while
+    held."""
+    if any(p.deleting for p in ctx.live):
+        suspended(ctx, reason, f"{message}; waiting for the pods of the last run to stop")
+        return True
+    ctx.observed = replace(ctx.observed, pods=tuple(p for p in ctx.observed.pods if not p.gone))
+    return False
 
 
 def queued(ctx: Pass) -> bool:
@@ -77,13 +94,8 @@ def queued(ctx: Pass) -> bool:
             ctx.incident_reason = names.REASON_EVICTED
         suspended(ctx, g.reason, g.message)
         return True
-    if held_before and any(p.deleting for p in ctx.live):
-        # Readmitted before the last run's pods were gone: they would be taken for failures of this run.
-        suspended(ctx, before.get("reason") or names.REASON_QUEUED,
-                  f"{g.message}; waiting for the pods of the last run to stop")
+    if held_before and still_held(ctx, before.get("reason") or names.REASON_QUEUED, g.message):
         return True
-    if held_before:  # the ends of pods deleted for the hold are no failures of the run that starts now
-        ctx.observed = replace(ctx.observed, pods=tuple(p for p in ctx.observed.pods if not p.gone))
     ctx.placements = g.placements
     if before.get("reason") != names.REASON_ADMITTED:
         ctx.cond(names.COND_SUSPENDED, False, names.REASON_ADMITTED, g.message)
