@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the operator and trainer images from their Dockerfiles (build context: the repository root).
-#   hack/build-images.sh [operator|trainer ...]      (default: both)
+#   hack/build-images.sh [operator|trainer ...]      (default: every image in IMAGES)
+#   hack/build-images.sh --list                      the names in IMAGES, one a line (hack/release.py reads them)
 # Offline (default): hack/image.py builds each Dockerfile with buildah (no Docker engine) and imports it
 # into the embedded cluster's containerd as localhost/ddp-<name>:0.1.0. buildah's layer cache makes an
 # unchanged image a few-second no-op, and only the layers containerd lacks are imported: a source-only
@@ -23,13 +24,16 @@ case $BUILDER in
   *) echo "DDPJOB_IMAGE_BUILDER must be offline, docker or buildah, not '$BUILDER'" >&2; exit 2 ;;
 esac
 
+# Every image the project builds, <name>/Dockerfile each: the one list (make release pushes exactly these).
+IMAGES=(operator trainer)
+if [[ ${1:-} == --list ]]; then
+  printf '%s\n' "${IMAGES[@]}"
+  exit 0
+fi
 names=("$@")
-[[ ${#names[@]} -gt 0 ]] || names=(operator trainer)
+[[ ${#names[@]} -gt 0 ]] || names=("${IMAGES[@]}")
 for name in "${names[@]}"; do
-  case $name in
-    operator | trainer) ;;
-    *) echo "unknown image '$name' (operator|trainer)" >&2; exit 2 ;;
-  esac
+  [[ " ${IMAGES[*]} " == *" $name "* ]] || { echo "unknown image '$name' (${IMAGES[*]})" >&2; exit 2; }
   ref="localhost/ddp-$name:$TAG"
   start=$SECONDS
   if [[ $BUILDER == docker ]]; then
