@@ -10,11 +10,12 @@ import logging
 import os
 import socket
 import sys
+import threading
 import uuid
 
 import kopf
 
-from ddp_operator import __version__, job_metrics, kopf_mends, metrics, names
+from ddp_operator import __version__, job_metrics, kopf_mends, leader, metrics, names, probes
 from ddp_operator.diagnostics import DEFAULT_TOOLS_IMAGE, Tools
 from ddp_operator.netpol import NetworkPolicyConfig, parse_labels
 
@@ -34,6 +35,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--liveness-port", type=int, default=int(_env("DDP_OPERATOR_LIVENESS_PORT",
                                                                  str(names.DEFAULT_LIVENESS_PORT))),
                    help="liveness endpoint http://0.0.0.0:PORT/healthz, 0 to disable (env DDP_OPERATOR_LIVENESS_PORT)")
+    p.add_argument("--readiness-port", type=int, default=int(_env("DDP_OPERATOR_READINESS_PORT",
+                                                                  str(names.DEFAULT_READINESS_PORT))),
+                   help="readiness endpoint http://0.0.0.0:PORT/readyz, 200 only in the replica that acts (the "
+                        "leader, once started), 0 to disable (env DDP_OPERATOR_READINESS_PORT)")
     p.add_argument("--log-format", choices=("text", "json"), default=_env("DDP_OPERATOR_LOG_FORMAT", "text"),
                    help="log format (env DDP_OPERATOR_LOG_FORMAT)")
     p.add_argument("--verbose", action="store_true", default=_env("DDP_OPERATOR_VERBOSE", "") == "1",
@@ -110,28 +115,6 @@ def diagnostics_tools(args: argparse.Namespace) -> Tools:
     return Tools(image=args.diagnostics_image, pull_policy=args.diagnostics_image_pull_policy or None)
 
 
-def _standby_liveness(port: int):
-    """A standby replica is alive while it waits for the Lease; kopf's own probe starts with leadership."""
-    if not port:
-        return None
-    import http.server
-    import threading
-
-    class Healthz(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            self.send_response(200 if self.path == "/healthz" else 404)
-            self.end_headers()
-            self.wfile.write(b'{"standby": true}')
-
-        def log_message(self, *_: object) -> None:
-            pass
-
-    http.server.HTTPServer.allow_reuse_address = True
-    server = http.server.HTTPServer(("0.0.0.0", port), Healthz)
-    threading.Thread(target=server.serve_forever, name="standby-healthz", daemon=True).start()
-    return server
-
-
 def job_bodies(memo: kopf.Memo, tries: int = 3) -> list:
     """The DDPJob bodies in kopf's index (none before the startup handler made the Reconciler, nor on a standby).
 
@@ -177,12 +160,19 @@ def main(argv: list[str] | None = None) -> int:
     operator_memo = handlers.memo(config)
     operator_memo.job_metrics = job_metrics.register(lambda: job_bodies(operator_memo))
     metrics.serve(args.metrics_port)
+    started = threading.Event()  # kopf ran the startup handlers (kopf.run's ready flag)
+
+    def readiness() -> probes.Readiness:
+        fence = leader.write_fence()
+        return probes.decide(leader_election=args.leader_elect, lease_left=fence() if fence else 0.0,
+                             started=started.is_set())
+    probes.serve(args.readiness_port, readiness)
     if args.leader_elect:
         from ddp_operator.k8s import Api
         from ddp_operator.leader import LeaderElector
         # Unique even for two replicas on one host (as client-go does): a shared identity would let both lead.
         identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
-        standby = _standby_liveness(args.liveness_port)
+        standby = probes.standby_liveness(args.liveness_port)
         LeaderElector(Api(), args.lease_namespace, args.lease_name, identity).acquire()
         if standby is not None:
             standby.shutdown()
@@ -197,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         namespaces=args.namespace,
         liveness_endpoint=liveness,
         memo=operator_memo,
+        ready_flag=started,
     )
     return 0
 

@@ -47,6 +47,8 @@ LABEL_JOB_NAME = f"{GROUP}/job-name"
 LABEL_NODE_INDEX = f"{GROUP}/node-index"
 LABEL_ROLE = f"{GROUP}/role"
 LABEL_GROUP = f"{GROUP}/group"
+# A short hash of what shapes a pod (pod_hash.py): pods of one shape share it; the operator never acts on it.
+LABEL_TEMPLATE_HASH = f"{GROUP}/template-hash"
 ROLE_TRAINER = "trainer"
 ROLE_RDZV = "rdzv"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -55,6 +57,8 @@ LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
 MANAGED_BY = "ddp-operator"
 # The container `kubectl logs <pod>` shows: the trainer, though the pod also runs the diagnostics sidecar.
 DEFAULT_CONTAINER_ANNOTATION = "kubectl.kubernetes.io/default-container"
+# On spec.template.metadata: "false" turns off the default spread of the trainer pods over nodes (placement.py).
+SPREAD_ANNOTATION = f"{GROUP}/spread-across-nodes"
 
 # --- Timing ---------------------------------------------------------------------------------------
 # torchrun exits 0 only when every worker finished, so a trainer still running this long after a peer
@@ -82,6 +86,10 @@ ENV_DIAGNOSTICS_IMAGE = "DDPJOB_DIAGNOSTICS_IMAGE"
 PROGRESS_PATH = "/progress"
 DEFAULT_METRICS_PORT = 8080
 DEFAULT_LIVENESS_PORT = 8081
+LIVENESS_PATH = "/healthz"
+# The operator's readiness (probes.py): 200 only in the replica that acts, so its Service reaches the leader alone.
+DEFAULT_READINESS_PORT = 8082
+READINESS_PATH = "/readyz"
 # The operator's environment: the pull policy of the diagnostics tools image (ENV_DIAGNOSTICS_IMAGE); unset: the
 # kubelet's default.
 ENV_DIAGNOSTICS_IMAGE_PULL_POLICY = "DDPJOB_DIAGNOSTICS_IMAGE_PULL_POLICY"

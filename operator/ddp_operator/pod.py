@@ -8,6 +8,7 @@ from ddp_operator import names
 from ddp_operator.diagnostics import add_sidecar
 from ddp_operator.env import follows_desired_size, merge_env, trainer_env
 from ddp_operator.labels import child_metadata, pod_labels
+from ddp_operator.placement import spread_across_nodes
 from ddp_operator.spec import Job
 
 # Keeps the scheduler honest on small machines without reserving a core per pod.
@@ -88,6 +89,7 @@ def render_trainer_pod(job: Job, index: int, group: int) -> dict:
     if volumes:
         spec["volumes"] = volumes
     add_sidecar(job.spec.diagnostics, spec, annotations)  # spec.diagnostics: py-spy beside the trainer
+    spread_across_nodes(job, spec, meta.get("annotations") or {})  # unless the template places the pods itself
     return {
         "apiVersion": "v1",
         "kind": "Pod",

@@ -19,7 +19,11 @@ _POD_STRINGS = ("restartPolicy", "hostname", "subdomain", "priorityClassName", "
                 "dnsPolicy", "runtimeClassName")
 _POD_BOOLS = ("automountServiceAccountToken", "hostUsers")
 _POD_OBJECTS = ("securityContext", "dnsConfig")
-_POD_OBJECT_LISTS = ("tolerations", "imagePullSecrets")
+_POD_OBJECT_LISTS = ("tolerations", "imagePullSecrets", "topologySpreadConstraints")
+# The affinity placement.py reads (pod affinity terms) and plan/avoid.py adds a preferred node affinity term to.
+_AFFINITY_KINDS = ("nodeAffinity", "podAffinity", "podAntiAffinity")
+_PREFERRED = "preferredDuringSchedulingIgnoredDuringExecution"
+_REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
 # Container fields (the trainer's are read by pod.py and rdzv.py; every container's name by spec.py).
 _CONTAINER_STRINGS = ("image", "imagePullPolicy", "terminationMessagePolicy", "workingDir")
 _CONTAINER_STRING_LISTS = ("command", "args")
@@ -153,6 +157,15 @@ def _container(c: Mapping[str, Any], path: str) -> None:
     _of(c, ("readinessProbe", "livenessProbe", "startupProbe", "lifecycle"), path, _object)
 
 
+def _affinity(value: Any, path: str) -> None:
+    affinity = _object(value, path)
+    for kind in _AFFINITY_KINDS:
+        section = _object(affinity.get(kind), f"{path}.{kind}")
+        _object_list(section.get(_PREFERRED), f"{path}.{kind}.{_PREFERRED}")
+        if kind != "nodeAffinity":  # a node affinity's requirement is one object (node selector terms)
+            _object_list(section.get(_REQUIRED), f"{path}.{kind}.{_REQUIRED}")
+
+
 def _check(template: Any) -> None:
     template = _object(template, PREFIX, required=True)
     meta = _object(template.get("metadata"), f"{PREFIX}.metadata")
@@ -164,6 +177,7 @@ def _check(template: Any) -> None:
     _of(pod, _POD_BOOLS, path, _bool)
     _of(pod, _POD_OBJECTS, path, _object)
     _of(pod, _POD_OBJECT_LISTS, path, _object_list)
+    _affinity(pod.get("affinity"), f"{path}.affinity")
     _string_map(pod.get("nodeSelector"), f"{path}.nodeSelector")
     _named(_object_list(pod.get("volumes"), f"{path}.volumes"), f"{path}.volumes")
     for key in ("containers", "initContainers"):

@@ -1,6 +1,6 @@
 """Two operator replicas with leader election on the real API server: killing the leader (SIGKILL, no chance
 to clean up) hands the Lease to the standby within the lease duration, a DDPJob created meanwhile gets its
-pods, and no pod is ever created twice.
+pods, and no pod is ever created twice. Only the replica that leads is ready (/readyz), before and after.
 
 The replicas watch only this test's namespace (ddp-le-*: neither the integration tier's operator, which serves
 ddp-it-*, nor the e2e tests' shared operator, which excludes both, handles it), so they are the only operators acting
@@ -71,6 +71,8 @@ def test_standby_takes_over_from_a_killed_leader_and_no_pod_is_created_twice(ns,
         wait_for(lambda: (_holder(k) or (None,))[0] == "replica-a", 60, what="replica-a leads")
         b = Replica("replica-b", k.ns, cluster.kubeconfig, tmp_path / "b.log")
         wait_for(lambda: "waiting to lead" in b.log(), 60, what="replica-b standing by")
+        wait_for(lambda: a.readiness() == 200, 30, what="replica-a ready")
+        assert b.readiness() == 503  # a standby serves no Service traffic (probes.py)
         k.create_job(name="first")
         first = k.wait_pods({"first-0", "first-1", "first-rdzv"}, timeout=60)
         first_uids = {n: p.metadata.uid for n, p in first.items()}
@@ -82,6 +84,7 @@ def test_standby_takes_over_from_a_killed_leader_and_no_pod_is_created_twice(ns,
         k.create_job(name="second")
         wait_for(lambda: (_holder(k) or (None,))[0] == "replica-b", 60, interval=0.2, what="replica-b leads")
         took_over = time.monotonic() - killed
+        wait_for(lambda: b.readiness() == 200, 30, what="replica-b ready once it leads")
         pods = k.wait_pods({"first-0", "first-1", "first-rdzv", "second-0", "second-1", "second-rdzv"},
                            timeout=60)
         # The leader's pods were not replaced by the new leader...

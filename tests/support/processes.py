@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,7 +30,8 @@ class OperatorProcess:
     """`python -m ddp_operator` on this machine against `kubeconfig`, watching the namespaces that `namespace` (a glob
     such as ddp-it-*) matches, its output appended to `log_path`; `env` is added to this process's environment.
 
-    start() returns once its metrics endpoint answers (on a free port of 127.0.0.1), within `ready_timeout` seconds.
+    start() returns once its metrics endpoint answers (on a free port of 127.0.0.1), within `ready_timeout` seconds;
+    its readiness endpoint (/readyz) is on another free port (readiness()).
     Used by tests/integration/ddp_cluster.py's Operator, test_leader_election.py's replicas and tests/e2e/harness.py's with
     DDPJOB_OPERATOR=subprocess.
     """
@@ -41,16 +43,17 @@ class OperatorProcess:
         self.env = dict(env or {})
         self.args = list(args)  # more of the operator's flags (e.g. leader election)
         self.proc: subprocess.Popen | None = None
-        self.metrics_port = 0
+        self.metrics_port = self.readiness_port = 0
 
     def start(self) -> None:
-        self.metrics_port = free_port()
+        self.metrics_port, self.readiness_port = free_port(), free_port()
         env = {**os.environ, "KUBECONFIG": self.kubeconfig, **self.env,
                "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), os.environ.get("PYTHONPATH", "")])}
         with open(self.log_path, "a") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ddp_operator", "--namespace", self.namespace,
-                 "--metrics-port", str(self.metrics_port), "--liveness-port", "0", *self.args],
+                 "--metrics-port", str(self.metrics_port), "--liveness-port", "0",
+                 "--readiness-port", str(self.readiness_port), *self.args],
                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         if self.ready_timeout is not None:
             wait_for(lambda: self.metrics_text() is not None, self.ready_timeout, "the operator's metrics endpoint",
@@ -70,6 +73,16 @@ class OperatorProcess:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=3) as r:
                 return r.read().decode()
+        except OSError:
+            return None
+
+    def readiness(self) -> int | None:
+        """The HTTP status of its GET /readyz (200 ready, 503 not), None while it does not answer."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.readiness_port}/readyz", timeout=3) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
         except OSError:
             return None
 

@@ -73,6 +73,18 @@ HOSTILE = [
     ("service-account-int", _pod(serviceAccountName=1), f"{T}.spec.serviceAccountName"),
     ("restart-policy-list", _pod(restartPolicy=[]), f"{T}.spec.restartPolicy"),
     ("dns-config-string", _pod(dnsConfig="x"), f"{T}.spec.dnsConfig"),
+    ("affinity-string", _pod(affinity="x"), f"{T}.spec.affinity"),
+    ("anti-affinity-list", _pod(affinity={"podAntiAffinity": []}), f"{T}.spec.affinity.podAntiAffinity"),
+    ("anti-affinity-preferred-string", _pod(affinity={"podAntiAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": "x"}}),
+     f"{T}.spec.affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution"),
+    ("affinity-required-int", _pod(affinity={"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [1]}}),
+     f"{T}.spec.affinity.podAffinity.requiredDuringSchedulingIgnoredDuringExecution[0]"),
+    ("node-affinity-preferred-object", _pod(affinity={"nodeAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": {}}}),
+     f"{T}.spec.affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution"),
+    ("topology-spread-string", _pod(topologySpreadConstraints="x"), f"{T}.spec.topologySpreadConstraints"),
+    ("topology-spread-int", _pod(topologySpreadConstraints=[1]), f"{T}.spec.topologySpreadConstraints[0]"),
     ("metadata-string", lambda t: t.update(metadata="x"), f"{T}.metadata"),
     ("labels-int-value", _meta(labels={"team": 1}), f"{T}.metadata.labels[team]"),
     ("annotations-list", _meta(annotations=[]), f"{T}.metadata.annotations"),
@@ -117,7 +129,8 @@ def test_a_valid_template_with_every_checked_field_still_parses_and_renders():
     body["spec"]["template"]["spec"].update(
         nodeSelector={"zone": "a"}, tolerations=[{"key": "gpu", "operator": "Exists"}], volumes=[{"name": "data",
         "emptyDir": {}}], imagePullSecrets=[{"name": "reg"}], securityContext={"runAsNonRoot": True},
-        automountServiceAccountToken=None, serviceAccountName="sa", initContainers=[{"name": "init", "image": "x"}])
+        automountServiceAccountToken=None, serviceAccountName="sa", initContainers=[{"name": "init", "image": "x"}],
+        affinity=None, topologySpreadConstraints=[{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "x"}])
     body["spec"]["template"]["spec"]["containers"][0].update(
         env=[{"name": "A", "value": "1"}, {"name": "B", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
         ports=[{"containerPort": 8080, "name": "http"}], volumeMounts=[{"name": "data", "mountPath": "/data"}],

@@ -63,7 +63,9 @@ def kept_off(pod: dict, nodes: list[str]) -> dict:
         return pod
     pod = copy.deepcopy(pod)
     spec = pod.setdefault("spec", {})
-    node_affinity = spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
+    # The template's own affinity (its pod affinities and node affinity terms) is kept; a null one is none.
+    spec["affinity"] = affinity = dict(spec.get("affinity") or {})
+    affinity["nodeAffinity"] = node_affinity = dict(affinity.get("nodeAffinity") or {})
     preferred = list(node_affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or [])
     preferred.append({"weight": 100, "preference": {"matchFields": [
         {"key": "metadata.name", "operator": "NotIn", "values": sorted(nodes)}]}})

@@ -19,6 +19,7 @@ from ddp_operator.plan.state import Pass
 from ddp_operator.plan.types import CREATE, DELETE, Action
 from ddp_operator.plan.avoid import avoided_nodes, kept_off
 from ddp_operator.pod import render_trainer_pod, trainer_pod_name
+from ddp_operator.pod_hash import with_template_hash
 from ddp_operator.rdzv import rdzv_pod_name, render_rdzv_pod
 from ddp_operator.service import render_service
 from ddp_operator.status import Event, get_condition
@@ -72,13 +73,15 @@ def create_missing(ctx: Pass) -> None:
     avoid = [a["node"] for a in avoided_nodes(ctx.attempts, ctx.now)]
     # Only a missing child is rendered (a template copy each): a pass over a whole job of N pods renders none.
     if rdzv_pod_name(job) not in occupied:
-        rdzv = kueuemod.place(render_rdzv_pod(job, ctx.group), ctx.placements.get(names.POD_SET_RDZV))
+        rdzv = kueuemod.place(with_template_hash(render_rdzv_pod(job, ctx.group)),
+                              ctx.placements.get(names.POD_SET_RDZV))
         ctx.actions.append(Action(CREATE, "Pod", rdzv["metadata"]["name"], rdzv))
     for index in range(job.spec.pods):
         if trainer_pod_name(job, index) in occupied:
             continue
-        pod = kueuemod.place(render_trainer_pod(job, index, ctx.group), ctx.placements.get(names.POD_SET_TRAINER))
-        pod = kept_off(pod, avoid)
+        # Hashed as rendered: Kueue's placement and the avoided nodes are where this one pod goes (pod_hash.py).
+        pod = with_template_hash(render_trainer_pod(job, index, ctx.group))
+        pod = kept_off(kueuemod.place(pod, ctx.placements.get(names.POD_SET_TRAINER)), avoid)
         ctx.actions.append(Action(CREATE, "Pod", pod["metadata"]["name"], pod))
     if not get_condition(ctx.conditions, names.COND_CREATED):
         spares = f" and {job.spec.spares} spare(s)" if job.spec.spares else ""
