@@ -63,8 +63,10 @@ up() {
   fi
   local try out
   for try in 1 2 3 4 5 6; do
+    # --take-ownership: a CRD installed before the chart carried it (from crds/, or kubectl apply) becomes this
+    # release's, which upgrades it from then on.
     if out=$("$HELM" upgrade --install "$RELEASE" helm/ddp-operator --namespace "$OPERATOR_NS" \
-      --create-namespace --wait --timeout 5m "${extra[@]}" 2>&1); then
+      --create-namespace --take-ownership --wait --timeout 5m "${extra[@]}" 2>&1); then
       echo "$out"
       break
     fi
@@ -108,7 +110,7 @@ down() {
       "$HELM" uninstall "$RELEASE" --namespace "$OPERATOR_NS" --wait --timeout 2m
     fi
     "$KUBECTL" delete namespace "$OPERATOR_NS" --ignore-not-found --wait=true --timeout=120s
-    echo "The DDPJob CRD stays (Helm never deletes CRDs): kubectl delete crd ddpjobs.ddp.dev removes it." >&2
+    echo "The DDPJob CRD stays (the chart keeps it): kubectl delete crd ddpjobs.ddp.dev removes it." >&2
   else
     log "the cluster is not reachable: nothing to remove from it"
   fi

@@ -146,8 +146,9 @@ def test_install_run_upgrade_uninstall(kubectl, helm, namespace, crd_installed, 
     """The chart on a real cluster: the operator Pod (uid 1000, read-only root) becomes ready, runs a job
     to Succeeded, survives an upgrade, and uninstall removes everything but the CRD."""
     release = f"ddpop-{uuid.uuid4().hex[:6]}"
-    # Scoped to the test's namespace so it never acts on DDPJobs of other tests.
-    scope = ["--set", f"watch.namespaces={{{namespace}}}", "--set", "rbac.scope=namespace"]
+    # Scoped to the test's namespace so it never acts on DDPJobs of other tests; the CRD is left to the release
+    # that carries it (a second release that tried would fail on its ownership).
+    scope = ["--set", f"watch.namespaces={{{namespace}}}", "--set", "rbac.scope=namespace", "--set", "crds.enabled=false"]
     try:
         out = helm("install", release, str(CHART), "-n", namespace, *scope, "--wait", "--timeout", "180s").stdout
         assert "kubectl get ddpj" in out, out  # NOTES tell the user what to do next

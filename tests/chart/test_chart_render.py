@@ -59,7 +59,8 @@ def test_every_value_is_commented():
 def test_defaults_render_hardened_operator(render):
     objs = render()
     kinds = sorted(o["kind"] for o in objs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount",
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment", "Service",
+                     "ServiceAccount",
                      "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     dep = one(objs, "Deployment")
     pod = dep["spec"]["template"]["spec"]
@@ -143,6 +144,22 @@ def test_the_diagnostics_image_is_the_operators_own_unless_set(render, helm_bin)
     assert proc.returncode != 0 and "diagnostics.image.tag=latest" in proc.stderr
 
 
+DIGEST = "sha256:" + "ab" * 32
+
+
+def test_a_digest_pins_the_operator_and_its_diagnostics_image(render):
+    """image.digest (what a released chart sets): repository:tag@digest, for the diagnostics tools too unless
+    diagnostics.image names another image."""
+    def images(*args: str) -> tuple[str, str]:
+        c = one(render(*args), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+        return c["image"], next(e["value"] for e in c["env"] if e["name"] == "DDPJOB_DIAGNOSTICS_IMAGE")
+    pinned = f"localhost/ddp-operator:0.1.0@{DIGEST}"
+    assert images("--set", f"image.digest={DIGEST}") == (pinned, pinned)
+    assert images("--set", f"image.digest={DIGEST}", "--set", "diagnostics.image.tag=0.2.0") == (
+        pinned, "localhost/ddp-operator:0.2.0")
+    assert images("--set", f"diagnostics.image.digest={DIGEST}") == ("localhost/ddp-operator:0.1.0", pinned)
+
+
 def test_namespace_scope_creates_only_namespaced_rbac(render):
     objs = render("--set", "rbac.scope=namespace", "--set", "watch.namespaces={team-a,team-b}")
     assert not by_kind(objs, "ClusterRole") and not by_kind(objs, "ClusterRoleBinding")
@@ -173,7 +190,8 @@ def test_more_replicas_turn_leader_election_on(render):
 def test_all_options_render(render):
     objs = render("--values", str(VALUES_ALL))
     kinds = sorted(o["kind"] for o in objs)
-    assert kinds == ["ConfigMap", "Deployment", "Role", "Role", "Role", "RoleBinding", "RoleBinding", "RoleBinding",
+    assert kinds == ["ConfigMap", "CustomResourceDefinition", "Deployment", "Role", "Role", "Role", "RoleBinding",
+                     "RoleBinding", "RoleBinding",
                      "Service", "ServiceAccount", "ServiceMonitor", "ValidatingAdmissionPolicy",
                      "ValidatingAdmissionPolicyBinding"]
     policy, binding = _admission(objs)
@@ -237,6 +255,8 @@ def test_metrics_off_removes_service_and_port(render):
         (["--set", "dashboards.namespace=Monitoring"], "namespace"),
         (["--set", "unknownKey=1"], "unknownKey"),
         (["--set", "image.registry=docker.io"], "registry"),
+        (["--set", "image.digest=sha256:abc"], "digest"),
+        (["--set", "crds.enabled=yes"], "enabled"),
         (["--set", "securityContext.runAsRoot=true"], "runAsRoot"),
     ],
     ids=lambda v: v if isinstance(v, str) else v[-1],

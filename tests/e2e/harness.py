@@ -146,13 +146,13 @@ class Operator:
                 raise AssertionError("these tests need the operator's Kueue integration: install the chart with "
                                      "--set kueue.enabled=true, or run them with DDPJOB_OPERATOR=helm")
             return self
-        # The CRD as the repository has it now: helm installs crds/ once and never upgrades them.
-        self.k("apply", "--server-side", "--force-conflicts", "--field-manager=ddp-e2e", "-f", str(CRD_FILE))
-        wait_crd_established(self.k, "ddpjobs.ddp.dev")
         if self.mode == "helm":
-            self._helm_install()
+            self._helm_install()  # the chart carries the CRD and upgrades it (crds.enabled)
         else:
+            # The CRD as the repository has it now.
+            self.k("apply", "--server-side", "--force-conflicts", "--field-manager=ddp-e2e", "-f", str(CRD_FILE))
             self._start_subprocess()
+        wait_crd_established(self.k, "ddpjobs.ddp.dev")
         return self
 
     def set_kueue(self, enabled: bool) -> "Operator":
@@ -202,8 +202,10 @@ class Operator:
             yaml.safe_dump(values, f)
         try:
             log(f"helm upgrade --install {RELEASE} {CHART.relative_to(REPO)} -n {OPERATOR_NS} (watching every namespace)")
+            # --take-ownership: the CRD may be there without a release's marks (a kubectl apply of it, or a chart
+            # from before the CRD moved from crds/ into templates/); this release then carries it.
             args = ("upgrade", "--install", RELEASE, str(CHART), "-n", OPERATOR_NS, "--create-namespace",
-                    "-f", f.name, "--wait", "--timeout", "240s")
+                    "-f", f.name, "--take-ownership", "--wait", "--timeout", "240s")
 
             def upgraded():
                 p = self.helm(*args, check=False)

@@ -26,6 +26,12 @@ def test_generated_copies_are_current():
 def test_copies_load_as_the_same_object():
     for path in crd.COPIES:
         assert yaml.safe_load(path.read_text()) == crd.build_crd()
+    # The chart's copy: the same object behind crds.enabled, kept when its release is uninstalled.
+    lines = crd.CHART_TEMPLATE.read_text().splitlines()
+    assert lines[1] == "{{- if .Values.crds.enabled }}" and lines[-1] == "{{- end }}"
+    chart = yaml.safe_load("\n".join(lines[2:-1]))
+    assert chart["metadata"].pop("annotations") == {"helm.sh/resource-policy": "keep"}
+    assert chart == crd.build_crd()
 
 
 def test_every_field_has_a_description():

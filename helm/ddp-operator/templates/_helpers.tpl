@@ -44,16 +44,21 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/* The operator's image: repository:tag, plus @digest when image.digest is set (then the digest decides). */}}
 {{- define "ddp-operator.image" -}}
 {{- $tag := default .Chart.AppVersion .Values.image.tag }}
-{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- printf "%s:%s" .Values.image.repository $tag }}{{ with .Values.image.digest }}@{{ . }}{{ end }}
 {{- end }}
 
-{{/* The diagnostics sidecar's tools image: the operator's own unless diagnostics.image says otherwise. */}}
+{{/* The diagnostics sidecar's tools image: the operator's own (its digest too) unless diagnostics.image says
+otherwise. */}}
 {{- define "ddp-operator.diagnosticsImage" -}}
-{{- $repository := default .Values.image.repository .Values.diagnostics.image.repository }}
-{{- $tag := default (default .Chart.AppVersion .Values.image.tag) .Values.diagnostics.image.tag }}
-{{- printf "%s:%s" $repository $tag }}
+{{- $d := .Values.diagnostics.image }}
+{{- $repository := default .Values.image.repository $d.repository }}
+{{- $tag := default (default .Chart.AppVersion .Values.image.tag) $d.tag }}
+{{- $digest := $d.digest }}
+{{- if and (not $digest) (not $d.repository) (not $d.tag) }}{{ $digest = .Values.image.digest }}{{ end }}
+{{- printf "%s:%s" $repository $tag }}{{ with $digest }}@{{ . }}{{ end }}
 {{- end }}
 
 {{/* "true" when leader election is on: explicitly, or automatically with more than one replica. */}}
