@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the project needs on a fresh Debian 12 machine, idempotently (a second run is quick):
 #   - system packages for the embedded cluster and the offline image builder
-#   - .venv at the repository root with requirements-dev.txt and the project itself (editable)
+#   - .venv at the repository root with requirements-dev.txt, the project itself and the trainer (both editable)
 # Go is not needed: hack/build-binaries.sh uses a new enough `go` on PATH or fetches the pinned
 # toolchain itself (hack/install-go.py).
 #   hack/install-deps.sh            the embedded cluster's needs
@@ -53,7 +53,8 @@ if [[ ! -x .venv/bin/python ]]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.ddpjob-deps
-want=$(cat requirements*.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat requirements*.txt pyproject.toml trainer/pyproject.toml trainer/ddp_trainer/requirements.txt | sha256sum |
+  cut -d' ' -f1)
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   # torch's CUDA build and its NVIDIA libraries take ~5 GiB installed, and pip unpacks each wheel under TMPDIR
   # first: a full disk otherwise surfaces as pip's bare "[Errno 28] No space left on device".
@@ -69,7 +70,9 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   log "installing Python requirements (torch is large: minutes on first run)"
   # No wheel cache: it would keep a second copy of torch (GBs) that only a second fresh clone would use.
   .venv/bin/pip install -q --no-cache-dir -r requirements-dev.txt
-  .venv/bin/pip install -q --no-deps -e .
+  # The operator and the kubectl plugin (pyproject.toml), and the trainer, a distribution of its own
+  # (trainer/pyproject.toml): editable, so that torchrun finds its rendezvous backend ddpjob-c10d (an entry point).
+  .venv/bin/pip install -q --no-deps -e . -e ./trainer
   echo "$want" >"$stamp"
 else
   log ".venv up to date"

@@ -142,6 +142,9 @@ RDZV_BACKENDS = (RDZV_BACKEND_AUTO, RDZV_BACKEND, RDZV_BACKEND_SPARES)
 # torch's registry when torchrun is asked for a backend nobody registered (torch 2.13, rendezvous/api.py): the last
 # line of the log, so of the termination message, of a trainer image without ddp_trainer run with ddpjob-c10d.
 RDZV_BACKEND_MISSING_TEXT = f"ValueError: The rendezvous backend '{RDZV_BACKEND_SPARES}' is not registered"
+# ddp_trainer's refusal of a torch outside the range its launcher and ddpjob-c10d backend are tested with
+# (ddp_trainer.torch_version, exit code 78): the last line of the log of a trainer that refused to start.
+TORCH_UNSUPPORTED_TEXT = "ddp_trainer: unsupported torch"
 
 # --- Status ---------------------------------------------------------------------------------------
 PHASE_PENDING = "Pending"
@@ -213,6 +216,8 @@ REASON_SPARE_RELEASED = "SpareReleased"
 REASON_INVALID_REPORT = "InvalidReport"
 # A trainer image without ddp_trainer run with ddpjob-c10d (RDZV_BACKEND_MISSING_TEXT): the job fails at once.
 REASON_RDZV_BACKEND_MISSING = "RendezvousBackendMissing"
+# A trainer that refused its image's torch (TORCH_UNSUPPORTED_TEXT): a configuration error, the job fails at once.
+REASON_TORCH_UNSUPPORTED = "UnsupportedTorch"
 # A stall (docs/diagnostics.md): condition Stalled is True while the job's process group has not formed past
 # failurePolicy.processGroupTimeoutSeconds (reason ProcessGroupNeverFormed: the attempt's reason too, and the
 # failure's after a second identical diagnosis) or while a script that reports no progress is hung (reason Hang).

@@ -124,6 +124,13 @@ def rdzv_backend_missing(message: str) -> bool:
     return bool(lines) and lines[-1].startswith(names.RDZV_BACKEND_MISSING_TEXT)
 
 
+def torch_unsupported(message: str) -> bool:
+    """Whether a trainer's termination message ends with ddp_trainer's refusal of the image's torch (outside the range
+    its launcher and rendezvous backend are tested with). Believed only as the last line, as rdzv_backend_missing."""
+    lines = (message or "").rstrip().splitlines()
+    return bool(lines) and lines[-1].startswith(names.TORCH_UNSUPPORTED_TEXT)
+
+
 def _main_container_status(pod: Mapping, container_name: str) -> Mapping:
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         if cs.get("name") == container_name:

@@ -6,14 +6,14 @@ neither imports the other: each defines the contract once, and this test holds t
 
 from __future__ import annotations
 
-import configparser
+import tomllib
 from pathlib import Path
 
 import pytest
 from ddp_operator import names
-from ddp_trainer import env, progress, recovery, rendezvous
+from ddp_trainer import env, progress, recovery, rendezvous, torch_version
 
-TRAINER_DIST_INFO = Path(__file__).resolve().parents[2] / "trainer" / "ddp_trainer-0.1.0.dist-info"
+TRAINER_PROJECT = Path(__file__).resolve().parents[2] / "trainer" / "pyproject.toml"
 
 PAIRS = {
     # the environment the operator sets and the trainer reads
@@ -33,6 +33,8 @@ PAIRS = {
     # hot spares: the rendezvous backend the operator selects, and the line a released spare ends its log with
     "spares rendezvous backend": (names.RDZV_BACKEND_SPARES, rendezvous.BACKEND),
     "spare-released marker": (names.SPARE_RELEASED_MARKER, rendezvous.SPARE_RELEASED),
+    # the last line of a trainer that refused its image's torch (the job fails at once, reason UnsupportedTorch)
+    "unsupported-torch marker": (names.TORCH_UNSUPPORTED_TEXT, torch_version.MARKER),
 }
 
 
@@ -43,7 +45,7 @@ def test_operator_and_trainer_agree(what):
 
 
 def test_the_spares_backend_is_registered_under_its_name():
-    """torchrun finds the backend the operator names through the trainer's entry point (the image's metadata)."""
-    entry_points = configparser.ConfigParser(delimiters=("=",))
-    entry_points.read(TRAINER_DIST_INFO / "entry_points.txt")
-    assert entry_points["torchrun.handlers"][names.RDZV_BACKEND_SPARES].strip() == "ddp_trainer.rendezvous:get_handler"
+    """torchrun finds the backend the operator names through the trainer distribution's entry point
+    (trainer/pyproject.toml; pip writes it into the installed package's metadata)."""
+    entry_points = tomllib.loads(TRAINER_PROJECT.read_text())["project"]["entry-points"]
+    assert entry_points["torchrun.handlers"] == {names.RDZV_BACKEND_SPARES: "ddp_trainer.rendezvous:get_handler"}

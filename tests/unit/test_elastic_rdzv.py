@@ -176,7 +176,7 @@ def _running_elastic():
 
 def _assert_backend_missing(p):
     assert p.status["phase"] == "Failed" and p.status["reason"] == names.REASON_RDZV_BACKEND_MISSING
-    assert "ddp_trainer-0.1.0.dist-info" in p.status["message"] and "spec.torchrun.rdzvBackend: c10d" in p.status["message"]
+    assert "pip install ./trainer" in p.status["message"] and "spec.torchrun.rdzvBackend: c10d" in p.status["message"]
     assert "mnist-1" in p.status["message"]
     assert ("Warning", names.REASON_RDZV_BACKEND_MISSING) in [(e.type, e.reason) for e in p.events]
 

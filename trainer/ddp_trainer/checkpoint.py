@@ -1,7 +1,8 @@
 """Disk checkpoints: atomic files ``ckpt-<step>.pt`` in one directory, newest-valid-first loading.
 
-Only global rank 0 writes and reads them (the other ranks receive the state by broadcast), so the
-directory need not be shared between nodes. Writes happen on a background thread from a detached copy
+Only global rank 0 writes and reads them (the other ranks receive the state by broadcast). Which pod runs global
+rank 0 is the rendezvous' choice and changes when the group re-forms, so every pod must see the same directory (a
+ReadWriteMany volume across machines; docs/your-script.md). Writes happen on a background thread from a detached copy
 of the state, so training does not wait for the disk; a corrupt or truncated newest file is skipped with
 a warning and the previous one is used.
 

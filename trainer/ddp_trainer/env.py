@@ -47,6 +47,7 @@ RDZV_POLL = "DDPJOB_RDZV_POLL_SECONDS"  # ddp_trainer.launch
 FORKSERVER = "DDPJOB_FORKSERVER"  # ddp_trainer.launch: fork (default) | exec
 LEAVE_ON_SIGNAL = "DDPJOB_LEAVE_ON_SIGNAL"  # ddp_trainer.launch: 1 (default) | 0
 TAKE_OVER = "DDPJOB_TAKE_OVER"  # ddp_trainer.rendezvous rule 4: 1 (default) | 0
+ALLOW_UNSUPPORTED_TORCH = "DDPJOB_ALLOW_UNSUPPORTED_TORCH"  # ddp_trainer.torch_version: 1 starts on any torch
 
 DEFAULT_PROGRESS_PORT = 29401
 DEFAULT_SNAPSHOT_ROOT = "/dev/shm/ddpjob"

@@ -52,7 +52,8 @@ lazily, in the worker, after the fork); the forkserver is forked before torchrun
 agent has no other thread (else it is exec'd as multiprocessing does); nothing here touches a device. What
 torchrun cannot run as a Python script or module (`--no-python`, `--run-path`) is handed to torchrun unchanged,
 and plain `torchrun` keeps working with every script: this launcher is an opt-in for images that have ddp_trainer
-(the samples use it).
+(the samples use it). It patches torch internals, so it refuses a torch outside the range it is tested with before it
+patches anything (``torch_version``: one line, exit code 78).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import rendezvous
+from . import rendezvous, torch_version
 from .rendezvous_rules import POLL_BASE_S
 from .env import FORKSERVER, LEAVE_ON_SIGNAL, POD_INDEX, RDZV_POLL, ConfigError, get_float, get_int, get_str
 
@@ -370,6 +371,7 @@ def _tune_torchrun(poll_s: float, leave_on_signal: bool = True, in_ddpjob: bool 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    torch_version.require("ddp_trainer.launch")  # before anything is patched (or torch imported): exit 78 if unfit
     poll_s = get_float(RDZV_POLL, DEFAULT_RDZV_POLL_S, minimum=0.0)
     assert poll_s is not None
     # Workers torchrun does not start as Python (--no-python, --run-path) never use the forkserver; it exits with

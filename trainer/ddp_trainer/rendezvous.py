@@ -125,10 +125,11 @@ its launcher then fails on the missing run result (``'NoneType' object has no at
 spare's torchrun exits 1; this backend makes SPARE_RELEASED its last log line, which is how the operator tells
 that exit from a failure (docs/contract.md).
 
-torchrun finds the backend through the ``torchrun.handlers`` entry point (the ``ddp_trainer`` dist-info
-next to the package); the operator selects it with ``PET_RDZV_BACKEND=ddpjob-c10d`` for jobs with
+torchrun finds the backend through the ``torchrun.handlers`` entry point (trainer/pyproject.toml: ``pip install``
+registers it); the operator selects it with ``PET_RDZV_BACKEND=ddpjob-c10d`` for jobs with
 ``spec.spares`` or an elastic range (``spec.torchrun.rdzvBackend: auto``). It uses torch internals (underscored names), so it checks them when it is created and
-fails with a clear message rather than misbehave on a torch it was not written for.
+fails with a clear message rather than misbehave on a torch it was not written for; before that, a torch outside the
+tested range is refused outright (``torch_version``: one line, exit code 78).
 
 The rules' decisions and state writes are in ``ddp_trainer.rendezvous_rules``; this module wires them into
 torch's operation executor, state holder and handler (and keeps rule 5's judgment of heartbeats, with
@@ -146,7 +147,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 
-from . import env as envmod
+from . import env as envmod, torch_version
 # The rules' decisions and state writes; every name stays importable from here (torchrun's entry point, the
 # operator's contract test and the unit tests use ddp_trainer.rendezvous).
 from .rendezvous_rules import (  # noqa: F401
@@ -331,7 +332,9 @@ def _executor_class(spares: bool = True) -> type:
 
 
 def create_handler(params: Any) -> Any:
-    """torchrun's handler creator for ``--rdzv-backend=ddpjob-c10d`` (same parameters as c10d)."""
+    """torchrun's handler creator for ``--rdzv-backend=ddpjob-c10d`` (same parameters as c10d). Exits 78 with one
+    line on a torch outside the tested range (``torch_version``), before it touches torch's internals."""
+    torch_version.require(BACKEND)
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 

@@ -17,8 +17,11 @@
   budget fails the job and stops the pods.
 - Exit codes listed as permanent (or not listed as retryable) fail the job at once, on a pod that ended as on an
   in-place restart (the trainer container's exit code and its workers' from torchrun's summary).
-- So does a trainer image without ddp_trainer asked for the ddpjob-c10d backend (observed.rdzv_backend_missing):
-  reason RendezvousBackendMissing, a message that says how to fix it; no restart could help.
+- So does a trainer that cannot start in its image, whatever the failure policy, as its last log line says: an image
+  without ddp_trainer asked for the ddpjob-c10d backend (observed.rdzv_backend_missing; reason
+  RendezvousBackendMissing), or ddp_trainer refusing the image's torch, outside the range it is tested with
+  (observed.torch_unsupported, exit code 78; reason UnsupportedTorch): a message that says how to fix it; no restart
+  could help.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from ddp_operator import spares as sparesmod
 from ddp_operator.failure_class import (
     HANG, INFRASTRUCTURE, MAX_MESSAGE, REASON_EXIT_CODE, USER_CODE, Failure, classify,
 )
-from ddp_operator.observed import PodState, rdzv_backend_missing
+from ddp_operator.observed import PodState, rdzv_backend_missing, torch_unsupported
 from ddp_operator.plan.spares import spare_released
 from ddp_operator.plan.state import Pass
 from ddp_operator.status import Event, invalid_report_event
@@ -107,18 +110,23 @@ def over_budget(ctx: Pass, what: str, *, infra: bool = False) -> bool:
     return False
 
 
-def backend_missing(ctx: Pass, p: PodState, message: str, restart: int | None = None) -> bool:
-    """A trainer whose torchrun found no ddpjob-c10d backend (its last log line): the job fails at once, counted,
-    with what to do, instead of a crash loop. False when the message says something else."""
-    if not rdzv_backend_missing(message):
+def unfit_image(ctx: Pass, p: PodState, message: str, restart: int | None = None) -> bool:
+    """A trainer that cannot start in its image, as its last log line says: torchrun found no ddpjob-c10d backend
+    (no ddp_trainer), or ddp_trainer refused the image's torch. The job fails at once, counted, with what to do,
+    instead of a crash loop. False when the message says something else."""
+    if rdzv_backend_missing(message):
+        reason = names.REASON_RDZV_BACKEND_MISSING
+        why = (f"the trainer image has no ddp_trainer (the {names.RDZV_BACKEND_SPARES} rendezvous backend, which "
+               f"spec.torchrun.rdzvBackend auto picks for jobs with spares or minNodes < maxNodes): install the "
+               f"ddp-trainer package in the image (pip install ./trainer, or build FROM the ddp-trainer image; "
+               f"docs/your-script.md) or set spec.torchrun.rdzvBackend: c10d")
+    elif torch_unsupported(message):
+        reason, why = names.REASON_TORCH_UNSUPPORTED, message.strip().splitlines()[-1][:MAX_MESSAGE]
+    else:
         return False
     ctx.record(p, counted=True, restart=restart, budget="none", failure=Failure(
-        USER_CODE, names.REASON_RDZV_BACKEND_MISSING, None, message.strip().splitlines()[-1][:MAX_MESSAGE]))
-    ctx.finish(names.PHASE_FAILED, names.REASON_RDZV_BACKEND_MISSING,
-               f"pod {p.name}: the trainer image has no ddp_trainer (the {names.RDZV_BACKEND_SPARES} rendezvous "
-               f"backend, which spec.torchrun.rdzvBackend auto picks for jobs with spares or minNodes < maxNodes): "
-               f"add trainer/ddp_trainer and trainer/ddp_trainer-0.1.0.dist-info to the image's Python path (as "
-               f"trainer/Dockerfile does) or set spec.torchrun.rdzvBackend: c10d")
+        USER_CODE, reason, None, message.strip().splitlines()[-1][:MAX_MESSAGE]))
+    ctx.finish(names.PHASE_FAILED, reason, f"pod {p.name}: {why}")
     return True
 
 
@@ -142,7 +150,7 @@ def in_place_restarts(ctx: Pass) -> bool:
         if sparesmod.released(p.restart_message, spares=ctx.job.spec.spares):
             spare_released(ctx, p, restart=p.restarts)
             continue
-        if backend_missing(ctx, p, p.restart_message, restart=p.restarts):
+        if unfit_image(ctx, p, p.restart_message, restart=p.restarts):
             return False
         missed = p.restarts - ctx.restarts_recorded(p) - 1
         what = f"trainer container of pod {p.name} {describe_restart(p)}" + (
@@ -176,7 +184,7 @@ def trainer_failures(ctx: Pass) -> bool:
             spare_released(ctx, p)
             ctx.delete(p)
             continue
-        if p.disruption is None and backend_missing(ctx, p, p.message):
+        if p.disruption is None and unfit_image(ctx, p, p.message):
             return False
         codes = p.exit_codes
         what = f"pod {p.name} {describe(p)}"
