@@ -103,16 +103,23 @@ def services_by_job(namespace: str, name: str, **_: Any) -> dict:
 
 @kopf.index(*NETWORK_POLICIES, labels=OWNED)
 def network_policies_by_job(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+    """(UID, owners' UIDs, spec): the spec is compared with the one the job needs on every pass (netpol.drifted)."""
     owners = tuple(o.get("uid") for o in body["metadata"].get("ownerReferences") or [])
-    return {(namespace, name): (body["metadata"]["uid"], owners)}
+    return {(namespace, name): (body["metadata"]["uid"], owners, copy.deepcopy(dict(body.get("spec") or {})))}
 
 
 @kopf.on.event(*NETWORK_POLICIES, labels=OWNED)
 def on_network_policy(event: Mapping[str, Any], namespace: str, name: str, uid: str, memo: kopf.Memo,
                       **kwargs: Any) -> None:
     """A deleted policy is put back at once (level-based, like every child), even when it was deleted before the
-    watch ever showed it to a pass."""
-    _child_deleted(event, "NetworkPolicy", namespace, name, uid, memo, kwargs)
+    watch ever showed it to a pass; a changed one is compared with what the job needs (netpol.drifted) at once too."""
+    if event.get("type") == "DELETED":
+        _child_deleted(event, "NetworkPolicy", namespace, name, uid, memo, kwargs)
+        return
+    try:
+        _bound(memo, kwargs).child_changed(namespace, name)  # coalesced with the job's other events
+    except Exception:
+        pass  # logged, and a wake-up is scheduled
 
 
 @kopf.on.event("v1", "services", labels=OWNED)

@@ -67,10 +67,12 @@ _CHILD_METADATA = ("name", "namespace", "uid", "resourceVersion", "labels", "own
 
 
 def kept_child(obj: Mapping[str, Any]) -> dict:
-    """What the operator reads of a job's Service or NetworkPolicy: who it is and who owns it."""
+    """What the operator reads of a job's Service or NetworkPolicy: who it is and who owns it; of a NetworkPolicy also
+    its spec, which a pass compares with the one the job needs (netpol.drifted)."""
     meta = obj.get("metadata") or {}
+    spec = {"spec": copy.deepcopy(obj["spec"])} if obj.get("kind") == "NetworkPolicy" and "spec" in obj else {}
     return {**{k: obj[k] for k in ("apiVersion", "kind") if k in obj},
-            "metadata": {k: copy.deepcopy(meta[k]) for k in _CHILD_METADATA if k in meta}}
+            "metadata": {k: copy.deepcopy(meta[k]) for k in _CHILD_METADATA if k in meta}, **spec}
 
 
 def without_managed_fields(body: Mapping[str, Any]) -> dict:

@@ -182,6 +182,17 @@ class Api:
             if e.status not in (404, 409):  # gone, or a newer pod of that name: the next pass sees it
                 raise
 
+    def patch_network_policy(self, namespace: str, name: str, uid: str | None, patch: Mapping[str, Any]) -> None:
+        """Merge-patch the job's NetworkPolicy (only this UID: never a newer policy of that name); gone is fine."""
+        t = self._write("patch", "NetworkPolicy")
+        body = {**patch, "metadata": {**(patch.get("metadata") or {}), **({"uid": uid} if uid else {})}}
+        try:
+            self.networking.patch_namespaced_network_policy(name, namespace, body, _content_type=MERGE_PATCH,
+                                                            _request_timeout=t)
+        except ApiException as e:
+            if e.status not in (404, 409):  # gone, or a newer policy of that name: the next pass sees it
+                raise
+
     def read_config_map(self, namespace: str, name: str) -> dict | None:
         """A ConfigMap (the job's metric history); None if there is none."""
         try:

@@ -12,11 +12,18 @@ Cilium) lets a node reach its own pods, which the kubelet's probes and the API s
 Whether a job gets one: `spec.networkPolicy.enabled` when set, else the operator's default
 (`--network-policy`, the chart's `networkPolicy.enabled`), for clusters whose CNI enforces nothing or that
 manage policies themselves.
+
+Level-based like every child: each pass compares the policy the watch shows with the one the job needs now
+(`drifted`) and merge-patches the fields the operator owns (OWNED_SPEC_FIELDS) back when they differ: someone edited
+the policy, or the operator's identity changed (a release renamed or moved: other pod labels or namespace allowed to
+poll). Fields it does not own (egress rules someone added) are left alone.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from ddp_operator import names
 from ddp_operator.labels import child_metadata, job_labels
@@ -80,3 +87,32 @@ def render_network_policy(job: Job, config: NetworkPolicyConfig) -> dict:
             "ingress": ingress,
         },
     }
+
+
+# The spec fields the operator writes and puts back; a patch of these three replaces each one whole (merge patch).
+OWNED_SPEC_FIELDS = ("podSelector", "policyTypes", "ingress")
+
+
+def _normal(value: Any, key: str = "") -> Any:
+    """A value as the API server keeps it, for comparison: null, {} and [] are absent; a rule's port is TCP unless it
+    says otherwise."""
+    if isinstance(value, Mapping):
+        out = {k: _normal(v, k) for k, v in value.items()}
+        return {k: v for k, v in out.items() if v not in (None, {}, [])}
+    if isinstance(value, list):
+        if key == "ports":
+            value = [{"protocol": "TCP", **p} if isinstance(p, Mapping) else p for p in value]
+        return [_normal(v) for v in value]
+    return value
+
+
+def drifted(desired: Mapping[str, Any], observed: Any) -> bool:
+    """Whether the observed policy's spec differs from the desired one in a field the operator owns (pure)."""
+    if not isinstance(observed, Mapping):
+        return True
+    return any(_normal(desired.get(f)) != _normal(observed.get(f)) for f in OWNED_SPEC_FIELDS)
+
+
+def restoring_patch(desired: Mapping[str, Any]) -> dict:
+    """The merge patch that puts the owned fields of a policy's spec back to `desired` (a rendered policy)."""
+    return {"spec": {f: copy.deepcopy(desired["spec"][f]) for f in OWNED_SPEC_FIELDS if f in desired["spec"]}}

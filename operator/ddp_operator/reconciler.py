@@ -200,11 +200,14 @@ class Reconciler:
         states = tuple(observe_pod(p) for p in live + fresh) + tuple(observe_pod(t, gone=True) for t in gone)
         return states, set(tombstones)
 
-    def _network_policies(self, key: Key, uid: str) -> list[str]:
-        """UIDs of the job's NetworkPolicy: the index's, or one just created that the watch does not show yet."""
-        policies = [uid_ for uid_, owners in self.jobs.values("network_policies_by_job", key) if uid in owners]
-        created = self.jobs.just_created(key, "NetworkPolicy", bool(policies), CREATED_MEMORY_SECONDS)
-        return policies or created
+    def _network_policy(self, key: Key, uid: str) -> dict[str, Any]:
+        """Observed's fields of the job's NetworkPolicy: the index's (with its spec), or one just created that the watch
+        does not show yet (its spec unknown: never taken for drifted)."""
+        own = [(u, spec) for u, owners, spec in self.jobs.values("network_policies_by_job", key) if uid in owners]
+        created = self.jobs.just_created(key, "NetworkPolicy", bool(own), CREATED_MEMORY_SECONDS)
+        policy_uid, spec = (own or [(u, None) for u in created] or [(None, None)])[0]
+        return {"network_policy_exists": bool(own or created), "network_policy_uid": policy_uid,
+                "network_policy_spec": spec}
 
     def _service_exists(self, key: Key) -> bool:
         """Whether the job's Service is in the index, or was just created and the watch does not show it yet."""
@@ -287,20 +290,15 @@ class Reconciler:
         node_ready = {p.node: self.api.node_ready(p.node) for p in stuck_pods(job, pods, now)}
         nodes = ({p.node: self.nodes.get(p.node, self.api.node_state) for p in node_lost_candidates(pods)}
                  if job.spec.failure_policy.node_lost_timeout_seconds else {})
-        policies = self._network_policies(key, uid)
         conflicts, refusals = self.backoff.observed(key)
-        observed = Observed(pods=pods, service_exists=self._service_exists(key),
-                            node_ready=node_ready, network_policy_exists=bool(policies),
-                            network_policy_uid=policies[0] if policies else None, conflicts=conflicts,
-                            refusals=refusals, nodes=nodes, **found,
+        observed = Observed(pods=pods, service_exists=self._service_exists(key), node_ready=node_ready,
+                            **self._network_policy(key, uid), conflicts=conflicts, refusals=refusals, nodes=nodes,
+                            **found,
                             **(self._observe_kueue(key, uid, job.priority_class) if job.queue_name else {}))
         result = plan(job, prev, observed, now, self.config.network_policy)
         if self._policy_first(key, result):
-            policies = self._network_policies(key, uid)
             conflicts, refusals = self.backoff.observed(key)
-            observed = replace(observed, network_policy_exists=bool(policies),
-                               network_policy_uid=policies[0] if policies else None,
-                               conflicts=conflicts, refusals=refusals)
+            observed = replace(observed, **self._network_policy(key, uid), conflicts=conflicts, refusals=refusals)
             result = plan(job, prev, observed, now, self.config.network_policy)
         # Status first: a failure is on record (by pod UID) before the pod is deleted, so a crash between
         # the two never counts it twice.
@@ -406,9 +404,10 @@ class Reconciler:
         elif action.verb == FORCE_DELETE:
             log.warning("[%s/%s] force-deleting pod %s (stuck Terminating, or on a NotReady or lost node)", *key, action.name)
             self.api.delete_pod(namespace, action.name, action.uid, force=True)
-        elif action.verb == PATCH:
-            log.info("[%s/%s] patching pod %s: %s", *key, action.name, action.body)
-            self.api.patch_pod(namespace, action.name, action.uid, action.body or {})
+        elif action.verb == PATCH:  # a pod's annotation, or a NetworkPolicy put back to what the job needs
+            log.info("[%s/%s] patching %s %s: %s", *key, action.kind, action.name, action.body)
+            patch = self.api.patch_network_policy if action.kind == "NetworkPolicy" else self.api.patch_pod
+            patch(namespace, action.name, action.uid, action.body or {})
         elif action.verb == DELETE_JOB:
             log.info("[%s/%s] ttlSecondsAfterFinished expired; deleting the job", *key)
             self.api.delete_job(namespace, action.name, body["metadata"]["uid"])

@@ -68,6 +68,26 @@ def one(objs: list[dict], kind: str) -> dict:
     return found[0]
 
 
+AGGREGATE_LABEL = "rbac.authorization.k8s.io/aggregate-to-"
+
+
+def user_roles(objs: list[dict]) -> list[dict]:
+    """The ClusterRoles aggregated into the built-in admin/edit/view (users' access to DDPJobs, not the operator's)."""
+    return [o for o in by_kind(objs, "ClusterRole")
+            if any(k.startswith(AGGREGATE_LABEL) for k in (o["metadata"].get("labels") or {}))]
+
+
+def operator_cluster_roles(objs: list[dict]) -> list[dict]:
+    """The operator's own ClusterRoles (every ClusterRole but the users')."""
+    users = user_roles(objs)
+    return [o for o in by_kind(objs, "ClusterRole") if o not in users]
+
+
+def operator_role(objs: list[dict]) -> dict:
+    (role,) = operator_cluster_roles(objs)
+    return role
+
+
 # --- cluster access -------------------------------------------------------------------------------
 # tests/conftest.py provides `cluster` (kubeconfig of the cluster under test), `kubectl` and a fresh
 # `namespace` per test; this adds helm bound to the same cluster.
@@ -77,3 +97,27 @@ def helm(helm_bin, cluster):
     def _helm(*args: str, check: bool = True, timeout: float = 400):
         return run([helm_bin, f"--kubeconfig={cluster.kubeconfig}", *args], check=check, timeout=timeout)
     return _helm
+
+
+@pytest.fixture(scope="module")
+def crd_installed(kubectl):
+    """The DDPJob CRD, as every install path ships it (apply is a no-op when it is already there)."""
+    from tests.support.kube import wait_crd_established
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(MANIFESTS / "base" / "crd.yaml"))
+    wait_crd_established(kubectl, "ddpjobs.ddp.dev")
+
+
+def _image(ensure_image, name: str) -> None:
+    ensure_image(f"localhost/ddp-{name}:0.1.0", tools.REPO_ROOT / name / "Dockerfile", tools.REPO_ROOT)
+
+
+@pytest.fixture(scope="module")
+def operator_image(ensure_image):
+    """The operator's image, current with the working tree (a no-op when nothing changed)."""
+    _image(ensure_image, "operator")
+
+
+@pytest.fixture(scope="module")
+def images(ensure_image, operator_image):
+    """Both images, current with the working tree."""
+    _image(ensure_image, "trainer")

@@ -12,12 +12,8 @@ import pytest
 import yaml
 
 from tests.chart.conftest import CHART, KUBE_VERSION, MANIFESTS, SAMPLES, VALUES_ALL, documents
-from tests.support.kube import wait_crd_established
 
 pytestmark = pytest.mark.cluster
-
-CRD_FILE = MANIFESTS / "base" / "crd.yaml"
-
 
 def _dump(objs: list[dict]) -> str:
     return yaml.safe_dump_all(objs, sort_keys=False)
@@ -25,13 +21,6 @@ def _dump(objs: list[dict]) -> str:
 
 def _served(kubectl, api_version: str) -> bool:
     return api_version in kubectl("api-versions").stdout.split()
-
-
-@pytest.fixture(scope="module")
-def crd_installed(kubectl):
-    """The DDPJob CRD, as every install path ships it (apply is a no-op when it is already there)."""
-    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    wait_crd_established(kubectl, "ddpjobs.ddp.dev")
 
 
 def _server_dry_run(kubectl, objs: list[dict], namespace: str) -> str:
@@ -132,14 +121,6 @@ def _release_objects(kubectl, release: str, namespace: str) -> list[str]:
     found += kubectl("get", "clusterrole,clusterrolebinding,validatingadmissionpolicy,validatingadmissionpolicybinding",
                      "-l", sel, "-o", "name").stdout.split()
     return found
-
-
-@pytest.fixture(scope="module")
-def images(ensure_image):
-    """Both images, current with the working tree (a no-op when nothing changed)."""
-    from tests import tools
-    for name in ("operator", "trainer"):
-        ensure_image(f"localhost/ddp-{name}:0.1.0", tools.REPO_ROOT / name / "Dockerfile", tools.REPO_ROOT)
 
 
 def test_install_run_upgrade_uninstall(kubectl, helm, namespace, crd_installed, images, foreign_operators_paused):

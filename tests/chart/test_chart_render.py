@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from tests import rbac_needs
-from tests.chart.conftest import CHART, KUBE_VERSION, VALUES_ALL, by_kind, one, run
+from tests.chart.conftest import (CHART, KUBE_VERSION, VALUES_ALL, by_kind, one, operator_cluster_roles, operator_role,
+                                  run, user_roles)
 
 OPERATOR_VERBS_FORBIDDEN = {"*", "escalate", "bind", "impersonate"}
 
@@ -59,7 +60,8 @@ def test_every_value_is_commented():
 def test_defaults_render_hardened_operator(render):
     objs = render()
     kinds = sorted(o["kind"] for o in objs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment", "Service",
+    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
+                     "Deployment", "Service",
                      "ServiceAccount",
                      "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     dep = one(objs, "Deployment")
@@ -75,9 +77,11 @@ def test_defaults_render_hardened_operator(render):
     assert sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"]["drop"] == ["ALL"]
     assert c["livenessProbe"]["httpGet"]["port"] == "health"
-    assert c["readinessProbe"]["httpGet"]["port"] == "health"
+    # Ready only in the replica that acts (probes.py): the metrics Service reaches the leader alone.
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "readiness"}
+    assert {"name": "readiness", "containerPort": 8082, "protocol": "TCP"} in c["ports"]
     assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
-    assert c["args"] == ["--log-format=json", "--liveness-port=8081", "--metrics-port=8080"]
+    assert c["args"] == ["--log-format=json", "--liveness-port=8081", "--readiness-port=8082", "--metrics-port=8080"]
     assert dep["spec"]["strategy"]["type"] == "Recreate"
     svc = one(objs, "Service")
     assert svc["spec"]["ports"][0]["targetPort"] == "metrics"
@@ -85,7 +89,7 @@ def test_defaults_render_hardened_operator(render):
 
 
 def test_cluster_rbac_is_least_privilege(render):
-    role = one(render(), "ClusterRole")
+    role = operator_role(render())
     granted = {}
     for rule in role["rules"]:
         for group in rule["apiGroups"]:
@@ -113,7 +117,7 @@ def test_every_scope_grants_exactly_what_the_code_needs(render):
     assert rbac_needs.granted(namespaced["rules"]) == needs.namespaced
     assert rbac_needs.granted(leader["rules"]) == needs.leader
     cluster = render("--set", "replicaCount=2")
-    assert rbac_needs.granted(one(cluster, "ClusterRole")["rules"]) == needs.namespaced | needs.cluster
+    assert rbac_needs.granted(operator_role(cluster)["rules"]) == needs.namespaced | needs.cluster
     assert rbac_needs.granted(one(cluster, "Role")["rules"]) == needs.leader
 def test_network_policy_settings_reach_the_operator(render):
     def env(*args):
@@ -162,7 +166,8 @@ def test_a_digest_pins_the_operator_and_its_diagnostics_image(render):
 
 def test_namespace_scope_creates_only_namespaced_rbac(render):
     objs = render("--set", "rbac.scope=namespace", "--set", "watch.namespaces={team-a,team-b}")
-    assert not by_kind(objs, "ClusterRole") and not by_kind(objs, "ClusterRoleBinding")
+    # Nothing cluster-wide for the operator; the users' roles (aggregated into edit/view) are apart.
+    assert not operator_cluster_roles(objs) and not by_kind(objs, "ClusterRoleBinding")
     roles = by_kind(objs, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
@@ -177,7 +182,10 @@ def test_namespace_scope_creates_only_namespaced_rbac(render):
 def test_more_replicas_turn_leader_election_on(render):
     objs = render("--set", "replicaCount=2")
     dep = one(objs, "Deployment")
-    assert dep["spec"]["strategy"]["type"] == "RollingUpdate"
+    # Only the leader is ever Ready: a rollout that waited for a new Ready Pod before stopping the old leader would
+    # wait forever (the new standby cannot lead while the old leader holds the Lease).
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate",
+                                       "rollingUpdate": {"maxSurge": 1, "maxUnavailable": "100%"}}
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--leader-elect" in args and "--lease-name=ddp-operator" in args
     role = one(objs, "Role")
@@ -190,10 +198,10 @@ def test_more_replicas_turn_leader_election_on(render):
 def test_all_options_render(render):
     objs = render("--values", str(VALUES_ALL))
     kinds = sorted(o["kind"] for o in objs)
-    assert kinds == ["ConfigMap", "CustomResourceDefinition", "Deployment", "Role", "Role", "Role", "RoleBinding",
-                     "RoleBinding", "RoleBinding",
-                     "Service", "ServiceAccount", "ServiceMonitor", "ValidatingAdmissionPolicy",
-                     "ValidatingAdmissionPolicyBinding"]
+    assert kinds == ["ConfigMap", "CustomResourceDefinition", "Deployment", "PodDisruptionBudget", "Role", "Role",
+                     "Role", "RoleBinding",
+                     "RoleBinding", "RoleBinding", "Service", "ServiceAccount", "ServiceMonitor",
+                     "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     policy, binding = _admission(objs)
     assert '"ci-runner@example.com"' in policy["spec"]["matchConditions"][0]["expression"]
     assert binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0]["values"] == [
@@ -206,6 +214,9 @@ def test_all_options_render(render):
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert {"containerPort": 9090, "name": "metrics", "protocol": "TCP"} in c["ports"]
     assert "--metrics-port=9090" in c["args"] and "--liveness-port=9091" in c["args"]
+    assert "--readiness-port=9092" in c["args"] and c["readinessProbe"]["httpGet"]["port"] == "readiness"
+    assert dep["spec"]["template"]["spec"]["topologySpreadConstraints"][0]["topologyKey"] == \
+        "topology.kubernetes.io/zone"  # the user's list replaces the default
     assert "--verbose" in c["args"] and "--leader-elect" in c["args"]
     assert c["args"][-1] == "--lease-namespace=ddp-system"  # extraArgs come last
 
@@ -227,11 +238,64 @@ def test_the_dashboard_ships_for_grafanas_sidecar_only_when_enabled(render):
     assert cm["metadata"]["annotations"] == {"grafana_folder": "Training"}
 
 
+def test_operator_pods_spread_over_nodes_unless_told_otherwise(render):
+    """One constraint by default (maxSkew 1 over nodes, ScheduleAnyway: never Pending for it), counting only the
+    Pods of one rollout; another topology key, the user's own list, or none."""
+    def spread(*args):
+        return one(render(*args), "Deployment")["spec"]["template"]["spec"].get("topologySpreadConstraints")
+    dep = one(render(), "Deployment")
+    (default,) = spread("--set", "replicaCount=2")
+    assert default == {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+                       "labelSelector": {"matchLabels": dep["spec"]["selector"]["matchLabels"]},
+                       "matchLabelKeys": ["pod-template-hash"]}
+    assert spread() == [default]  # harmless with one replica; its surge Pod in a rollout is spread too
+    (zone,) = spread("--set", "topologySpread.topologyKey=topology.kubernetes.io/zone")
+    assert zone == {**default, "topologyKey": "topology.kubernetes.io/zone"}
+    assert spread("--set", "topologySpread.enabled=false") is None
+    own = [{"maxSkew": 2, "topologyKey": "rack", "whenUnsatisfiable": "DoNotSchedule"}]
+    assert spread("--set-json", f"topologySpreadConstraints={json.dumps(own)}") == own
+
+
+def test_disruption_budget_only_when_asked(render):
+    """Off by default, with any replicaCount (only the leader is ever Ready: a budget would keep the leader from ever
+    being evicted); when enabled, one Pod kept and the never-Ready standbys always evictable."""
+    assert not by_kind(render(), "PodDisruptionBudget")
+    assert not by_kind(render("--set", "replicaCount=3"), "PodDisruptionBudget")
+    objs = render("--set", "replicaCount=2", "--set", "podDisruptionBudget.enabled=true")
+    pdb = one(objs, "PodDisruptionBudget")
+    assert pdb["apiVersion"] == "policy/v1" and pdb["metadata"]["namespace"] == "ddp-system"
+    assert pdb["spec"] == {"minAvailable": 1, "unhealthyPodEvictionPolicy": "AlwaysAllow",
+                           "selector": one(objs, "Deployment")["spec"]["selector"]}
+
+
+def test_users_roles_aggregate_into_the_builtin_ones(render):
+    """<fullname>-edit joins admin and edit (every verb on DDPJobs, their scale; status read-only), <fullname>-view
+    joins view (read DDPJobs, status and scale); whatever the operator's RBAC scope; off with the value."""
+    for args in ((), ("--set", "rbac.scope=namespace", "--set", "watch.namespaces={team-a}"),
+                 ("--set", "rbac.create=false")):
+        roles = {r["metadata"]["name"]: r for r in user_roles(render(*args, release="ml"))}
+        assert set(roles) == {"ml-ddp-operator-edit", "ml-ddp-operator-view"}, args
+    edit, view = roles["ml-ddp-operator-edit"], roles["ml-ddp-operator-view"]
+    aggregate = "rbac.authorization.k8s.io/aggregate-to-"
+    assert {k for k, v in edit["metadata"]["labels"].items() if k.startswith(aggregate) and v == "true"} == {
+        aggregate + "admin", aggregate + "edit"}
+    assert {k for k in view["metadata"]["labels"] if k.startswith(aggregate)} == {aggregate + "view"}
+
+    def grants(role):
+        return {(res, verb) for rule in role["rules"] for res in rule["resources"] for verb in rule["verbs"]
+                if rule["apiGroups"] == ["ddp.dev"]}
+    crud = {"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"}
+    assert grants(edit) == {("ddpjobs", v) for v in crud} | {("ddpjobs/scale", v) for v in ("get", "update", "patch")} \
+        | {("ddpjobs/status", "get")}
+    assert grants(view) == {(r, v) for r in ("ddpjobs", "ddpjobs/status", "ddpjobs/scale") for v in ("get", "list", "watch")}
+    assert not user_roles(render("--set", "rbac.aggregateToDefaultRoles=false"))
+
+
 def test_metrics_off_removes_service_and_port(render):
     objs = render("--set", "metrics.enabled=false")
     assert not by_kind(objs, "Service")
     c = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    assert [p["name"] for p in c["ports"]] == ["health"]
+    assert [p["name"] for p in c["ports"]] == ["health", "readiness"]
     assert "--metrics-port=0" in c["args"]
 
 
@@ -314,16 +378,16 @@ def test_kueue_rbac_only_when_enabled(render):
     kueue_ns = {r for r in needs.kueue if r[1].startswith("workloads")}
     kueue_cluster = needs.kueue - kueue_ns
     cluster = render("--set", "kueue.enabled=true")
-    assert rbac_needs.granted(one(cluster, "ClusterRole")["rules"]) == needs.namespaced | needs.cluster | needs.kueue
+    assert rbac_needs.granted(operator_role(cluster)["rules"]) == needs.namespaced | needs.cluster | needs.kueue
     c = one(cluster, "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "DDP_OPERATOR_KUEUE", "value": "true"} in c["env"]
     scoped = render("--set", "kueue.enabled=true", "--set", "rbac.scope=namespace", "--set", "watch.namespaces={team-a}")
     (role,) = by_kind(scoped, "Role")
     assert rbac_needs.granted(role["rules"]) == needs.namespaced | kueue_ns
-    (kueue_role,) = by_kind(scoped, "ClusterRole")
+    (kueue_role,) = operator_cluster_roles(scoped)
     assert rbac_needs.granted(kueue_role["rules"]) == kueue_cluster
     off = render()
-    assert not any(r[0] == "kueue.x-k8s.io" for r in rbac_needs.granted(one(off, "ClusterRole")["rules"]))
+    assert not any(r[0] == "kueue.x-k8s.io" for r in rbac_needs.granted(operator_role(off)["rules"]))
 
 
 # --- the admission policy: only the operator puts the job labels on a pod ----------------------------------------
@@ -386,7 +450,7 @@ def test_excluded_namespaces_are_left_to_others(render):
     assert conditions["watched-namespace"] == '!request.namespace.matches("^(ddp-it-.*|sand.x)$")', conditions
     assert "matchResources" not in binding["spec"], binding
     # kopf lists and watches Namespaces to find those the globs leave to it (tests/rbac_needs.py)
-    (role,) = by_kind(objs, "ClusterRole")
+    role = operator_role(objs)
     needs = rbac_needs.needs()
     assert rbac_needs.granted(role["rules"]) == needs.namespaced | needs.cluster | needs.patterns
     assert "watched-namespace" not in str(render()), "no exclusion by default"

@@ -6,7 +6,7 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.chart.conftest import MANIFESTS, SAMPLES, by_kind, documents, one
+from tests.chart.conftest import MANIFESTS, SAMPLES, by_kind, documents, one, operator_role, user_roles
 
 CRD_FILE = MANIFESTS / "base" / "crd.yaml"
 
@@ -14,7 +14,8 @@ CRD_FILE = MANIFESTS / "base" / "crd.yaml"
 def test_kustomize_renders_the_whole_install(kustomize):
     objs = kustomize(MANIFESTS)
     kinds = sorted(o["kind"] for o in objs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment",
+    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
+                     "Deployment",
                      "Namespace", "Service", "ServiceAccount", "ValidatingAdmissionPolicy",
                      "ValidatingAdmissionPolicyBinding"]
     for o in objs:
@@ -42,7 +43,10 @@ def test_base_matches_the_chart_defaults(kustomize, render):
     """The raw manifests are the chart with default values: RBAC rules and the Pod spec agree."""
     base = kustomize(MANIFESTS / "base")
     chart = render(release="ddp-operator", namespace="ddp-system")
-    assert _strip(one(base, "ClusterRole")["rules"]) == _strip(one(chart, "ClusterRole")["rules"])
+    assert _strip(operator_role(base)["rules"]) == _strip(operator_role(chart)["rules"])
+    # The users' roles (aggregated into admin/edit and view): the chart's, named after the default release.
+    assert {r["metadata"]["name"]: _strip(r) for r in user_roles(base)} == {
+        r["metadata"]["name"]: _strip(r) for r in user_roles(chart)}
     base_pod = one(base, "Deployment")["spec"]["template"]["spec"]
     chart_pod = one(chart, "Deployment")["spec"]["template"]["spec"]
     chart_pod.pop("automountServiceAccountToken", None)

@@ -507,6 +507,12 @@ def test_network_policy_follows_the_spec_and_comes_back_when_deleted(k):
     assert owner_uids(policy) == [job["metadata"]["uid"]]
     assert policy.spec.pod_selector.match_labels == {"ddp.dev/job-name": "job"}
     assert policy.spec.policy_types == ["Ingress"]
+    # Edited by someone ("allow from everywhere"): its rules put back in place, the same object (netpol.drifted).
+    rules = net.read_namespaced_network_policy("job", k.ns).to_dict()["spec"]["ingress"]
+    net.patch_namespaced_network_policy("job", k.ns, {"spec": {"ingress": [{}]}})
+    wait_for(lambda: net.read_namespaced_network_policy("job", k.ns).to_dict()["spec"]["ingress"] == rules,
+             what="the NetworkPolicy's rules put back")
+    assert net.read_namespaced_network_policy("job", k.ns).metadata.uid == policy.metadata.uid
     # Deleted by someone: put back (a new object).
     net.delete_namespaced_network_policy("job", k.ns)
     wait_for(lambda: net.read_namespaced_network_policy("job", k.ns).metadata.uid != policy.metadata.uid,

@@ -18,6 +18,7 @@ class FakeApi:
         self.index = index
         self.patches, self.events, self.deleted, self.creates = [], [], [], []
         self.conflicts = set()
+        self.policy_patches = []
         self.config_maps = {}
         self.n = 0
 
@@ -36,7 +37,7 @@ class FakeApi:
             self.index["services_by_job"].setdefault(key, []).append(True)
         elif "network_policies_by_job" in self.index:
             self.index["network_policies_by_job"].setdefault(key, []).append(
-                (obj["metadata"]["uid"], tuple(o["uid"] for o in obj["metadata"]["ownerReferences"])))
+                (obj["metadata"]["uid"], tuple(o["uid"] for o in obj["metadata"]["ownerReferences"]), obj["spec"]))
         return obj
 
     def delete_pod(self, namespace, name, uid, force=False, grace_seconds=None):
@@ -65,6 +66,12 @@ class FakeApi:
         obj["metadata"]["resourceVersion"] = str(self.n)
         self.config_maps[key] = obj
         return True
+
+    def patch_network_policy(self, namespace, name, uid, patch):
+        self.policy_patches.append((name, uid, copy.deepcopy(dict(patch))))
+        policies = self.index["network_policies_by_job"].get((namespace, name), [])
+        self.index["network_policies_by_job"][(namespace, name)] = [
+            (u, owners, {**spec, **copy.deepcopy(patch["spec"])} if u == uid else spec) for u, owners, spec in policies]
 
     def post_event(self, job, type_, reason, message, component):
         self.events.append((job["metadata"]["name"], type_, reason, message))

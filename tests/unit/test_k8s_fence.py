@@ -31,6 +31,7 @@ CALLS = {
     "delete_pod": lambda api: (api.delete_pod("ns", "p", "uid"), api.delete_pod("ns", "p", "uid", force=True)),
     "patch_pod": lambda api: api.patch_pod("ns", "p", "uid", {"metadata": {"annotations": {"a": "1"}}}),
     "delete_network_policy": lambda api: api.delete_network_policy("ns", "np", "uid"),
+    "patch_network_policy": lambda api: api.patch_network_policy("ns", "np", "uid", {"spec": {"ingress": []}}),
     "delete_job": lambda api: api.delete_job("ns", "job", "uid"),
     "delete_workload": lambda api: api.delete_workload("ns", "wl", "uid"),
     "patch_workload": lambda api: (api.patch_workload("ns", "wl", "uid", {}),
@@ -48,8 +49,8 @@ CALLS = {
     "write_lease": lambda api: (api.write_lease("ns", {"metadata": {"name": "l"}}, create=True),
                                 api.write_lease("ns", {"metadata": {"name": "l"}}, create=False)),
 }
-WRITES = {"create", "delete_pod", "patch_pod", "delete_network_policy", "delete_job", "delete_workload",
-          "patch_workload", "patch_status", "post_event", "write_config_map"}
+WRITES = {"create", "delete_pod", "patch_pod", "delete_network_policy", "patch_network_policy", "delete_job",
+          "delete_workload", "patch_workload", "patch_status", "post_event", "write_config_map"}
 
 
 def _answer(name, args, kwargs):

@@ -9,7 +9,8 @@ MANIFEST_RBAC = tools.REPO_ROOT / "manifests" / "base" / "rbac.yaml"
 
 
 def _cluster_role() -> dict:
-    (role,) = [d for d in yaml.safe_load_all(MANIFEST_RBAC.read_text()) if d and d["kind"] == "ClusterRole"]
+    (role,) = [d for d in yaml.safe_load_all(MANIFEST_RBAC.read_text()) if d and d["kind"] == "ClusterRole"
+               and not any(k.startswith("rbac.authorization.k8s.io/aggregate-to-") for k in d["metadata"]["labels"])]
     return role
 
 

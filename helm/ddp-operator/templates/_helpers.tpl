@@ -123,10 +123,11 @@ watch and annotate the objects it handles: no secrets, no configmaps, no pods/ex
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [get, create, update]
-# Each job's NetworkPolicy (owned by the job); deleted when spec.networkPolicy.enabled turns false.
+# Each job's NetworkPolicy (owned by the job); patched back when its rules drift (an edit, another operator
+# identity); deleted when spec.networkPolicy.enabled turns false.
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
-  verbs: [list, watch, create, delete]
+  verbs: [list, watch, create, patch, delete]
 {{- end }}
 
 {{/* The Kueue integration (kueue.enabled): the job's Workload, owned by the job; Kueue's status conditions are

@@ -1,7 +1,8 @@
 """The job's children: which are created when missing, which are deleted as stale.
 
 - The job's NetworkPolicy (netpol.py) exists while the job is active exactly when it is wanted
-  (spec.networkPolicy.enabled, else the operator's default): created before any pod, deleted when disabled.
+  (spec.networkPolicy.enabled, else the operator's default): created before any pod, deleted when disabled, its
+  owned fields patched back whenever they differ from what the job needs (netpol.drifted).
   While it is wanted and the job's own policy is not there (not created yet, refused, or a foreign policy holds
   its name), no pod is created: a pod without it would be open to anyone (startup.py says why in ReplicaFailure).
 - The headless Service, the rendezvous store pod and spec.nodes + spec.spares trainer pods are created when
@@ -14,9 +15,9 @@ from __future__ import annotations
 
 from ddp_operator import kueue as kueuemod
 from ddp_operator import names
-from ddp_operator.netpol import render_network_policy, wanted
+from ddp_operator.netpol import drifted, render_network_policy, restoring_patch, wanted
 from ddp_operator.plan.state import Pass
-from ddp_operator.plan.types import CREATE, DELETE, Action
+from ddp_operator.plan.types import CREATE, DELETE, PATCH, Action
 from ddp_operator.plan.avoid import avoided_nodes, kept_off
 from ddp_operator.pod import render_trainer_pod, trainer_pod_name
 from ddp_operator.pod_hash import with_template_hash
@@ -45,12 +46,17 @@ def stale(ctx: Pass) -> None:
 
 
 def network_policy(ctx: Pass) -> None:
-    """Create the NetworkPolicy before any pod when wanted; delete our own when it no longer is."""
+    """Create the NetworkPolicy before any pod when wanted, and put its fields back when they drifted (edited, or the
+    operator's identity changed); delete our own when it is no longer wanted."""
     obs = ctx.observed
     if wanted(ctx.job, ctx.network_policy_config):
+        desired = render_network_policy(ctx.job, ctx.network_policy_config)
         if not obs.network_policy_exists:
-            ctx.actions.append(Action(CREATE, "NetworkPolicy", ctx.job.name,
-                                      render_network_policy(ctx.job, ctx.network_policy_config)))
+            ctx.actions.append(Action(CREATE, "NetworkPolicy", ctx.job.name, desired))
+        elif obs.network_policy_uid and obs.network_policy_spec is not None and \
+                drifted(desired["spec"], obs.network_policy_spec):
+            ctx.actions.append(Action(PATCH, "NetworkPolicy", ctx.job.name, restoring_patch(desired),
+                                      uid=obs.network_policy_uid))
     elif obs.network_policy_exists and obs.network_policy_uid:
         ctx.actions.append(Action(DELETE, "NetworkPolicy", ctx.job.name, uid=obs.network_policy_uid))
 

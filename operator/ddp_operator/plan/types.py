@@ -40,6 +40,8 @@ class Observed:
     # The job's own NetworkPolicy <job>; its UID is the precondition of a delete (never a foreign policy).
     network_policy_exists: bool = True
     network_policy_uid: str | None = None
+    # Its spec as the watch shows it (None: not known, e.g. just created): put back when it drifts (netpol.drifted).
+    network_policy_spec: Mapping[str, Any] | None = None
     # Children whose create met an object this job does not own: name -> what is in the way (k8s.ChildConflict).
     conflicts: Mapping[str, str] = field(default_factory=dict)
     # Hang detection: every current trainer pod's own progress report keyed by pod UID (None: it did not answer),
