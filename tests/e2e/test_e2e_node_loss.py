@@ -1,7 +1,8 @@
 """Losing a whole node of a multi-node cluster: the fault the single-node embedded cluster cannot show.
 
-On kind (hack/kind-e2e.sh: 1 control plane + 2 workers), a 2-node digits job is spread over both workers
-(topology spread in its template). The worker that runs one trainer, and not the rendezvous store when that can
+On kind (hack/kind-e2e.sh: 1 control plane + 2 workers), a 2-node digits job is spread over both workers by the
+operator's default placement alone (placement.py: a ScheduleAnyway topology spread over kubernetes.io/hostname; the
+template says nothing about hosts). The worker that runs one trainer, and not the rendezvous store when that can
 be chosen, is stopped with `docker stop` (everything on it dies at once, as in a power loss) or frozen with
 `docker pause` (a hung machine: its processes resume when it is unpaused). The node goes NotReady; after
 `failurePolicy.nodeLostTimeoutSeconds` the operator force-deletes its pods so that the same names can be reused,
@@ -60,17 +61,12 @@ def workers(cluster, kubectl):
 
 
 def _spread_job(name: str) -> dict:
+    """A 2-node job whose template says nothing about hosts: the operator's default spread places its trainers."""
     job = h.digits_job(name, nodes=2, step_delay=STEP_DELAY,
                        spec={"failurePolicy": {"nodeLostTimeoutSeconds": NODE_LOST_TIMEOUT}})
     pod = job["spec"]["template"].setdefault("spec", {})
-    pod["topologySpreadConstraints"] = [{
-        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
-        "labelSelector": {"matchLabels": {h.LABEL_JOB: name, h.LABEL_ROLE: "trainer"}},
-        # a NotReady node (tainted unreachable/not-ready) leaves the spread, so the lost pod's replacement may join
-        # its peer on the surviving worker (the default, Ignore, would count the empty lost node and block it)
-        "nodeTaintsPolicy": "Honor",
-    }]
-    # kind's control plane is tainted; stay off it explicitly anyway (a stopped worker must be the only loss)
+    # kind's control plane is tainted; stay off it explicitly anyway (a stopped worker must be the only loss). A node
+    # affinity: it leaves the default spread on (placement.py adds none only for pod (anti-)affinity by host).
     pod["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
         {"matchExpressions": [{"key": "node-role.kubernetes.io/control-plane", "operator": "DoesNotExist"}]}]}}}
     return job
@@ -105,7 +101,11 @@ def test_lost_node_moves_its_trainer_and_training_resumes(kubectl, ns, workers, 
     rank0, prog = h.wait_rank0_step(kubectl, ns, name, LOSE_AT_STEP, 300)
     placed = _nodes_of(kubectl, ns, name)
     trainers = {p: n for p, n in placed.items() if not p.endswith("-rdzv")}
+    # The operator's default placement (a preference, ScheduleAnyway) put the two trainers on different workers.
     assert len(set(trainers.values())) == 2, f"the trainers are not spread over two nodes: {placed}"
+    spreads = [kubectl.pod(ns, p)["spec"].get("topologySpreadConstraints") for p in trainers]
+    assert all(s and s[-1]["topologyKey"] == "kubernetes.io/hostname" and s[-1]["whenUnsatisfiable"] ==
+               "ScheduleAnyway" for s in spreads), spreads
     store_node = placed.get(f"{name}-rdzv")
     # the worker that runs a trainer and, when the spread allows it, not the rendezvous store
     victim_pod = next((p for p, n in sorted(trainers.items()) if n != store_node), sorted(trainers)[0])
