@@ -1,6 +1,7 @@
 """A torch outside the range ddp_trainer is tested with is refused at start, on both sides of the range, by the
 launcher and by the ddpjob-c10d backend (one line, exit code 78), and the operator fails such a job at once with
-reason UnsupportedTorch; the range is written once (trainer/ddp_trainer/requirements.txt) and agrees with the pins."""
+reason UnsupportedTorch; the range is written once (trainer/ddp_trainer/requirements.txt) and agrees with the pins; the guide's
+Dockerfile (docs/your-script.md) is the one the e2e test builds."""
 
 from __future__ import annotations
 
@@ -140,3 +141,14 @@ def test_the_refusal_quoted_before_the_last_line_is_an_ordinary_failure():
     p = plan(job, status, observed(rdzv(), trainer(0), trainer(1, restart_count=1, last_exit_code=1,
                                                                   last_message=quoted)), later(1))
     assert p.status["phase"] != "Failed" and p.status["restarts"] == 1, p.status
+
+
+# --- docs/your-script.md ---------------------------------------------------------------------------------------------
+def test_the_e2e_user_image_is_the_dockerfile_the_guide_shows():
+    """tests/e2e/test_e2e_user_image.py builds exactly the five lines docs/your-script.md tells users to write."""
+    guide = (REPO / "docs" / "your-script.md").read_text()
+    shown = re.search(r"```dockerfile\n(.*?)```", guide, re.DOTALL)
+    assert shown, "docs/your-script.md shows no Dockerfile"
+    built = (REPO / "tests" / "e2e" / "user_image" / "Dockerfile").read_text()
+    assert shown.group(1).replace("<registry>/", "localhost/") == built
+    assert len(built.splitlines()) == 5
