@@ -36,6 +36,19 @@ images: ## build the operator and trainer images and import them into containerd
 generate: ## regenerate every copy of the CRD from its single source
 	$(PY) -m ddp_operator.crd --write
 
+.PHONY: release registry-up registry-down
+release: ## push a release: make release VERSION=x.y.z [REGISTRY=host/path] [COMPRESSION=gzip] (images, chart, dist/VERSION/manifests.yaml; docs/install.md)
+	$(if $(VERSION),,$(error VERSION=x.y.z is required, with an entry in CHANGELOG.md))
+	hack/build-binaries.sh helm registry
+	$(PY) hack/release.py $(VERSION) $(if $(REGISTRY),--registry $(REGISTRY)) $(if $(COMPRESSION),--compression $(COMPRESSION))
+
+registry-up: ## the local release registry (127.0.0.1, a free port; make release's default) and containerd's way to it
+	hack/build-binaries.sh registry
+	$(PY) hack/registry.py up
+
+registry-down: ## stop the local release registry (its storage stays in the cache)
+	$(PY) hack/registry.py down
+
 test: deps ## the whole suite, exactly as CI runs it (hack/test.sh: stages side by side where they can be; ends with the node-loss test on a kind cluster of its own)
 	hack/test.sh
 

@@ -2,8 +2,10 @@
 # Builds every Go component of the embedded cluster from the Go module proxy into a cache directory
 # keyed by the versions in hack/versions.env, so a second run is a no-op. Never writes into the repo.
 #   hack/build-binaries.sh [component...]   components: kube etcd coredns helm kube-router kueue kind kwok prometheus
+#                                           registry
 #   (default: all but kind, which only the kind cluster of hack/kind_node.py needs, kwok, which only the
-#   control-plane simulation of hack/kwok.py needs, and prometheus, which only the metrics tests need)
+#   control-plane simulation of hack/kwok.py needs, prometheus, which only the metrics tests need, and registry,
+#   which only `make release` and its test need)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=hack/versions.env
@@ -263,6 +265,34 @@ build_prometheus() {
   rm -rf "$out"; mv "$out.tmp" "$out"; log "prometheus done"
 }
 
+build_registry() {
+  # Two binaries for `make release` (hack/release.py) and its local registry (hack/registry.py): crane, the client
+  # (go-containerregistry's go.mod has no replace directives, so `go install` builds it as released), and CNCF
+  # Distribution's registry with the filesystem storage driver only: a main of our own, as the etcd target does,
+  # so none of the cloud storage drivers' SDKs are compiled (its own cmd/registry imports all of them).
+  local crane_out="$CACHE_ROOT/crane-$GGCR_VERSION" out="$CACHE_ROOT/registry-$DISTRIBUTION_VERSION"
+  if [[ -x $crane_out/crane ]]; then
+    log "crane cached"
+  else
+    rm -rf "$crane_out.tmp"; mkdir -p "$crane_out.tmp"
+    log "building crane $GGCR_VERSION"
+    GOBIN="$crane_out.tmp" CGO_ENABLED=0 go install -trimpath -ldflags "-s -w" \
+      "github.com/google/go-containerregistry/cmd/crane@$GGCR_VERSION"
+    rm -rf "$crane_out"; mv "$crane_out.tmp" "$crane_out"; log "crane done"
+  fi
+  [[ -x $out/registry ]] && { log "registry cached"; return; }
+  local src; src=$(scratch "registry-$DISTRIBUTION_VERSION"); cd "$src"
+  printf 'package main\n\nimport (\n\t"github.com/distribution/distribution/v3/registry"\n\t_ "github.com/distribution/distribution/v3/registry/storage/driver/filesystem"\n)\n\nfunc main() { _ = registry.RootCmd.Execute() }\n' > main.go
+  if [[ ! -f go.mod ]]; then
+    go mod init local.build/registry >/dev/null 2>&1
+    go get "github.com/distribution/distribution/v3@$DISTRIBUTION_VERSION"
+  fi
+  rm -rf "$out.tmp"; mkdir -p "$out.tmp"
+  log "building registry $DISTRIBUTION_VERSION (cold: a few minutes on 2 cores)"
+  CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$out.tmp/registry" .
+  rm -rf "$out"; mv "$out.tmp" "$out"; log "registry done"
+}
+
 components=("$@"); [[ ${#components[@]} -gt 0 ]] || components=(etcd coredns helm kube-router kube kueue)
 for c in "${components[@]}"; do
   case $c in
@@ -275,6 +305,7 @@ for c in "${components[@]}"; do
     kind) build_kind ;;
     kwok) build_kwok ;;
     prometheus) build_prometheus ;;
+    registry) build_registry ;;
     *) echo "unknown component $c" >&2; exit 2 ;;
   esac
 done

@@ -23,6 +23,7 @@ LOGS = STATE / "logs"
 PIDS = STATE / "pids"
 ETCD_DATA = STATE / "etcd"
 KUBECONFIG = STATE / "kubeconfig"
+REGISTRY_HOSTS_DIR = CONF / "certs.d"  # containerd's registry hosts (config_path): <host:port>/hosts.toml
 AUDIT_LOG = LOGS / "audit.log"
 
 CACHE = Path(os.environ.get("DDPJOB_CACHE", Path.home() / ".cache" / "ddpjob"))
@@ -98,7 +99,8 @@ def pinned_path(name: str) -> Path | None:
     v = versions()
     where = {"etcd": f"etcd-{v['ETCD_VERSION']}", "coredns": f"coredns-{v['COREDNS_VERSION']}",
              "helm": f"helm-{v['HELM_VERSION']}", "kube-router": f"kube-router-{v['KUBE_ROUTER_VERSION']}",
-             "prometheus": f"prometheus-{v['PROMETHEUS_VERSION']}"}
+             "prometheus": f"prometheus-{v['PROMETHEUS_VERSION']}", "registry": f"registry-{v['DISTRIBUTION_VERSION']}",
+             "crane": f"crane-{v['GGCR_VERSION']}"}
     if name.startswith("kube") and name not in where:
         return CACHE / f"kube-{v['KUBE_VERSION']}" / name
     return CACHE / where[name] / name if name in where else None
@@ -177,17 +179,27 @@ version = 2
     bin_dir = "{cni_bin_dir}"
     conf_dir = "{cni_conf_dir}"
     max_conf_num = 1
+{registry}"""
+
+# Registry hosts: one <host:port>/hosts.toml per registry, read at each pull, so a registry added later (hack/registry.py)
+# needs no restart of containerd. Without a hosts.toml a loopback registry is reached over plain HTTP, any other over
+# HTTPS (containerd's defaults).
+REGISTRY_CONFIG = """\
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "{config_path}"
 """
 
 
 def containerd_config(sandbox_image: str, cni_conf_dir: str | Path, *, systemd_cgroup: bool,
-                      restrict_oom_score_adj: bool, private: bool) -> str:
+                      restrict_oom_score_adj: bool, private: bool, registry_hosts: str | Path | None = None) -> str:
     """containerd's config.toml, the embedded cluster's (hack/configs.py) and a kind node's (hack/kind_node.py).
     private: the embedded cluster's own root, state, socket and runc state, so that it never meets a system
-    containerd; a kind node's containerd is alone in its container and keeps containerd's defaults."""
+    containerd; a kind node's containerd is alone in its container and keeps containerd's defaults.
+    registry_hosts: the directory of the registries' hosts.toml files (REGISTRY_HOSTS_DIR for the embedded cluster)."""
     return CONTAINERD_CONFIG.format(
         private=(f'root = "{CONTAINERD_ROOT}"\nstate = "{CONTAINERD_STATE}"\n[grpc]\n  address = "{CONTAINERD_SOCK}"\n'
                  f'[ttrpc]\n  address = "{CONTAINERD_SOCK}.ttrpc"\n') if private else "",
         sandbox_image=sandbox_image, restrict_oom_score_adj=str(restrict_oom_score_adj).lower(),
         systemd_cgroup=str(systemd_cgroup).lower(), runc_root=f'        Root = "{RUNC_ROOT}"\n' if private else "",
-        cni_bin_dir=CNI_BIN_DIR, cni_conf_dir=cni_conf_dir)
+        cni_bin_dir=CNI_BIN_DIR, cni_conf_dir=cni_conf_dir,
+        registry=REGISTRY_CONFIG.format(config_path=registry_hosts) if registry_hosts else "")

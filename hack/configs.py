@@ -9,8 +9,8 @@ import textwrap
 from pathlib import Path
 
 from hack.common import (API_URL, BRIDGE, CLUSTER_DOMAIN, CNI_NETWORK, CONF, CONTAINERD_SOCK, KUBECONFIG,
-                         KUBERNETES_SERVICE_IP, NODE_IP, NODE_NAME, PAUSE_IMAGE, PKI, POD_CIDR, containerd_config, run,
-                         write)
+                         KUBERNETES_SERVICE_IP, NODE_IP, NODE_NAME, PAUSE_IMAGE, PKI, POD_CIDR, REGISTRY_HOSTS_DIR,
+                         containerd_config, run, write)
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,7 +112,8 @@ def write_configs() -> None:
         """))
 
     write(CONF / "containerd.toml", containerd_config(PAUSE_IMAGE, CONF / "cni", systemd_cgroup=False,
-                                                      restrict_oom_score_adj=_restricted_oom_score(), private=True))
+                                                      restrict_oom_score_adj=_restricted_oom_score(), private=True,
+                                                      registry_hosts=REGISTRY_HOSTS_DIR))
 
     # One bridge network; the bridge IP is the pods' gateway, DNS server and API endpoint.
     write(CONF / "cni" / "10-ddpjob.conflist", json.dumps({

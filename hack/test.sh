@@ -6,7 +6,8 @@
 #   2. the embedded cluster up (seconds once its binaries exist); behind stage 3, at low priority, what only later
 #      tests need: the Kueue manager, kind's binaries, Docker's package and the whole kind cluster of stage 4
 #      (KIND_PREPARE=1 hack/kind-e2e.sh: engine, node image, nodes, images, chart, warm-up)
-#   3. the tiers that use the cluster: (a) cluster and chart, with no other operator on the cluster, beside half of
+#   3. the tiers that use the cluster: (a) cluster and chart (the chart's: also `make release` into a local registry
+#      and both installs of that release, tests/chart/test_release.py), with no other operator on the cluster, beside half of
 #      the loopback trainer benchmarks' smoke tests (no cluster; their jobs run while the chart's pods start), then
 #      the shared operator and Kueue installed; (b) side by side, against them: the e2e tier | the integration tier,
 #      then the benchmark smoke tests; (c) the faults of the control plane, alone on the embedded cluster, and
@@ -112,7 +113,10 @@ record "stage 2: cluster up" $((SECONDS - t0))
 # Stage 4's kind cluster is made ready behind stage 3: its Docker engine (started here at low priority, so its
 # containers are too), node image, nodes and images; stage 4 then only runs the test.
 prepare_kind() { # (set -e does not hold in a function called with ||: every step says how it failed)
-  # kwok: the control-plane simulation's smoke test (step 3b); prometheus: the e2e metrics test (3b), tests/metrics (3c)
+  # registry (first: a few minutes cold, seconds warm): the release test of the chart tier (tests/chart/test_release.py,
+  # step 3a; it builds them itself if it gets there first); kwok: the control-plane simulation's smoke test (step 3b);
+  # prometheus: the e2e metrics test (3b), tests/metrics (3c)
+  hack/build-binaries.sh registry || return
   hack/build-binaries.sh kueue prometheus kwok kind || return
   if [[ -n ${DDPJOB_SKIP_KIND:-} && ${CI:-} != true ]]; then return 0; fi
   hack/install-deps.sh --docker || return

@@ -23,7 +23,8 @@ TIER_TIMEOUTS = {"unit": 60, "bootstrap": 900, "trainer": 300, "gpu": 600, "clus
 INTEGRATION_NS_PREFIX = "ddp-it-"
 LEADER_ELECTION_NS_PREFIX = "ddp-le-"  # tests/integration/test_leader_election.py: its replicas alone
 SIM_NS_PREFIX = "ddp-sim-"
-OWN_OPERATOR_NS_PREFIXES = (INTEGRATION_NS_PREFIX, LEADER_ELECTION_NS_PREFIX, SIM_NS_PREFIX)
+RELEASE_NS_PREFIX = "ddp-rel-"  # tests/chart/test_release.py: a released operator installed from a registry
+OWN_OPERATOR_NS_PREFIXES = (INTEGRATION_NS_PREFIX, LEADER_ELECTION_NS_PREFIX, SIM_NS_PREFIX, RELEASE_NS_PREFIX)
 
 
 def tier_timeout(path: Path) -> int:
