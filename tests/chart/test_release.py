@@ -33,7 +33,7 @@ from hack.common import pinned_path
 from hack.release_images import tag_digest
 from tests import tools
 from tests.chart.conftest import CHART, documents
-from tests.support.kube import create_test_namespace, dump_namespace, foreign_operators_paused_in
+from tests.support.kube import create_test_namespace, dump_namespace, foreign_operators_paused_in, wait_crd_established
 from tests.support.suite import RELEASE_NS_PREFIX
 from tests.support.waiting import wait_for
 
@@ -118,8 +118,20 @@ def released(cluster):
         subprocess.run(["rm", "-rf", str(REPO / "dist" / version)], check=False)
 
 
+@pytest.fixture(scope="module")
+def crd(released, kubectl) -> dict:
+    """The release's CRD (from its manifests.yaml); applied only where the cluster has none yet (this test run
+    alone on a fresh cluster): else it belongs to the release that carries it, and is left alone."""
+    record, _ = released
+    crd = next(d for d in documents(open(record["manifests"]).read()) if d["kind"] == "CustomResourceDefinition")
+    if kubectl("get", "crd", crd["metadata"]["name"], check=False).returncode != 0:
+        kubectl("apply", "--server-side", "--field-manager=ddp-release-test", "-f", "-", input=yaml.safe_dump(crd))
+        wait_crd_established(kubectl, crd["metadata"]["name"])
+    return crd
+
+
 @pytest.fixture
-def release_ns(kubectl):
+def release_ns(kubectl, crd):
     """A namespace of the release's own (ddp-rel-*), with every other operator that would handle it paused."""
     ns = create_test_namespace(kubectl, f"{RELEASE_NS_PREFIX}{secrets.token_hex(3)}")
     try:
@@ -216,11 +228,11 @@ def test_manifests_yaml_installs_the_same_operator(released, release_ns, kubectl
     text = open(record["manifests"]).read()
     kinds = [d["kind"] for d in documents(text)]
     assert kinds[:3] == ["Namespace", "ServiceAccount", "CustomResourceDefinition"] and "Deployment" in kinds, kinds
-    objs, crd = _scoped(text, release_ns)
+    objs, scoped_crd = _scoped(text, release_ns)
     times: dict[str, float] = {}
     applied = yaml.safe_dump_all(objs)
     try:
-        kubectl("apply", "--server-side", "--dry-run=server", "-f", "-", input=yaml.safe_dump(crd))
+        kubectl("apply", "--server-side", "--dry-run=server", "-f", "-", input=yaml.safe_dump(scoped_crd))
         _timed(times, "kubectl apply", kubectl, "apply", "--server-side", "--field-manager=ddp-release-test", "-f", "-",
                input=applied)
         _timed(times, "rollout", kubectl, "rollout", "status", "deployment/ddp-operator", "-n", release_ns,
