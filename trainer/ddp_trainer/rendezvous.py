@@ -118,6 +118,11 @@ This backend is the c10d handler with these rules added:
    2 s from 160). torch tries again at once, so agents that write
    together (every survivor leaving its round at a re-form) retried in lockstep: N^2/2 attempts of O(N) bytes.
 
+10. A start or a re-form takes a few writes of the state, not one per agent (``rendezvous_batch``): an agent asking for a
+   round announces itself in one small store operation, and whoever writes the state places every announced agent as
+   its own writes would (rules 1, 2, 4, 8), so the others write nothing; rule 5's record is a key of the round's. Where
+   rules 7 and 8 apply.
+
 Everything else (heartbeats, admitting a redundant
 agent when a participant drops out, closing at the end) is torch's. A redundant agent still ends when a
 participant closes the rendezvous at the end of the training: torch raises RendezvousGracefulExitError there,
@@ -147,7 +152,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 
-from . import env as envmod, torch_version
+from . import env as envmod, rendezvous_batch, torch_version
 # The rules' decisions and state writes; every name stays importable from here (torchrun's entry point, the
 # operator's contract test and the unit tests use ddp_trainer.rendezvous).
 from .rendezvous_rules import (  # noqa: F401
@@ -255,17 +260,23 @@ def _executor_class(spares: bool = True) -> type:
                 self.beats = Beats.of(state_holder)  # rule 7
                 if not _guard_expiry(state_holder, node, self.beats):  # rule 5 (and 7: judged with the keys)
                     self.beats = None
+                self.helping = rendezvous_batch.Helping.of(state_holder, self, ROUND_START_GRACE)  # rule 10
                 # rule 6: the base, and a jitter drawn once so that agents started together do not read in lockstep
                 self.poll_base = envmod.get_float(envmod.RDZV_POLL, POLL_BASE_S, minimum=0.0)
                 self.poll_jitter = random.random()
 
             def run(self, state_handler: Any, deadline: float, update_deadline: Any = None) -> None:
                 joining = isinstance(state_handler, dr._RendezvousJoinOp)
+                if self.helping is not None and isinstance(state_handler, getattr(dr, "_RendezvousExitOp", ())):
+                    state_handler = self.helping.announcing(state_handler)  # rule 10
                 if joining and self.spares:
                     state_handler = _spare_aware(state_handler, self.size)
+                if self.helping is not None and joining:
+                    state_handler = self.helping.rejoining(state_handler)
                 keeping = isinstance(state_handler, dr._RendezvousKeepAliveOp)
                 if self.beats is not None and (joining or keeping):
-                    state_handler = _beating(state_handler, self.beats, joining)  # rule 7
+                    state_handler = _beating(state_handler, self.beats, joining,  # rule 7 (and 10: rule 5's record)
+                                             self.helping.heard if self.helping is not None else None)
                 if self.pod is not None:
                     state_handler = _not_taken_over(state_handler, joining, self.pod)
                 if not joining:

@@ -336,14 +336,16 @@ def _unheard(state: Any, me: Any) -> bool:
     return _completed_at(state) is not None and me in state.participants and me not in getattr(state, _READ, set())
 
 
-def _beating(op: Callable[[Any, float], Any], beats: Beats, joining: bool) -> Callable[[Any, float], Any]:
+def _beating(op: Callable[[Any, float], Any], beats: Beats, joining: bool,
+             heard: Callable[[Any], bool] | None = None) -> Callable[[Any, float], Any]:
     """Rule 7 on an operation: a heartbeat it decides on goes to the agent's key, not into the state (unless rule 5
-    wants it there); the local copy of the state records it, so the agent does not send it again at the next turn."""
+    wants it there and rule 10's ``heard`` does not record it by key); the local copy of the state records it, so the
+    agent does not send it again at the next turn."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action
 
     def beat(ctx: Any, deadline: float) -> Any:
         action = op(ctx, deadline)
-        if action != _Action.KEEP_ALIVE or _unheard(ctx.state, ctx.node):
+        if action != _Action.KEEP_ALIVE or (_unheard(ctx.state, ctx.node) and not (heard and heard(ctx))):
             return action
         beats.send(ctx.node)
         ctx.state.last_heartbeats[ctx.node] = datetime.now(timezone.utc)  # local only: no state write
