@@ -571,3 +571,14 @@ def test_store_loss_with_restart_policy_never_replaces_the_trainers_counting_onc
     p2 = plan(job, p.status, observed(rdzv(phase="Pending", uid="s2"), *failed), later(30))
     assert p2.status["infraRestarts"] == 1 and _acts(p2) == [(DELETE, "mnist-0"), (DELETE, "mnist-1")]
     assert p2.status["group"] == 0
+
+
+def test_status_says_which_operator_version_reconciled_the_job_and_a_finished_job_keeps_its_own():
+    from ddp_operator import __version__
+    job, status = _running()
+    p = plan(job, {**status, "operatorVersion": "0.0.9"}, observed(rdzv(), trainer(0), trainer(1)), later(1))
+    assert p.status["operatorVersion"] == __version__
+    done = plan(job, {**p.status, "phase": "Succeeded", "operatorVersion": "0.0.9"}, observed(), later(2))
+    assert done.status["operatorVersion"] == "0.0.9"
+    unknown = plan(job, {k: v for k, v in done.status.items() if k != "operatorVersion"}, observed(), later(3))
+    assert "operatorVersion" not in unknown.status

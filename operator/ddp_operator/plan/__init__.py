@@ -41,7 +41,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Mapping
 
-from ddp_operator import names
+from ddp_operator import __version__, names
 from ddp_operator import spares as sparesmod
 from ddp_operator.env import rdzv_endpoint, rdzv_id
 from ddp_operator.labels import selector_string, trainer_selector
@@ -85,6 +85,10 @@ def plan(job: Job, status: Mapping[str, Any] | None, observed: Observed, now: da
     ctx = Pass(job, PrevStatus.parse(status), observed, now, network_policy, (status or {}).get("diagnosis"))
     run(ctx)
     new_status = build_status(ctx)
+    if ctx.prev.phase in names.FINISHED_PHASES:  # an upgrade rewrites no finished job's status just to say so
+        new_status.pop("operatorVersion")
+        if (status or {}).get("operatorVersion"):
+            new_status["operatorVersion"] = status["operatorVersion"]
     events = condition_events((status or {}).get("conditions") or [], new_status["conditions"])
     events += phase_event((status or {}).get("phase"), new_status, events)
     events += avoided_events((status or {}).get("avoidedNodes"), new_status.get("avoidedNodes") or [])
@@ -152,6 +156,7 @@ def build_status(ctx: Pass) -> dict:
         "message": ctx.message,
         "conditions": ctx.conditions,
         "observedGeneration": job.generation,
+        "operatorVersion": __version__,
         "restarts": ctx.restarts,
         "infraRestarts": ctx.infra_restarts or None,
         "lastFailure": ctx.last_failure,
