@@ -1,7 +1,7 @@
 # DDPJob — every entry point a newcomer or CI needs. `make demo` and `make test` are the two that matter.
 SHELL := /bin/bash
 PY    := .venv/bin/python
-export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)/cli:$(CURDIR)
+export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)/cli:$(CURDIR)/store:$(CURDIR)
 
 .PHONY: help deps binaries cluster-up cluster-down cluster-status image images generate \
         test test-unit test-trainer test-gpu test-cluster test-integration test-e2e test-chart \
@@ -30,7 +30,7 @@ cluster-status: ## component health and memory
 image: ## build one Dockerfile offline: make image NAME=x DOCKERFILE=path [TAG=0.1.0]
 	$(PY) hack/image.py build -f $(DOCKERFILE) -t localhost/$(NAME):$(or $(TAG),0.1.0) .
 
-images: ## build the operator and trainer images and import them into containerd
+images: ## build the operator, trainer and store images and import them into containerd
 	hack/build-images.sh
 
 generate: ## regenerate every copy of the CRD from its single source
@@ -138,7 +138,7 @@ bench-node-loss: ## a kind worker stopped and frozen under a training job (docs/
 	hack/install-deps.sh --docker
 	KIND_RECORD=1 hack/kind-e2e.sh --node-loss
 
-bench-rdzv-scale: ## the c10d rendezvous with 8-512 agents on loopback, torch's handler vs ddpjob-c10d (docs/bench/rdzv_scale.json)
+bench-rdzv-scale: ## the c10d rendezvous with 8-512 agents on loopback, torch's handler vs ddpjob-c10d, against the rdzv pod's store (docs/bench/rdzv_scale.json; --store torch: torch's own server)
 	$(PY) tests/benchmarks/rdzv_scale.py --record
 
 bench-scale-sim: ## the control plane at 10-1,000 nodes with kwok: one job, deletions, hang polls, node loss, 100x32 and 1,000x1 jobs, a restart (docs/bench/scale_sim.json)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the operator and trainer images from their Dockerfiles (build context: the repository root).
-#   hack/build-images.sh [operator|trainer ...]      (default: every image in IMAGES)
+# Builds the operator, trainer and store images from their Dockerfiles (build context: the repository root).
+#   hack/build-images.sh [operator|trainer|store ...]      (default: every image in IMAGES)
 #   hack/build-images.sh --list                      the names in IMAGES, one a line (hack/release.py reads them)
 # Offline (default): hack/image.py builds each Dockerfile with buildah (no Docker engine) and imports it
 # into the embedded cluster's containerd as localhost/ddp-<name>:0.1.0. buildah's layer cache makes an
@@ -25,7 +25,7 @@ case $BUILDER in
 esac
 
 # Every image the project builds, <name>/Dockerfile each: the one list (make release pushes exactly these).
-IMAGES=(operator trainer)
+IMAGES=(operator trainer store)
 if [[ ${1:-} == --list ]]; then
   printf '%s\n' "${IMAGES[@]}"
   exit 0

@@ -46,7 +46,7 @@ up() {
     tools
     log "3/6 embedded cluster (hack/cluster.py up)"
     "$PY" hack/cluster.py up
-    log "4/6 images localhost/ddp-operator:0.1.0 and localhost/ddp-trainer:0.1.0 (hack/build-images.sh)"
+    log "4/6 images localhost/ddp-{operator,trainer,store}:0.1.0 (hack/build-images.sh)"
     hack/build-images.sh
   else
     tools

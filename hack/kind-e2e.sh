@@ -95,7 +95,7 @@ if ! docker info >/dev/null 2>&1; then
 fi
 
 # Online (Docker Hub answers): kind's default node image, images built by Docker. Offline: the node image
-# is built here, and the operator/trainer images (and those the suite builds, tests/conftest.py) by
+# is built here, and the operator/trainer/store images (and those the suite builds, tests/conftest.py) by
 # buildah, then streamed into the nodes (hack/image.py kind-load).
 if python3 - <<'PY' 2>/dev/null
 import urllib.error, urllib.request
@@ -173,7 +173,7 @@ else
 fi
 export KUBECONFIG=$KCFG
 
-# The workers run the tests' pods (kind's control plane is tainted); the trainer image (GBs) goes there only. The
+# The workers run the tests' pods (kind's control plane is tainted); the trainer and store images go there only. The
 # operator runs on the control plane, as on a cluster with system nodes: a test that stops a worker must not stop
 # the operator with it (its pod would wait out the 300 s unreachable toleration before moving).
 workers=$("$KIND" get nodes --name "$CLUSTER" | grep -v -- '-control-plane$' | paste -sd, -)
@@ -182,11 +182,12 @@ if [[ $IMAGE_BUILDER == docker ]]; then
   DDPJOB_IMAGE_BUILDER=docker DDPJOB_IMAGE_TAG=$TAG hack/build-images.sh
   "$KIND" load docker-image "localhost/ddp-operator:$TAG" --name "$CLUSTER"
   "$KIND" load docker-image "localhost/ddp-trainer:$TAG" --name "$CLUSTER" --nodes "$workers"
+  "$KIND" load docker-image "localhost/ddp-store:$TAG" --name "$CLUSTER" --nodes "$workers"
 else
   stage "images (buildah, streamed into the nodes)"
   DDPJOB_IMAGE_BUILDER=buildah DDPJOB_IMAGE_TAG=$TAG hack/build-images.sh
-  for name in operator trainer; do
-    nodes=$(if [[ $name == trainer ]]; then echo "$workers"; else "$KIND" get nodes --name "$CLUSTER" | paste -sd, -; fi)
+  for name in operator trainer store; do
+    nodes=$(if [[ $name != operator ]]; then echo "$workers"; else "$KIND" get nodes --name "$CLUSTER" | paste -sd, -; fi)
     log "loading localhost/ddp-$name:$TAG into $nodes"
     python3 hack/image.py kind-load "localhost/ddp-$name:$TAG" --name "$CLUSTER" --nodes "$nodes" --kind "$KIND"
   done

@@ -17,6 +17,7 @@ import kopf
 
 from ddp_operator import __version__, job_metrics, kopf_mends, leader, metrics, names, probes
 from ddp_operator.diagnostics import DEFAULT_TOOLS_IMAGE, Tools
+from ddp_operator.rdzv_spec import DEFAULT_STORE_IMAGE, valid_image
 from ddp_operator.netpol import NetworkPolicyConfig, parse_labels
 
 
@@ -70,8 +71,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=_env(names.ENV_DIAGNOSTICS_IMAGE_PULL_POLICY, ""),
                    help="its imagePullPolicy; empty: the kubelet's default "
                         f"(env {names.ENV_DIAGNOSTICS_IMAGE_PULL_POLICY})")
+    p.add_argument("--store-image", default=_env(names.ENV_STORE_IMAGE, "") or DEFAULT_STORE_IMAGE,
+                   help="image of the rendezvous-store pod <job>-rdzv of every job whose spec.rendezvous.image names "
+                        f"none (env {names.ENV_STORE_IMAGE}; default {DEFAULT_STORE_IMAGE})")
     p.add_argument("--version", action="version", version=f"ddp-operator {__version__}")
     args = p.parse_args(argv)
+    if not valid_image(args.store_image):
+        p.error(f"--store-image: {args.store_image!r} is not an image reference")
     if args.namespace is None:
         env = _env("DDP_OPERATOR_NAMESPACES", "")
         args.namespace = [n.strip() for n in env.split(",") if n.strip()]
@@ -151,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                                (names.GROUP, names.PLURAL): without_managed_fields})
 
     config = Config(network_policy=network_policy_config(args), kueue=args.kueue == "true",
-                    diagnostics=diagnostics_tools(args))
+                    diagnostics=diagnostics_tools(args), store_image=args.store_image)
     if config.kueue:
         handlers.enable_kueue()
 

@@ -57,6 +57,10 @@ DEFAULTS: dict[str, Any] = {
     "runPolicy": {"suspend": False, "cleanPodPolicy": "Running"},
     "shm": {"medium": "Memory"},
     "checkpoint": {"mountPath": "/checkpoints"},
+    # The store pod's (rdzv_spec.py: merged per resource with what the job names). The store holds a few keys per
+    # agent: 64Mi requested, 256Mi at most (its resident memory is about 20 MiB with 32 agents: docs/contract.md).
+    "rendezvous": {"resources": {"requests": {"cpu": "10m", "memory": "64Mi"},
+                                 "limits": {"cpu": "1", "memory": "256Mi"}}},
 }
 CLEAN_POD_POLICIES = ("None", "Running", "All")
 # Upper bounds of the *Seconds fields, shared with spec.py. Each one feeds datetime arithmetic in the operator
@@ -78,6 +82,17 @@ MAXIMA: dict[str, int] = {
 }
 NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 EXTRA_ARG_PATTERN = "^--[a-z][a-z0-9_-]*(=.*)?$"
+# An image reference as the container runtime reads one: [registry[:port]/]path[:tag][@digest].
+_IMAGE_PATH = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_IMAGE_HOST = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?"
+IMAGE_PATTERN = (rf"^(?:{_IMAGE_HOST}/)?{_IMAGE_PATH}(?:/{_IMAGE_PATH})*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{{0,127}})?"
+                 r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$")
+IMAGE_MAX_LENGTH = 512
+# A quantity with no sign (rdzv_spec.quantity reads it).
+UNSIGNED_QUANTITY_PATTERN = (r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?"
+                             r"(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+# What the store pod may request or be limited to: it needs no device.
+STORE_RESOURCE_NAMES = ("cpu", "memory", "ephemeral-storage")
 
 
 # --- schema helpers -------------------------------------------------------------------------------
@@ -267,6 +282,52 @@ def _template_schema() -> dict:
             "spec": pod_spec,
         },
         required=["spec"],
+    )
+
+
+def _rendezvous_schema() -> dict:
+    r = DEFAULTS["rendezvous"]["resources"]
+    names_ = ", ".join(STORE_RESOURCE_NAMES)
+
+    def quantities(kind: str) -> dict:
+        default = ", ".join(f"{k} {v}" for k, v in r[kind].items())
+        return {
+            "type": "object",
+            "description": f"{kind.capitalize()} of the store container by resource ({names_}); each one named "
+                           f"replaces the default's ({default}).",
+            "maxProperties": len(STORE_RESOURCE_NAMES),
+            "additionalProperties": {"x-kubernetes-int-or-string": True, "pattern": UNSIGNED_QUANTITY_PATTERN,
+                                     "maxLength": 64, "minimum": 0,
+                                     "anyOf": [{"type": "integer"}, {"type": "string"}],
+                                     "description": 'A quantity, e.g. "50m", "1" or "64Mi".'},
+            "x-kubernetes-validations": [_rule(f"self.all(k, k in {_cel_list(STORE_RESOURCE_NAMES)})",
+                                               f"spec.rendezvous.resources.{kind}: the store pod takes only "
+                                               f"{names_} (it needs no device)")],
+        }
+
+    return _obj(
+        f"The rendezvous-store pod <job>-rdzv (port torchrun.rdzvPort): a small server speaking torch's TCPStore "
+        f"protocol, standard library only (store/ddp_store), that holds the c10d rendezvous so that every trainer "
+        f"pod, rank 0's included, can be lost. It runs in its own image, not the trainer's (a pull of a few tens of "
+        f"MB), as user 1000 with a read-only root filesystem and no capabilities, with the requests and limits "
+        f"below (so a namespace whose ResourceQuota requires limits admits it), imagePullPolicy IfNotPresent, the "
+        f"trainer template's scheduling fields (nodeSelector, tolerations, imagePullSecrets, ...) and a readiness "
+        f"probe on its port. Immutable.",
+        {
+            "image": _str("The store's image. Default: the operator's (--store-image; the chart's storeImage, "
+                          "localhost/ddp-store:<version>). Its entrypoint must serve the store on the port in "
+                          f"{names.ENV_RDZV_PORT} until SIGTERM, as the store image's `python -m ddp_store` does.",
+                          maxLength=IMAGE_MAX_LENGTH, pattern=IMAGE_PATTERN),
+            "resources": _obj(
+                "The store container's requests and limits, merged per resource with the defaults (requests "
+                f"{', '.join(f'{k} {v}' for k, v in r['requests'].items())}; limits "
+                f"{', '.join(f'{k} {v}' for k, v in r['limits'].items())}): a resource named here replaces the "
+                "default's; a defaulted request above a limit given here is lowered to it, a defaulted limit below a "
+                "request given here raised to it. A request above its limit, or a limit of 0, is refused (condition "
+                "InvalidSpec).",
+                {"requests": quantities("requests"), "limits": quantities("limits")},
+            ),
+        },
     )
 
 
@@ -539,6 +600,7 @@ def _spec_schema() -> dict:
                                  "Setting it to false on a running job deletes the policy; true creates it."),
             },
         ),
+        "rendezvous": _rendezvous_schema(),
     }
     rules = [
         _rule("!has(self.minNodes) || self.minNodes <= self.nodes",
@@ -563,7 +625,7 @@ def _spec_schema() -> dict:
     rules += [
         _immutable(f) for f in
         ("minNodes", "maxNodes", "spares", "nprocPerNode", "ompNumThreads", "template", "torchrun", "shm",
-         "checkpoint", "diagnostics")
+         "checkpoint", "diagnostics", "rendezvous")
     ] + [
         # Without an explicit range, nodes is the range: it cannot change either, except with spares, whose pods
         # follow spec.nodes through an annotation (ddp_trainer.rendezvous, rule 3).
@@ -813,6 +875,9 @@ def _status_schema() -> dict:
                 "x-kubernetes-list-map-keys": ["type"],
             },
             "observedGeneration": _int("metadata.generation last reconciled."),
+            "operatorVersion": {"type": "string", "maxLength": 64,
+                                "description": "Version of the operator that last reconciled the job while it ran "
+                                               "(a finished job keeps the one it finished under)."},
             "restarts": _int("Restarts counted against failurePolicy.backoffLimit (the user's code and hangs)."),
             "infraRestarts": _int("Restarts counted against failurePolicy.infraBackoffLimit (infrastructure "
                                   "failures)."),

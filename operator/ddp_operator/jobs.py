@@ -6,8 +6,9 @@ A record is made by a job's first pass or wake-up and dropped when the job no lo
 belongs to one job *object* rather than to its name (the status last written, the parsed spec, progress, hang and
 stall state, the phase) is kept per UID in `JobRecord.objects`, so a job deleted and created again under the same name
 never inherits the old one's. Records are changed under `JobRegistry.guard`; a record's `lock` serializes the
-job's passes. The registry also puts the operator's diagnostics tools image into every job it parses
-(diagnostics.Tools: an operator setting the renderers read from the job, so they stay pure).
+job's passes. The registry also puts the operator's diagnostics tools image and store image into every job it parses
+(diagnostics.Tools, rdzv_spec.Rendezvous.default_image: operator settings the renderers read from the job, so they
+stay pure).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ddp_operator.diagnostics import Tools
 from ddp_operator.kueue import kept_queue, observe_workload
 from ddp_operator.pod import render_trainer_pod
 from ddp_operator.rdzv import render_rdzv_pod
+from ddp_operator.rdzv_spec import DEFAULT_STORE_IMAGE
 from ddp_operator.spec import Job, SpecError, parse_job
 
 if TYPE_CHECKING:
@@ -148,21 +150,24 @@ def _parse_source(body: Mapping[str, Any]) -> tuple:
             body.get("spec"))
 
 
-def _with_tools(job: Job, tools: Tools) -> Job:
-    """The job with the operator's diagnostics tools image (an operator setting, not the job's: diagnostics.Tools)."""
-    if job.spec.diagnostics.tools == tools:
-        return job
-    diagnostics = dataclasses.replace(job.spec.diagnostics, tools=tools)
-    return dataclasses.replace(job, spec=dataclasses.replace(job.spec, diagnostics=diagnostics))
+def _with_operator_settings(job: Job, tools: Tools, store_image: str) -> Job:
+    """The job with the operator's diagnostics tools image and store image (operator settings, not the job's)."""
+    spec = job.spec
+    if spec.diagnostics.tools != tools:
+        spec = dataclasses.replace(spec, diagnostics=dataclasses.replace(spec.diagnostics, tools=tools))
+    if spec.rendezvous.default_image != store_image:
+        spec = dataclasses.replace(spec, rendezvous=dataclasses.replace(spec.rendezvous, default_image=store_image))
+    return job if spec is job.spec else dataclasses.replace(job, spec=spec)
 
 
-def _parse(key: Key, body: Mapping[str, Any], tools: Tools = Tools()) -> Job | tuple[str, str]:
+def _parse(key: Key, body: Mapping[str, Any], tools: Tools = Tools(),
+           store_image: str = DEFAULT_STORE_IMAGE) -> Job | tuple[str, str]:
     """parse_job(body) and a trial rendering of its pods, or the (field, message) of why the job cannot run.
 
     Whatever either raises ends here, as the job's InvalidSpec (a SpecError names its field; anything else is
     a defect or a value nobody foresaw, logged with its traceback): never an exception in every pass."""
     try:
-        job = _with_tools(parse_job(body), tools)
+        job = _with_operator_settings(parse_job(body), tools, store_image)
         render_trainer_pod(job, 0, 0)  # a template the renderers cannot use is invalid now, not in a later pass
         render_rdzv_pod(job, 0)
         return job
@@ -177,8 +182,9 @@ def _parse(key: Key, body: Mapping[str, Any], tools: Tools = Tools()) -> Job | t
 class JobRegistry:
     """kopf's indexes, bound on the first handler call, and the records of every job the shell knows."""
 
-    def __init__(self, tools: Tools = Tools()) -> None:
+    def __init__(self, tools: Tools = Tools(), store_image: str = DEFAULT_STORE_IMAGE) -> None:
         self.tools = tools  # the diagnostics tools image every parsed job carries
+        self.store_image = store_image or DEFAULT_STORE_IMAGE  # and the store image, unless the job names its own
         self.guard = threading.Lock()
         self.indexes: dict[str, Any] | None = None
         self._records: dict[Key, JobRecord] = {}
@@ -232,7 +238,7 @@ class JobRegistry:
             obj = self._records.setdefault(key, JobRecord()).of(body["metadata"]["uid"])
             parsed = obj.parsed
         if parsed is None or parsed[0] != source:
-            parsed = (copy.deepcopy(source), _parse(key, body, self.tools))
+            parsed = (copy.deepcopy(source), _parse(key, body, self.tools, self.store_image))
             with self.guard:
                 obj.parsed = parsed
         if not isinstance(parsed[1], Job):

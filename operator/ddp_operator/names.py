@@ -93,6 +93,9 @@ READINESS_PATH = "/readyz"
 # The operator's environment: the pull policy of the diagnostics tools image (ENV_DIAGNOSTICS_IMAGE); unset: the
 # kubelet's default.
 ENV_DIAGNOSTICS_IMAGE_PULL_POLICY = "DDPJOB_DIAGNOSTICS_IMAGE_PULL_POLICY"
+# The operator's environment: the rendezvous store's image of every job that names none (rdzv_spec.py; the chart sets
+# it from storeImage).
+ENV_STORE_IMAGE = "DDP_OPERATOR_STORE_IMAGE"
 
 # --- Trainer environment (docs/contract.md) -------------------------------------------------------
 ENV_NNODES = "PET_NNODES"

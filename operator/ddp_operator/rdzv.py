@@ -1,8 +1,10 @@
 """The dedicated rendezvous-store pod `<job>-rdzv`.
 
 torchrun's c10d store normally lives inside one training agent, so losing that pod breaks every survivor's
-rendezvous. A tiny pod that only holds a TCPStore makes every trainer (rank 0 included) expendable. Losing
-the store itself is survived without a whole-group restart (plan/rdzv_lost.py): the operator recreates this pod, the
+rendezvous. A tiny pod that only holds the store makes every trainer (rank 0 included) expendable. It runs the store
+image (store/Dockerfile: `python -m ddp_store`, torch's TCPStore protocol in the standard library, no torch), with its
+own entrypoint, the port in DDPJOB_RDZV_PORT and the requests and limits of spec.rendezvous (rdzv_spec.py). Losing the
+store itself is survived without a whole-group restart (plan/rdzv_lost.py): the operator recreates this pod, the
 trainers' torchrun agents fail on the lost store (torch's TCPStore client never reconnects), the kubelet restarts
 their containers in place (restartPolicy OnFailure) and they rejoin the new, empty store under the same
 rendezvous id, resuming from the snapshots in their own /dev/shm.
@@ -10,24 +12,15 @@ rendezvous id, resuming from the snapshots in their own /dev/shm.
 
 from __future__ import annotations
 
+import copy
+
 from ddp_operator import names
 from ddp_operator.labels import child_metadata, pod_labels
+from ddp_operator.rdzv_spec import STORE_PULL_POLICY
 from ddp_operator.spec import Job
 
-# SIGTERM handler: as PID 1 the interpreter would otherwise ignore it and wait out the grace period.
-STORE_SCRIPT = """\
-import os, signal, sys, time
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-from torch.distributed import TCPStore
-port = int(os.environ["DDPJOB_RDZV_PORT"])
-store = TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False)
-print(f"rendezvous store listening on :{port}", flush=True)
-while True:
-    time.sleep(3600)
-"""
-
 # Fields copied from the training template: scheduling ones so the store lands where trainers can reach it and
-# can pull the same image, and isolation ones so a hardened template (PodSecurity "restricted", gVisor, user
+# can pull from the same registries, and isolation ones so a hardened template (PodSecurity "restricted", gVisor, user
 # namespaces) yields a store pod at least as hardened (store_security_context hardens it further, whatever the
 # template says).
 _COPIED_POD_FIELDS = ("imagePullSecrets", "nodeSelector", "tolerations", "priorityClassName", "schedulerName",
@@ -39,22 +32,24 @@ _COPIED_POD_FIELDS = ("imagePullSecrets", "nodeSelector", "tolerations", "priori
 # for the trainer's devices and is not copied to the store, which needs nothing but a TCP port.
 _RESTRICTING_KEYS = ("runAsUser", "runAsGroup", "readOnlyRootFilesystem", "seccompProfile", "appArmorProfile",
                      "seLinuxOptions")
-# The store's user when the template names no non-root one: the trainer image's own (trainer/Dockerfile, USER
+# The store's user when the template names no non-root one: the store image's own (store/Dockerfile, USER
 # 1000:1000). Numeric, so the kubelet can check runAsNonRoot, and it works with any image whose Python is
-# world-readable (the store writes nothing): an image that runs as root still runs the store as 1000.
+# world-readable (the store writes nothing: its root filesystem is read-only): an image that runs as root still runs
+# the store as 1000.
 STORE_RUN_AS_USER = 1000
 _CONFINING_SECCOMP = ("RuntimeDefault", "Localhost")
 
 
 def store_security_context(trainer_security: dict | None, pod_security: dict | None = None) -> dict:
     """The store container's securityContext: the trainer container's restricting parts, hardened whatever the
-    template says (PodSecurity "restricted"): no capabilities, no privilege escalation, a non-root user (the
-    template's, else STORE_RUN_AS_USER), seccomp RuntimeDefault unless the template's effective profile is
-    RuntimeDefault or Localhost already (a pod-level one is inherited)."""
+    template says (PodSecurity "restricted"): no capabilities, no privilege escalation, a read-only root filesystem,
+    a non-root user (the template's, else STORE_RUN_AS_USER), seccomp RuntimeDefault unless the template's effective
+    profile is RuntimeDefault or Localhost already (a pod-level one is inherited)."""
     trainer_security, pod_security = trainer_security or {}, pod_security or {}
     out = {k: trainer_security[k] for k in _RESTRICTING_KEYS if k in trainer_security}
     out["allowPrivilegeEscalation"] = False
     out["capabilities"] = {"drop": ["ALL"]}
+    out["readOnlyRootFilesystem"] = True
     out["runAsNonRoot"] = True
     if not out.get("runAsUser") and (out.get("runAsUser") == 0 or not pod_security.get("runAsUser")):
         out["runAsUser"] = STORE_RUN_AS_USER
@@ -72,19 +67,18 @@ def render_rdzv_pod(job: Job, group: int) -> dict:
     template_spec = job.spec.template["spec"]
     trainer = job.spec.trainer_container
     port = job.spec.torchrun.rdzv_port
+    rendezvous = job.spec.rendezvous
     container = {
         "name": names.RDZV_CONTAINER,
-        "image": trainer.get("image"),
-        "command": ["python3", "-c", STORE_SCRIPT],
+        "image": rendezvous.store_image,  # its entrypoint serves the store: no command
+        "imagePullPolicy": STORE_PULL_POLICY,
         "env": [{"name": names.ENV_RDZV_PORT, "value": str(port)},
                 {"name": names.ENV_PYTHONUNBUFFERED, "value": "1"}],
         "ports": [{"name": "rdzv", "containerPort": port, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 2},
-        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
+        "resources": copy.deepcopy({k: dict(v) for k, v in rendezvous.resources.items()}),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    if trainer.get("imagePullPolicy"):
-        container["imagePullPolicy"] = trainer["imagePullPolicy"]
     container["securityContext"] = store_security_context(trainer.get("securityContext"),
                                                           template_spec.get("securityContext"))
     name = rdzv_pod_name(job)

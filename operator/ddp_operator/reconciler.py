@@ -81,8 +81,8 @@ class Config:
     """The operator's configuration: __main__ reads it from flags and environment, kopf's memo carries it."""
     network_policy: NetworkPolicyConfig = NetworkPolicyConfig()
     kueue: bool = False  # the Kueue integration (kueue.py) is on: Workloads are watched and written
-    # The diagnostics sidecar's tools image (DDPJOB_DIAGNOSTICS_IMAGE): every parsed job carries it (jobs.py).
-    diagnostics: Tools = Tools()
+    diagnostics: Tools = Tools()  # the diagnostics tools image (DDPJOB_DIAGNOSTICS_IMAGE): every job carries it
+    store_image: str = ""  # --store-image, for every job that names none ("": rdzv_spec.DEFAULT_STORE_IMAGE; jobs.py)
 
 
 class ReadCache:
@@ -122,7 +122,7 @@ class Reconciler:
     def __init__(self, api: Any, config: Config = Config()):
         self.api = api
         self.config = config
-        self.jobs = JobRegistry(config.diagnostics)
+        self.jobs = JobRegistry(config.diagnostics, config.store_image)
         self.backoff = CreateBackoff(self.jobs, self.jobs.wake)
         self.poller = ProgressPoller(self.jobs, api, self.reconcile)
         self.nodes = ReadCache(NODE_CACHE_SECONDS)

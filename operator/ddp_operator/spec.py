@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from ddp_operator import crd, names
 from ddp_operator.diagnostics import Diagnostics, parse_diagnostics
 from ddp_operator.observed import parse_time
+from ddp_operator.rdzv_spec import Rendezvous, parse_rendezvous
 # SpecError is the parsers' one error: importers take it from here.
 from ddp_operator.spec_fields import SpecError, integer as _int, section as _section  # noqa: F401
 from ddp_operator.template import template_problem
@@ -102,6 +103,8 @@ class JobSpec:
     spares: int = 0
     # The diagnostics sidecar of every trainer pod (diagnostics.py).
     diagnostics: Diagnostics = Diagnostics()
+    # The rendezvous-store pod's image and resources (rdzv_spec.py).
+    rendezvous: Rendezvous = Rendezvous()
 
     @property
     def pods(self) -> int:
@@ -392,6 +395,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
                                      maximum=crd.MAXIMA["progressPeriodSeconds"]),
         template=template, torchrun=torchrun, failure_policy=failure_policy, run_policy=run_policy, shm=shm,
         checkpoint=checkpoint, network_policy_enabled=network_policy_enabled, spares=spares, diagnostics=diagnostics,
+        rendezvous=parse_rendezvous(_section(spec, "rendezvous")),
     )
 
 

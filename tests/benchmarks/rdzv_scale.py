@@ -2,10 +2,12 @@
 """`make bench-rdzv-scale`: the c10d rendezvous with 8 to 512 agents against one real TCPStore, torch's own handler
 and this project's ``ddpjob-c10d`` (ddp_trainer.rendezvous), on loopback, without training workers.
 
-    .venv/bin/python tests/benchmarks/rdzv_scale.py [--agents 8,32,128,512] [--procs 2] [--quick] [--record]
+    .venv/bin/python tests/benchmarks/rdzv_scale.py [--agents 8,32,128,512] [--procs 2] [--store ddp_store|torch]
+        [--quick] [--record]
 
-The store is the ``<job>-rdzv`` pod's own program (ddp_operator.rdzv.STORE_SCRIPT) run in a subprocess, bound to
-127.0.0.1 on a free port. An agent is a real rendezvous handler with its own TCPStore client, made as torchrun makes
+The store is the ``<job>-rdzv`` pod's own program (store/ddp_store, the store image's entrypoint) run in a subprocess,
+bound to 127.0.0.1 on a free port; ``--store torch`` runs torch's own TCPStore server instead (what the pod ran before
+it had an image of its own), for comparison (docs/scale.md). An agent is a real rendezvous handler with its own TCPStore client, made as torchrun makes
 it: torch's ``c10d`` handler (``create_backend`` + ``dynamic_rendezvous.create_handler``) or ours
 (``ddp_trainer.rendezvous.create_handler``, the ``torchrun.handlers`` entry point), ``is_host=0`` and
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` as the operator sets them, keep-alives 1 s x 3 (the operator's defaults), and
@@ -28,7 +30,7 @@ Runs (handler:scenario):
 
 Counted per phase: store operations by kind through a counting proxy around every agent's client (get, set,
 compare_set, add, check, wait, multi_get, ...) and compare_set calls that lost the race (``cas_lost``), the store
-server's CPU seconds (/proc/<pid>/stat), the state's size in bytes (the pickled state torch writes, read back at the
+server's CPU seconds (/proc/<pid>/stat) and its peak resident memory (VmHWM), the state's size in bytes (the pickled state torch writes, read back at the
 end of the phase). ``slopes`` gives d log(y) / d log(N) between the two largest N: 1 is linear, 2 quadratic.
 
 Outcomes judged (``goals_missed``): every member of a round got a rank, ranks 0..N-1 each exactly once, all in one
@@ -69,14 +71,32 @@ FIGURES = ("form_s", "reform_s", "ops_per_agent_form", "ops_per_agent_reform", "
 
 # --- the store ----------------------------------------------------------------------------------------------------
 
-def store_command(port: int) -> tuple[list[str], dict[str, str]]:
-    """The rdzv pod's command and environment (ddp_operator.rdzv), bound to loopback instead of every interface."""
-    from ddp_operator import names
-    from ddp_operator.rdzv import STORE_SCRIPT
+STORES = ("ddp_store", "torch")
+# torch's own server, as the rdzv pod ran it in the trainer image before store/ddp_store: the comparison.
+TORCH_STORE = """\
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+from torch.distributed import TCPStore
+port = int(os.environ["DDPJOB_RDZV_PORT"])
+store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+print(f"rendezvous store listening on :{port}", flush=True)
+while True:
+    time.sleep(3600)
+"""
 
-    script = STORE_SCRIPT.replace('TCPStore("0.0.0.0"', 'TCPStore("127.0.0.1"')
-    assert script != STORE_SCRIPT, "the store pod's script no longer binds 0.0.0.0 as this benchmark expects"
-    return [sys.executable, "-c", script], {**os.environ, names.ENV_RDZV_PORT: str(port), "PYTHONUNBUFFERED": "1"}
+
+def store_command(port: int, program: str = "ddp_store") -> tuple[list[str], dict[str, str]]:
+    """The store's command and environment, bound to loopback: the rdzv pod's program (the store image's entrypoint,
+    `python -m ddp_store`, reading its port from DDPJOB_RDZV_PORT as in the pod), or torch's own server."""
+    from ddp_operator import names
+
+    env = {**os.environ, names.ENV_RDZV_PORT: str(port), "PYTHONUNBUFFERED": "1"}
+    if program == "torch":
+        return [sys.executable, "-c", TORCH_STORE], env
+    if program != "ddp_store":
+        raise ValueError(f"store program {program!r}: one of {STORES}")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "store"), env.get("PYTHONPATH")]))
+    return [sys.executable, "-m", "ddp_store", "--host", "127.0.0.1"], env
 
 
 def cpu_seconds(pid: int | str = "self") -> float:
@@ -365,21 +385,27 @@ def _delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
 
 
 class Store:
-    """The rdzv pod's store program in a subprocess on a free loopback port, and a client of its own."""
+    """The store program in a subprocess on a free loopback port, and a client of its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, program: str = "ddp_store") -> None:
         from torch.distributed import TCPStore
 
         from ddp_trainer.testing import free_port
 
         self.port = free_port()
-        command, env = store_command(self.port)
+        command, env = store_command(self.port, program)
         self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.proc.stdout.readline()  # "rendezvous store listening on :<port>"
+        self.proc.stdout.readline()  # its first line: listening
         self.client = TCPStore("127.0.0.1", self.port, is_master=False)
 
     def cpu(self) -> float:
         return cpu_seconds(self.proc.pid)
+
+    def peak_rss_mib(self) -> float:
+        """The store process's peak resident memory so far (VmHWM)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        return round(kib / 1024, 1)
 
     def close(self) -> None:
         self.proc.kill()
@@ -562,6 +588,8 @@ def main() -> int:
     p.add_argument("--idle", type=float, default=None, help="seconds of training between the rounds (default 3, quick "
                    "1.5; more than a keep-alive interval: rule 5 keeps an agent that has not sent a heartbeat in its "
                    "round from expiry for 60 s)")
+    p.add_argument("--store", choices=STORES, default="ddp_store", help="the store server: the rdzv pod's "
+                   "(store/ddp_store, the default) or torch's own TCPStore server (the comparison)")
     p.add_argument("--quick", action="store_true", help=f"N={QUICK_AGENTS}, runs {QUICK_RUNS} (smoke test)")
     results.add_record_arg(p)
     a = p.parse_args()
@@ -569,7 +597,8 @@ def main() -> int:
     runs = a.runs.split(",") if a.runs else (QUICK_RUNS if a.quick else RUNS)
     idle = a.idle if a.idle is not None else (1.5 if a.quick else 3.0)
     by_run: dict[str, dict[str, Any]] = {run: {} for run in runs}
-    store, workers = Store(), Workers(a.procs)
+    store, workers = Store(a.store), Workers(a.procs)
+    peak_rss: dict[str, float] = {}
     try:
         for n in agents:
             for run in runs:
@@ -577,13 +606,17 @@ def main() -> int:
                 by_run[run][str(n)] = r = one_run(run, n, workers, store, idle)
                 print(f"{run} N={n}: {figures(r)} ({time.time() - started:.1f} s, load {os.getloadavg()[0]:.1f})",
                       file=sys.stderr, flush=True)
+            peak_rss[str(n)] = store.peak_rss_mib()  # after every run up to N agents
     finally:
         workers.close()
         store.close()
-    result = {"agents": agents, "procs": a.procs, "keep_alive": [KEEP_ALIVE_S, KEEP_ALIVE_ATTEMPTS],
+    result = {"agents": agents, "procs": a.procs, "store": a.store, "store_peak_rss_mib_by_agents": peak_rss,
+              "keep_alive": [KEEP_ALIVE_S, KEEP_ALIVE_ATTEMPTS],
               "launch_poll_s": LAUNCH_POLL_S, **summarize(by_run, agents), "runs": by_run,
               "loadavg_1m": round(os.getloadavg()[0], 2)}
-    return results.emit_judged("rdzv_scale", result, goals_missed(result), mode="quick" if a.quick else "full",
+    # torch's server is the comparison, recorded beside (docs/bench/rdzv_scale_torch_store.json)
+    name = "rdzv_scale" if a.store == "ddp_store" else "rdzv_scale_torch_store"
+    return results.emit_judged(name, result, goals_missed(result), mode="quick" if a.quick else "full",
                                record=a.record)
 
 

@@ -164,6 +164,22 @@ def test_a_digest_pins_the_operator_and_its_diagnostics_image(render):
     assert images("--set", f"diagnostics.image.digest={DIGEST}") == ("localhost/ddp-operator:0.1.0", pinned)
 
 
+def test_the_store_image_is_store_image_pinned_by_its_digest(render, helm_bin):
+    """The jobs' rendezvous-store pods run storeImage (the operator's DDP_OPERATOR_STORE_IMAGE), whatever image.*
+    says; its digest pins it; `latest` is refused."""
+    def store(*args: str) -> str:
+        c = one(render(*args), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+        return next(e["value"] for e in c["env"] if e["name"] == "DDP_OPERATOR_STORE_IMAGE")
+    assert store() == "localhost/ddp-store:0.1.0"
+    assert store("--set", "image.repository=registry.example/ddp", "--set", f"image.digest={DIGEST}") == (
+        "localhost/ddp-store:0.1.0")
+    assert store("--set", "storeImage.repository=registry.example/store", "--set", "storeImage.tag=1.2",
+                 "--set", f"storeImage.digest={DIGEST}") == f"registry.example/store:1.2@{DIGEST}"
+    proc = run([helm_bin, "template", "x", str(CHART), "--kube-version", KUBE_VERSION,
+                "--set", "storeImage.tag=latest"], check=False)
+    assert proc.returncode != 0 and "storeImage.tag=latest" in proc.stderr
+
+
 def test_namespace_scope_creates_only_namespaced_rbac(render):
     objs = render("--set", "rbac.scope=namespace", "--set", "watch.namespaces={team-a,team-b}")
     # Nothing cluster-wide for the operator; the users' roles (aggregated into edit/view) are apart.

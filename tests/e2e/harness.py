@@ -61,6 +61,7 @@ from tests.support.waiting import wait_for  # noqa: E402
 TAG = "0.1.0"
 OPERATOR_IMAGE = f"localhost/ddp-operator:{TAG}"
 TRAINER_IMAGE = f"localhost/ddp-trainer:{TAG}"
+STORE_IMAGE = f"localhost/ddp-store:{TAG}"  # the rendezvous-store pods' (store/Dockerfile)
 RELEASE = "ddp-operator"
 OPERATOR_NS = "ddp-system"
 CHART = REPO / "helm" / "ddp-operator"
@@ -98,12 +99,12 @@ def operator_mode() -> str:
 
 
 def ensure_images(cluster: Cluster) -> None:
-    """Both images on the cluster's node(s), rebuilt only when their inputs changed."""
+    """The operator, trainer and store images on the cluster's node(s), rebuilt only when their inputs changed."""
     if cluster.embedded:
         # The build script skips an image whose inputs are unchanged without starting the builder.
         subprocess.run([str(REPO / "hack" / "build-images.sh")], check=True, cwd=REPO)
     elif cluster.kind_name and operator_mode() != "installed":
-        for name in ("operator", "trainer"):
+        for name in ("operator", "trainer", "store"):
             ensure_image(cluster, f"localhost/ddp-{name}:{TAG}", REPO / name / "Dockerfile", REPO)
     # Anything else (hack/kind-e2e.sh, a real cluster): the images are already where the nodes pull from.
 

@@ -4,6 +4,11 @@ The trainers' torchrun agents fail on the lost store (torch's TCPStore client ne
 restarts their containers in place (restartPolicy OnFailure: same pod, same /dev/shm), they rejoin the new
 store under the same rendezvous id and resume from their own snapshots. No group bump, no trainer pod
 recreated, at most the step in flight lost.
+
+The job runs in a namespace whose ResourceQuota requires limits.cpu and limits.memory of every container and whose
+LimitRange caps them (no defaults): the store pod runs the store image (localhost/ddp-store, its own entrypoint) with
+the requests and limits of spec.rendezvous, so the quota admits it, and its replacement too. The trainers have
+limits of their own (the digits sample's); the diagnostics sidecar, which has no CPU limit, is off.
 """
 
 from __future__ import annotations
@@ -19,6 +24,32 @@ def _pod_uids(kubectl, ns, job):
     return {p["metadata"]["name"]: p["metadata"]["uid"] for p in h.trainer_pods(kubectl, ns, job)}
 
 
+QUOTA = [
+    {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "limits-required"},
+     "spec": {"hard": {"limits.cpu": "6", "limits.memory": "10Gi", "requests.cpu": "2", "requests.memory": "4Gi"}}},
+    {"apiVersion": "v1", "kind": "LimitRange", "metadata": {"name": "container-max"},
+     "spec": {"limits": [{"type": "Container", "max": {"cpu": "2", "memory": "4Gi"}}]}},
+]
+
+
+def _store_pod(kubectl, ns, job, not_uid=None):
+    """The store pod once it is ready (another than `not_uid`): it runs the store image with limits."""
+    def ready():
+        pod = kubectl.json("get", "pod", f"{job}-rdzv", "-n", ns)  # not there yet: wait_for tries again
+        ok = pod and pod["metadata"]["uid"] != not_uid and any(
+            c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions") or [])
+        return pod if ok else None
+    pod = h.wait_for(ready, 120, f"a ready {job}-rdzv")
+    (store,) = pod["spec"]["containers"]
+    assert store["image"] == h.STORE_IMAGE and "command" not in store, store
+    assert store["resources"]["limits"] == {"cpu": "1", "memory": "256Mi"}, store["resources"]
+    assert store["resources"]["requests"] == {"cpu": "10m", "memory": "64Mi"}, store["resources"]
+    assert store["securityContext"]["readOnlyRootFilesystem"] is True
+    log = kubectl("logs", "-n", ns, f"{job}-rdzv").stdout
+    assert " ddp_store event=listening port=29400" in log, log
+    return pod
+
+
 def _restarts(kubectl, ns, job):
     return {p["metadata"]["name"]: sum(c.get("restartCount", 0) for c in p["status"].get("containerStatuses") or []
                                        if c["name"] == "trainer")
@@ -26,16 +57,16 @@ def _restarts(kubectl, ns, job):
 
 
 def test_store_pod_loss_keeps_the_trainer_pods_and_their_snapshots(kubectl, ns):
-    h.apply(kubectl, ns, h.digits_job("sl", nodes=2, step_delay=STEP_DELAY))
+    h.apply(kubectl, ns, QUOTA)
+    h.apply(kubectl, ns, h.digits_job("sl", nodes=2, step_delay=STEP_DELAY, spec={"diagnostics": {"enabled": False}}))
+    store_uid = _store_pod(kubectl, ns, "sl")["metadata"]["uid"]
     _, prog = h.wait_rank0_step(kubectl, ns, "sl", KILL_AT_STEP, 240)
     before = _pod_uids(kubectl, ns, "sl")
     group = h.status(kubectl, ns, "sl").get("group", 0)
-    store_uid = kubectl.json("get", "pod", "sl-rdzv", "-n", ns)["metadata"]["uid"]
     killed_at = h.kill_pod(kubectl, ns, "sl-rdzv")
 
-    # A new store pod under the same name.
-    h.wait_for(lambda: (lambda p: p["metadata"]["uid"] != store_uid)(kubectl.json("get", "pod", "sl-rdzv", "-n", ns)),
-               60, "a new sl-rdzv")
+    # A new store pod under the same name, admitted by the quota as the first was.
+    _store_pod(kubectl, ns, "sl", not_uid=store_uid)
     rec = h.recovery_after(kubectl, ns, "sl", killed_at, prog["step"], 180, previous=True)
     assert rec.source in ("local", "peer"), f"not resumed from a snapshot: {rec}"
     assert rec.resumed_from > 0, f"training started over instead of resuming: {rec}"

@@ -85,6 +85,12 @@ def test_slopes_say_linear_and_quadratic():
 
 
 def test_the_store_is_the_rdzv_pods_program_on_loopback():
+    """By default the store image's entrypoint (python -m ddp_store, its port from DDPJOB_RDZV_PORT as in the pod);
+    torch's own server only when asked, for the comparison."""
     command, env = rdzv_scale.store_command(12345)
+    assert command[1:] == ["-m", "ddp_store", "--host", "127.0.0.1"]
+    assert env["DDPJOB_RDZV_PORT"] == "12345" and env["PYTHONPATH"].split(":")[0].endswith("/store")
+    command, env = rdzv_scale.store_command(12345, "torch")
     assert 'TCPStore("127.0.0.1", port' in command[-1] and "0.0.0.0" not in command[-1]
-    assert env["DDPJOB_RDZV_PORT"] == "12345"
+    with pytest.raises(ValueError):
+        rdzv_scale.store_command(12345, "redis")

@@ -134,4 +134,5 @@ def test_hardened_template_yields_a_hardened_store_pod():
     assert store["securityContext"] == spec["securityContext"]
     # Restrictions are copied, grants (capabilities.add for RDMA and the like) are not: the store needs none.
     assert store["containers"][0]["securityContext"] == {
-        "allowPrivilegeEscalation": False, "runAsUser": 1000, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True}
+        "allowPrivilegeEscalation": False, "runAsUser": 1000, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True,
+        "readOnlyRootFilesystem": True}

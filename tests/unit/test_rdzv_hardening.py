@@ -1,14 +1,14 @@
 """The rendezvous-store pod is hardened whatever the template says: it only holds a TCPStore, so it drops every
 capability, cannot escalate privileges, runs under RuntimeDefault seccomp (or the template's stricter Localhost
-profile) as a non-root user, and gets no service-account token."""
+profile) as a non-root user on a read-only root filesystem, and gets no service-account token."""
 
 from ddp_operator.rdzv import STORE_RUN_AS_USER, render_rdzv_pod
 from ddp_operator.spec import parse_job
 
 from ddp_builders import job_body, make_job
 
-HARDENED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True,
-            "runAsUser": STORE_RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}}
+HARDENED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True, "runAsUser": STORE_RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def _store(body):

@@ -29,6 +29,8 @@ from .log import parse_line
 from .testing_processes import descendants, free_port, local_rank, pidns_available
 
 REPO_TRAINER_DIR = str(Path(__file__).resolve().parent.parent)
+# The store the <job>-rdzv pod runs (store/ddp_store, beside trainer/ in the repository).
+REPO_STORE_DIR = str(Path(REPO_TRAINER_DIR).parent / "store")
 
 
 def parse_stamp(stamp: str) -> float:
@@ -100,6 +102,8 @@ class LocalCluster:
     max_restarts: int = 100
     #: a dedicated TCPStore process hosts the rendezvous (the operator's design); all nodes is_host=0
     store_process: bool = False
+    #: its program: "ddp_store" (what the <job>-rdzv pod runs: store/ddp_store) or "torch" (torch's own TCPStore)
+    store_program: str = "ddp_store"
     #: torchrun's --rdzv-backend: c10d, or ddpjob-c10d (ddp_trainer.rendezvous: hot spares never livelock)
     rdzv_backend: str = "c10d"
     python: str = sys.executable
@@ -159,18 +163,26 @@ class LocalCluster:
         return env
 
     def start_store(self) -> Node:
-        """Start the dedicated rendezvous store (a bare TCPStore) on the rendezvous port."""
+        """Start the dedicated rendezvous store on the rendezvous port: the <job>-rdzv pod's program (store_program
+        "ddp_store"), or a bare torch TCPStore ("torch")."""
         log_path = self.workdir / "store.log"
-        code = (
-            "import signal, sys, torch.distributed as d\n"
-            "s = d.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True, wait_for_workers=False,"
-            " multi_tenant=True)\n"
-            "print('store ready', flush=True)\n"
-            "signal.pause()\n"
-        )
-        proc = self._spawn([self.python, "-c", code, str(self.rdzv_port)], self.base_env(), log_path)
+        env = self.base_env()
+        if self.store_program == "ddp_store":
+            argv = [self.python, "-m", "ddp_store", "--host", "127.0.0.1", "--port", str(self.rdzv_port)]
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_STORE_DIR, env.get("PYTHONPATH")]))
+            ready = "event=listening"
+        else:
+            code = (
+                "import signal, sys, torch.distributed as d\n"
+                "s = d.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True, wait_for_workers=False,"
+                " multi_tenant=True)\n"
+                "print('store ready', flush=True)\n"
+                "signal.pause()\n"
+            )
+            argv, ready = [self.python, "-c", code, str(self.rdzv_port)], "store ready"
+        proc = self._spawn(argv, env, log_path)
         self.store = Node("store", "127.0.0.1", proc, log_path, self.workdir, time.time(), kind="store")
-        self.wait_for_text(self.store, "store ready", timeout=60)
+        self.wait_for_text(self.store, ready, timeout=60)
         return self.store
 
     def start_node(

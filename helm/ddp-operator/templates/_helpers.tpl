@@ -50,6 +50,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository $tag }}{{ with .Values.image.digest }}@{{ . }}{{ end }}
 {{- end }}
 
+{{/* The rendezvous-store pods' image (storeImage): repository:tag, plus @digest when storeImage.digest is set. */}}
+{{- define "ddp-operator.storeImage" -}}
+{{- $tag := default .Chart.AppVersion .Values.storeImage.tag }}
+{{- printf "%s:%s" .Values.storeImage.repository $tag }}{{ with .Values.storeImage.digest }}@{{ . }}{{ end }}
+{{- end }}
+
 {{/* The diagnostics sidecar's tools image: the operator's own (its digest too) unless diagnostics.image says
 otherwise. */}}
 {{- define "ddp-operator.diagnosticsImage" -}}
@@ -80,6 +86,9 @@ would install an operator unable to see anything.
 {{- end }}
 {{- if eq .Values.image.tag "latest" }}
 {{- fail "image.tag=latest is refused: pin a version (leave it empty for the chart's appVersion)" }}
+{{- end }}
+{{- if eq .Values.storeImage.tag "latest" }}
+{{- fail "storeImage.tag=latest is refused: pin a version (leave it empty for the chart's appVersion)" }}
 {{- end }}
 {{- if eq .Values.diagnostics.image.tag "latest" }}
 {{- fail "diagnostics.image.tag=latest is refused: pin a version (leave it empty for the operator's)" }}
