@@ -159,7 +159,8 @@ lane() { # name cmd...: a command in the background at normal priority, its outp
   BG_PIDS+=("$LANE_PID")
 }
 e2e_lane() {
-  pytest_run e2e tests/e2e --ignore=tests/e2e/test_e2e_node_loss.py --ignore=tests/e2e/test_e2e_network_policy.py
+  pytest_run e2e tests/e2e --ignore=tests/e2e/test_e2e_node_loss.py --ignore=tests/e2e/test_e2e_network_policy.py \
+    --ignore=tests/e2e/test_e2e_user_image.py
 }
 
 t0=$SECONDS
@@ -183,7 +184,8 @@ log "stage 3b: side by side: the e2e tier | integration, benchmark smoke tests"
 export DDPJOB_OPERATOR=installed
 lane e2e e2e_lane
 pid_e2e=$LANE_PID
-lane more pytest_run more tests/integration tests/e2e/test_e2e_network_policy.py \
+# The e2e tests in this lane balance the two (the e2e lane is the longer one).
+lane more pytest_run more tests/integration tests/e2e/test_e2e_network_policy.py tests/e2e/test_e2e_user_image.py \
   tests/benchmarks/test_cluster_benchmarks_run.py tests/benchmarks/test_scale_sim_run.py --deselect="$CONTROL_PLANE"
 pid_more=$LANE_PID
 rc_e2e=0 rc_more=0
