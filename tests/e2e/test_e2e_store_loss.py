@@ -6,8 +6,9 @@ store under the same rendezvous id and resume from their own snapshots. No group
 recreated, at most the step in flight lost.
 
 The job runs in a namespace whose ResourceQuota requires limits.cpu and limits.memory of every container and whose
-LimitRange caps them (no defaults): the store pod runs the store image (localhost/ddp-store, its own entrypoint) with
-the requests and limits of spec.rendezvous, so the quota admits it, and its replacement too. The trainers have
+LimitRange caps them (QUOTA): the store pod runs the store image (localhost/ddp-store, its own entrypoint) with the
+requests and limits of spec.rendezvous, so the quota admits it, and its replacement too; the store pod of before,
+without limits, is refused there. The trainers have
 limits of their own (the digits sample's); the diagnostics sidecar, which has no CPU limit, is off.
 """
 
@@ -24,9 +25,12 @@ def _pod_uids(kubectl, ns, job):
     return {p["metadata"]["name"]: p["metadata"]["uid"] for p in h.trainer_pods(kubectl, ns, job)}
 
 
+# Limits required, and room for the two trainers' (1 CPU, 2Gi each) and a store's of spec.rendezvous' defaults (1 CPU,
+# 256Mi), not for a store without limits of its own: the LimitRange gives such a container its max (a max without a
+# default is the default), 2 CPUs and 4Gi, past the quota.
 QUOTA = [
     {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "limits-required"},
-     "spec": {"hard": {"limits.cpu": "6", "limits.memory": "10Gi", "requests.cpu": "2", "requests.memory": "4Gi"}}},
+     "spec": {"hard": {"limits.cpu": "3500m", "limits.memory": "5Gi", "requests.cpu": "2", "requests.memory": "4Gi"}}},
     {"apiVersion": "v1", "kind": "LimitRange", "metadata": {"name": "container-max"},
      "spec": {"limits": [{"type": "Container", "max": {"cpu": "2", "memory": "4Gi"}}]}},
 ]
