@@ -78,6 +78,13 @@ INVALID = [
     ("shm-size", {"shm": {"sizeLimit": "lots"}}, "spec.shm.sizeLimit"),
     ("ckpt-no-volume", {"checkpoint": {"mountPath": "/c"}}, "spec.checkpoint.volume"),
     ("ckpt-relative", {"checkpoint": {"volume": {"emptyDir": {}}, "mountPath": "c"}}, "spec.checkpoint.mountPath"),
+    # The store pod's image and resources (a request above its limit is the operator's InvalidSpec, unit-tested).
+    ("store-image", {"rendezvous": {"image": "bad image:1"}}, "spec.rendezvous.image"),
+    ("store-quantity", {"rendezvous": {"resources": {"limits": {"memory": "lots"}}}},
+     "spec.rendezvous.resources.limits.memory"),
+    ("store-negative", {"rendezvous": {"resources": {"requests": {"cpu": -1}}}}, "spec.rendezvous.resources.requests.cpu"),
+    ("store-device", {"rendezvous": {"resources": {"limits": {"nvidia.com/gpu": "1"}}}},
+     "the store pod takes only cpu, memory, ephemeral-storage"),
     ("no-template", lambda b: b["spec"].pop("template"), "spec.template"),
     ("no-nodes", lambda b: b["spec"].pop("nodes"), "spec.nodes"),
     ("long-name", lambda b: b["metadata"].update(name="a" * 59), "metadata.name"),
@@ -107,6 +114,9 @@ def test_immutable_fields_and_scaling_rules(k):
     with pytest.raises(ApiException) as err:
         k.patch_job("job", {"spec": {"torchrun": {"rdzvPort": 29500}}})
     assert "spec.torchrun is immutable" in err.value.body
+    with pytest.raises(ApiException) as err:
+        k.patch_job("job", {"spec": {"rendezvous": {"image": "registry.example/store:2"}}})
+    assert "spec.rendezvous is immutable" in err.value.body
     with pytest.raises(ApiException) as err:
         k.patch_job("job", {"spec": {"nodes": 3}})
     assert "elastic range" in err.value.body
