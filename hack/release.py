@@ -2,7 +2,8 @@
 """`make release VERSION=x.y.z [REGISTRY=host[:port]/path]`: one version's images, chart and manifests.yaml, pushed
 to a registry and written to dist/VERSION/.
 
-    hack/release.py VERSION [--registry REG] [--ref COMMIT] [--compression none|gzip] [--dist DIR]
+    hack/release.py VERSION [--registry REG] [--ref COMMIT] [--images operator,...] [--compression none|gzip]
+                    [--dist DIR]
 
 1. Refuses a VERSION that is not SemVer x.y.z[-pre] (no +build: an OCI tag cannot hold it), that CHANGELOG.md has no
    entry for (a pre-release x.y.z-pre goes under the entry of x.y.z, else under Unreleased), or that the registry
@@ -122,7 +123,7 @@ def build(tree: Path, names: list[str], version: str) -> float:
 
 
 def release(version: str, registry: str, *, ref: str | None = None, compression: str = "none",
-            dist: Path | None = None) -> dict:
+            dist: Path | None = None, only: list[str] | None = None) -> dict:
     t0 = time.monotonic()
     check_version(version)
     tree = source_tree(ref)
@@ -131,6 +132,11 @@ def release(version: str, registry: str, *, ref: str | None = None, compression:
         raise BuildError(f"CHANGELOG.md has no entry for {version} (`## [{version.split('-', 1)[0]}] - <date>`): "
                          "write what the release changes first")
     names = image_names(tree)
+    if only:  # a partial release: the chart's check below still refuses one whose chart names an image left out
+        unknown = sorted(set(only) - set(names))
+        if unknown or "operator" not in only:
+            raise BuildError(f"--images {','.join(only)}: the images are {', '.join(names)}, operator among them")
+        names = [n for n in names if n in only]
     refuse_existing(registry, names, version)
     out = (dist or REPO / "dist") / version
     shutil.rmtree(out, ignore_errors=True)
@@ -179,6 +185,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--compression", choices=release_images.COMPRESSIONS, default="none",
                         help="the layers as built, uncompressed (default; a node that has the image pulls the "
                         "manifest only), or gzip (buildah push) for a registry whose users pull over the internet")
+    parser.add_argument("--images", help="comma-separated: release only these images (operator always), e.g. an "
+                        "earlier version's operator for an upgrade test, whose trainer image nobody needs again")
     parser.add_argument("--dist", type=Path, help="where dist/VERSION/ goes (default: the repository's dist/)")
     args = parser.parse_args(argv)
     try:
@@ -186,7 +194,8 @@ def main(argv: list[str]) -> int:
         WORK.mkdir(parents=True, exist_ok=True)
         with open(WORK / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one release at a time: they share the build and the work directory
-            record = release(args.version, registry, ref=args.ref, compression=args.compression, dist=args.dist)
+            record = release(args.version, registry, ref=args.ref, compression=args.compression, dist=args.dist,
+                             only=args.images.split(",") if args.images else None)
     except (BuildError, ClusterError) as e:
         print(f"release refused or failed: {e}", file=sys.stderr)
         return 1

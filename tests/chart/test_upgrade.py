@@ -2,7 +2,8 @@
 `helm upgrade`, and the job sees nothing but a newer operator.
 
 The previous release is PREVIOUS (the commit of the first release, 0.1.0), rebuilt by `hack/release.py --ref` into
-the local registry; this one is the working tree's, as test_release.py makes it. The release installs with the CRD
+the local registry (its operator image only: the job runs this tree's trainer image, and rebuilding an earlier
+trainer image costs GBs of disk); this one is the working tree's, as test_release.py makes it. The release installs with the CRD
 (crds.enabled, --take-ownership: the cluster's CRD may belong to another release, e.g. the shared one, which takes it
 back the same way), watching one namespace of its own (ddp-rel-*: no other operator handles it). The test shows:
 - the CRD is the new one after the upgrade (a field that only this release's schema has), and the job's status
@@ -46,7 +47,7 @@ HASH = names.LABEL_TEMPLATE_HASH
 
 def _release(version: str, registry: str, ref: str) -> dict:
     p = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "hack/release.py", version, "--registry", registry,
-                        "--ref", ref], cwd=REPO, capture_output=True, text=True, timeout=1800,
+                        "--ref", ref, "--images", "operator"], cwd=REPO, capture_output=True, text=True, timeout=1800,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert p.returncode == 0, f"the release of {ref} failed:\n{p.stderr[-4000:]}"
     return json.loads(p.stdout.strip().splitlines()[-1])
