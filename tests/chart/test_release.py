@@ -189,9 +189,11 @@ def test_helm_install_from_the_registry_runs_a_job_on_the_released_images(releas
     record, registry = released
     release, times = f"rel-{secrets.token_hex(3)}", {}
     try:
-        _timed(times, "helm install", helm, "install", release, record["chart"]["ref"], "--version",
+        installed = _timed(times, "helm install", helm, "install", release, record["chart"]["ref"], "--version",
                record["version"], "--plain-http", "-n", release_ns, "--set", f"watch.namespaces={{{release_ns}}}",
                "--set", "rbac.scope=namespace", "--set", "crds.enabled=false", "--wait", "--timeout", "180s")
+        # The install notes' sample job runs the release's trainer image, not a locally built one.
+        assert f"image: {record['images']['trainer']['ref']}\n" in installed.stdout, installed.stdout
         operator = _operator_checked(kubectl, release_ns, record, registry)
         job = _timed(times, "job", _run_job, kubectl, release_ns, record, registry)
         print(f"helm install of {record['chart']['ref']} {record['version']}: {json.dumps(times)}; "

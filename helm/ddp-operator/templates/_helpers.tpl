@@ -56,6 +56,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.storeImage.repository $tag }}{{ with .Values.storeImage.digest }}@{{ . }}{{ end }}
 {{- end }}
 
+{{/* The install notes' sample job's trainer image (sampleImage): repository:tag, plus @digest when set. */}}
+{{- define "ddp-operator.sampleImage" -}}
+{{- $tag := default .Chart.AppVersion .Values.sampleImage.tag }}
+{{- printf "%s:%s" .Values.sampleImage.repository $tag }}{{ with .Values.sampleImage.digest }}@{{ . }}{{ end }}
+{{- end }}
+
 {{/* The diagnostics sidecar's tools image: the operator's own (its digest too) unless diagnostics.image says
 otherwise. */}}
 {{- define "ddp-operator.diagnosticsImage" -}}
