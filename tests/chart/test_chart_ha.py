@@ -46,7 +46,7 @@ def test_two_replicas_only_the_leader_is_ready_and_behind_the_metrics_service(ku
     # Scoped to the test's namespace (Lease, Roles, watch); nothing cluster-wide.
     helm("install", release, str(CHART), "-n", namespace, "--set", "replicaCount=2", "--set", "rbac.scope=namespace",
          "--set", f"watch.namespaces={{{namespace}}}", "--set", "admissionPolicy.enabled=false",
-         "--set", "rbac.aggregateToDefaultRoles=false", "--wait", "--timeout", "120s")
+         "--set", "rbac.aggregateToDefaultRoles=false", "--set", "crds.enabled=false", "--wait", "--timeout", "120s")
     try:
         leader = wait_for(lambda: _one_ready(kubectl, namespace, release), 120, what="one Ready operator Pod of two")
         lease = kubectl.json("get", "lease", "ddp-operator", "-n", namespace)

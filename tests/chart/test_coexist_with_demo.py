@@ -45,7 +45,8 @@ def test_a_cluster_wide_operator_the_tests_did_not_install_is_paused_then_restor
     deployment = f"{release}-ddp-operator"
     sel = f"app.kubernetes.io/instance={release}"
     try:
-        helm("install", release, str(CHART), "-n", ns, "--create-namespace", "--timeout", "120s")
+        # --take-ownership, as the demo: the CRD (the chart carries it) may belong to another release already.
+        helm("install", release, str(CHART), "-n", ns, "--create-namespace", "--take-ownership", "--timeout", "120s")
         wait_for(lambda: kubectl.json("get", "pods", "-n", ns, "-l", sel)["items"], 60, f"a pod of {deployment}")
         for n in (namespace, ns):
             _may_create_pods(kubectl, n)
@@ -74,7 +75,7 @@ def test_an_operator_that_watches_named_namespaces_is_left_alone(kubectl, helm):
     deployment = f"{release}-ddp-operator"
     try:
         helm("install", release, str(CHART), "-n", ns, "--create-namespace", "--timeout", "120s",
-             "--set", f"watch.namespaces={{{ns}}}", "--set", "rbac.scope=namespace")
+             "--set", f"watch.namespaces={{{ns}}}", "--set", "rbac.scope=namespace", "--set", "crds.enabled=false")
         with foreign_operators_paused_in(kubectl) as paused:
             assert (ns, deployment) not in paused
             assert kubectl.json("get", "deployment", deployment, "-n", ns)["spec"]["replicas"] == 1
