@@ -202,7 +202,8 @@ if [[ -z $NODE_LOSS_ONLY ]]; then
 fi
 
 stage "chart (helm upgrade --install)"
-"$HELM" upgrade --install "$RELEASE" helm/ddp-operator --namespace "$OPERATOR_NS" --create-namespace \
+# --take-ownership: a reused cluster may hold the CRD from before the chart carried it (crds/, or a kubectl apply).
+"$HELM" upgrade --install "$RELEASE" helm/ddp-operator --namespace "$OPERATOR_NS" --create-namespace --take-ownership \
   --set-json 'nodeSelector={"node-role.kubernetes.io/control-plane":""}' \
   --set-json 'tolerations=[{"key":"node-role.kubernetes.io/control-plane","operator":"Exists","effect":"NoSchedule"}]' \
   --set "kueue.enabled=${CHART_KUEUE:-false}" --wait --timeout 5m
