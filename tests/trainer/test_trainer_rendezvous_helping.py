@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
 pytest.importorskip("torch")
 
+import torch.distributed as dist  # noqa: E402
 from torch.distributed import TCPStore  # noqa: E402
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr  # noqa: E402
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend  # noqa: E402
@@ -26,6 +27,26 @@ from ddp_trainer.testing import free_port  # noqa: E402
 
 N = 16  # rule 10 applies past 8 nodes, as rule 8 does
 KEEP_ALIVE_S, ATTEMPTS = 1, 3  # the operator's defaults
+
+
+def _counted(op: str):
+    def call(self, *args):
+        self.ops[op] = self.ops.get(op, 0) + 1
+        return getattr(self.inner, op)(*args)
+
+    return call
+
+
+class CountingStore(dist.Store):
+    """A store client that counts its operations by kind (torch calls them through its own Store type: one method
+    each)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.ops = inner, {}
+
+    set, get, compare_set, add, check = (_counted(op) for op in ("set", "get", "compare_set", "add", "check"))
+    wait, multi_get, append, delete_key = (_counted(op) for op in ("wait", "multi_get", "append", "delete_key"))
 
 
 class Counting(C10dRendezvousBackend):
@@ -43,7 +64,7 @@ class Counting(C10dRendezvousBackend):
 
 
 def _agent(port: int, run_id: str, i: int, pod: str, nodes: int = N):
-    store = TCPStore("127.0.0.1", port, is_master=False)
+    store = CountingStore(TCPStore("127.0.0.1", port, is_master=False))
     backend = Counting(store, run_id)
     handler = dr.DynamicRendezvousHandler.from_backend(
         run_id, store, backend, nodes, nodes, local_addr=f"agent-{i}",
@@ -116,7 +137,8 @@ def test_sixteen_agents_form_and_re_form_in_a_few_writes_every_agent_ranked_once
         assert lost._this_node not in state.participants and not state.wait_list
         # torch: about 3 writes per agent to re-form, rule 8 about 1 (test_trainer_rendezvous_batching.py)
         assert formed <= N / 2, f"{formed} state writes to form a group of {N}"
-        assert trained == 0, f"{trained} state writes in training: rule 5's record is a key of the round's"
+        # rule 5's record is a key of the round's; the one writer left is the refresher, once a keep-alive interval
+        assert trained <= 3, f"{trained} state writes in {1.5 * KEEP_ALIVE_S} s of training"
         assert writes <= N / 2, f"{writes} state writes to re-form a group of {N}"
         assert sum(tries) <= N / 2 and max(tries) <= 4, f"compare-and-sets of the state per agent: {sorted(tries)}"
     finally:
@@ -147,6 +169,28 @@ def test_an_agent_that_announced_and_died_expires_as_if_it_had_written_itself(st
         assert doomed._this_node not in state.redundancy_list and doomed._this_node not in state.last_heartbeats
         assert silent._this_node not in state.participants, "rule 5 judged it: it had been heard of"
         assert state.complete and set(state.participants) == {h._this_node for h in handlers}, "the others stay"
+    finally:
+        for h in handlers:
+            h._stop_heartbeats()
+
+
+def test_one_refresher_keeps_the_states_heartbeats_fresh_so_readers_read_no_heartbeat_keys(store_port):
+    """Heartbeats are keys of their own (rule 7): once the state's copies are older than the expiry, every agent's
+    every read fetched all N keys to judge them (O(N²) a poll interval). The round's first participant writes them
+    into the state once a keep-alive interval instead."""
+    agents = [_agent(store_port, "fresh", i, str(i)) for i in range(N)]
+    handlers = [h for h, _, _ in agents]
+    assert sorted(_next_round(handlers).values()) == list(range(N))
+    time.sleep(1.5 * KEEP_ALIVE_S)
+    before = [s.ops.get("multi_get", 0) for _, _, s in agents]
+    time.sleep(KEEP_ALIVE_S * ATTEMPTS + 2)  # every heartbeat the round's writes put into the state has expired
+    key_reads = [s.ops.get("multi_get", 0) - b for (_, _, s), b in zip(agents, before)]
+    state = _fresh(handlers[5])
+    try:
+        assert state.complete and set(state.participants) == set(h._this_node for h in handlers)
+        oldest = min(state.last_heartbeats.values())
+        assert (datetime.now(timezone.utc) - oldest).total_seconds() < KEEP_ALIVE_S * ATTEMPTS
+        assert sum(1 for n in key_reads if n) <= 1, f"agents that read heartbeat keys: {key_reads}"
     finally:
         for h in handlers:
             h._stop_heartbeats()

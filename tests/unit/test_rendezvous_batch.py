@@ -59,6 +59,11 @@ def test_any_bytes_at_all_are_read_without_an_exception():
         assert rb.heard_in(value, ["a"]) == set()
 
 
+def test_lines_older_than_asked_are_skipped_before_they_are_decoded():
+    old, new = (rb.announcement(Node(addr=a, pid=1, local_id=1), None, -1, t) for a, t in (("a", NOW - 5), ("b", NOW)))
+    assert [a.addr for a in rb.parse(old + new + "%ZZ 1 1 ! -1 1.0\n", newer_than=NOW - 3)] == ["b"]
+
+
 def test_a_flooded_key_costs_a_writer_only_its_newest_lines():
     lines = [rb.announcement(Node(addr=f"a{i}", pid=1, local_id=1), None, -1, NOW) for i in range(1000)]
     got = rb.parse("".join(lines), limit=10)
@@ -206,3 +211,31 @@ def test_the_heard_key_names_participants_and_nothing_else(dr):
     a, b = dr._NodeDesc("a", 1, 1), dr._NodeDesc("b", 1, 2)
     assert rb.heard_in(b"a_1_1\n\xff\xfegarbage\na_1_1\nc_1_3\n", [a, b]) == {a}
 
+
+
+@pytest.mark.parametrize("with_dead", [False, True])
+def test_a_stall_before_torchs_sanitizer_reads_its_clock_drops_no_agent_judged_alive(dr, monkeypatch, with_dead):
+    """Rules 5 and 7 judge heartbeats by one clock reading. torch's sanitizer reads its own afterwards; on a starved
+    process (512 agents on 2 cores) seconds passed in between, and it dropped hundreds of agents judged alive."""
+    from ddp_trainer import rendezvous
+
+    settings = _settings(dr, 10)
+    holder = dr._BackendRendezvousStateHolder(None, settings)
+    now = datetime.now(timezone.utc)
+    alive, dead = dr._NodeDesc("alive", 1, 1), dr._NodeDesc("dead", 1, 2)
+    holder._state.participants[alive] = 0
+    holder._state.last_heartbeats[alive] = now - timedelta(seconds=2.5)  # expiry: 3 s
+    if with_dead:
+        holder._state.wait_list.add(dead)
+        holder._state.last_heartbeats[dead] = now - timedelta(seconds=10)
+    assert rendezvous._guard_expiry(holder, dr._NodeDesc("me", 1, 3))
+
+    class Stalled(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.now(tz) + timedelta(seconds=2)  # torch's reading, 2 s after ours
+
+    monkeypatch.setattr(dr, "datetime", Stalled)
+    holder._sanitize()
+    assert alive in holder._state.participants and alive in holder._state.last_heartbeats
+    assert dead not in holder._state.wait_list and dead not in holder._state.last_heartbeats

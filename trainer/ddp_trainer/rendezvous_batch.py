@@ -17,8 +17,14 @@ cores: 40 lost compare-and-sets per agent, no re-form within two minutes; docs/s
   rule 4's take-over runs for its pod. Its heartbeat in the state is the announcement's time, so an agent that
   announced and died expires as if it had written that heartbeat itself; an announcement older than the keep-alive
   expiry is ignored. After a write that took, the writer empties the key if nobody appended since it read it.
-- An agent that finds itself placed writes nothing: it waits for the round, reading at its poll interval (rule 6).
-  An agent whose announcement nobody folded (a race with a round change, or none written) writes itself, as before.
+- An agent's first write after announcing waits a random while (up to ``HOLD_MAX_S`` or its poll interval) and then
+  decides again on the state as it is by then: agents that announce together are placed by the first of them to
+  write. An agent that finds itself placed writes nothing: it waits for the round, reading at its poll interval (rule
+  6). One whose announcement nobody folded (a race with a round change) writes itself, as before; one that finds
+  itself in no list again (its heartbeats expired while it was starved) announces again.
+- **One refresher** (the round's first participant; the first waiting agent while it has none) writes every listed
+  agent's heartbeat key into the state once a keep-alive interval. Heartbeats are keys of their own (rule 7), so the
+  state's copies went stale while nobody wrote, and every reader then fetched all N keys on every read to judge them.
 - Rule 5's record that a participant heard of its new round goes to ``<state key>/heard/<round>`` (an append), not
   into the state: that was one more compare-and-set of O(N) bytes per agent per round. Readers merge the key into the
   state's record before rule 5 judges (only while the round is in its grace and someone has not been heard of).
@@ -76,9 +82,10 @@ def announcement(node: Any, pod: str | None, leaves: int, t: float) -> str:
     return f"{quote(node.addr, safe='')} {int(node.pid)} {int(node.local_id)} {pod_field} {int(leaves)} {t:.3f}\n"
 
 
-def parse(raw: Any, limit: int = 4096) -> list[Announcement]:
-    """The announcements in the key's value, in the order they were appended; a line that is not one is skipped.
-    At most the last ``limit`` lines are looked at: a flooded key costs a writer no more than that."""
+def parse(raw: Any, limit: int = 4096, newer_than: float = -math.inf) -> list[Announcement]:
+    """The announcements in the key's value, in the order they were appended; a line that is not one is skipped, and
+    so is one made before ``newer_than`` (cheaply: its time is looked at first). At most the last ``limit`` lines are
+    looked at: a flooded key costs a writer no more than that."""
     if isinstance(raw, (bytes, bytearray)):
         raw = bytes(raw).decode("utf-8", errors="replace")
     if not isinstance(raw, str) or not raw:
@@ -89,8 +96,11 @@ def parse(raw: Any, limit: int = 4096) -> list[Announcement]:
         if len(fields) != 6:
             continue
         try:
+            t = float(fields[5])
+            if not t >= newer_than:
+                continue
             addr, pod = _unquoted(fields[0]), None if fields[3] == _NO_POD else _unquoted(fields[3])
-            pid, local_id, leaves, t = int(fields[1]), int(fields[2]), int(fields[4]), float(fields[5])
+            pid, local_id, leaves = int(fields[1]), int(fields[2]), int(fields[4])
         except (ValueError, UnicodeDecodeError):
             continue
         if not addr or not 0 <= pid < _MAX_INT or not 0 <= local_id < _MAX_INT or not -1 <= leaves < _MAX_INT \
@@ -203,8 +213,9 @@ class Helping:
         self._grace_s = grace_s
         self._heard_round = -1  # the round whose heard key this agent wrote into
         self._all_heard = -1  # the round whose participants all were heard of (a complete round only loses them)
-        self._hold = False  # the next write waits for help first (it is the first since this agent announced)
+        self._hold = False  # the next write waits for help first (the first since this agent announced, soon after)
         self._announced = -math.inf  # when (time.monotonic()) this agent last announced itself
+        self._refreshed = -math.inf  # when (time.monotonic()) it last looked whether it is the refresher
         self._sync, self._sanitize = holder.sync, holder._sanitize
         holder.sync = self._helped_sync
         holder._sanitize = self._sanitize_with_heard
@@ -222,6 +233,26 @@ class Helping:
 
     def on(self) -> bool:
         return batched(self._executor._settings)
+
+    def wrap(self, op: Callable[[Any, float], Any], joining: bool, keeping: bool) -> Callable[[Any, float], Any]:
+        """Rule 10 on one of torch's operations (``joining``: a join, ``keeping``: a heartbeat): the exit announces the
+        agent (``announcing``), a join announces it again where it would write itself in (``rejoining``), and a
+        join's wait or a heartbeat refreshes the state's heartbeats where this agent is the refresher (``refresh``)."""
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action, _RendezvousExitOp
+
+        if isinstance(op, _RendezvousExitOp):
+            return self.announcing(op)
+        if not joining and not keeping:
+            return op
+        inner, idle = self.rejoining(op) if joining else op, _Action.SYNC if joining else _Action.FINISH
+
+        def refreshing(ctx: Any, deadline: float) -> Any:
+            action = inner(ctx, deadline)
+            if action == idle and self.on() and self._refresh_due(ctx.state, ctx.node):
+                self.refresh(ctx.state, ctx.node)
+            return action
+
+        return refreshing
 
     # --- the announcement --------------------------------------------------------------------------------------
 
@@ -277,22 +308,26 @@ class Helping:
     # --- folding, in every write ---------------------------------------------------------------------------------
 
     def _helped_sync(self) -> Any:
-        holder = self._holder
+        holder, settings = self._holder, self._executor._settings
         if not holder._dirty or not self.on() or holder._state.closed:
             return self._sync()
-        if self._hold:
-            # the first write after announcing waits a random while for another agent's write to place it, then the
-            # agent decides again on the state as it is by then (its own change dropped, as a lost write's is)
+        if self._hold and time.monotonic() - self._announced < settings.keep_alive_interval.total_seconds():
+            # the first write soon after announcing waits a random while for another agent's write to place it, then
+            # the agent decides again on the state as it is by then (its own change dropped, as a lost write's is)
             self._hold = False
-            time.sleep(random.uniform(0, min(poll_interval(self._executor._settings.max_nodes), HOLD_MAX_S)))
+            time.sleep(random.uniform(0, min(poll_interval(settings.max_nodes), HOLD_MAX_S)))
             holder._dirty = False
             holder._last_sync_time = -1
             return self._sync()
         raw = self._call("compare_set", self._joining, "", "")  # the value, never a wait (the key may not exist)
-        folded = self._fold(parse(raw, limit=4 * self._executor._settings.max_nodes + 64)) if raw else []
+        expiry_s = (settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds()
+        folded = self._fold(parse(raw, 4 * settings.max_nodes + 64, time.time() - expiry_s)) if raw else []
         has_set = self._sync()
         if has_set and raw:
-            self._call("compare_set", self._joining, raw, "")  # folded: empty it, unless someone appended since
+            # what it read is in the state now (or stale): cut it off the key, keeping what others appended since
+            current = self._call("compare_set", self._joining, raw, "")
+            if current and bytes(current).startswith(bytes(raw)):
+                self._call("compare_set", self._joining, current, bytes(current)[len(raw):])
         if has_set and folded:
             log.debug("%s: this write placed %d announced agents", BACKEND, len(folded))
         return has_set
@@ -316,6 +351,39 @@ class Helping:
             executor._mark_rendezvous_complete()
 
         return fold(state, settings, announced, now, spares=getattr(executor, "spares", False), complete=complete)
+
+    # --- the refresher ------------------------------------------------------------------------------------------
+
+    def _refresh_due(self, state: Any, me: Any) -> bool:
+        """Once a keep-alive interval: whether this agent refreshes the state's heartbeats, the first of the round's
+        participants (of the waiting agents, while it has none)."""
+        now = time.monotonic()
+        if now - self._refreshed < self._executor._settings.keep_alive_interval.total_seconds() or state.closed:
+            return False
+        self._refreshed = now
+        pool = state.participants or (state.wait_list | state.redundancy_list)
+        return me in pool and me == min(pool)
+
+    def refresh(self, state: Any, me: Any) -> bool:
+        """Write the state with every listed agent's heartbeat from its key (rule 7) where that is newer. Heartbeats are
+        keys of their own, so the state's go stale while nobody writes, and every reader then read N keys to judge
+        them (O(N) per read, O(N²) per poll interval across the group: what a slow start at 512 agents spent its CPU
+        on). One agent doing it once a keep-alive interval keeps them fresh for all. False if the write lost."""
+        settings, beats = self._executor._settings, self._executor.beats
+        now = datetime.now(timezone.utc)
+        keyed = getattr(state, _BEATS, set())
+        nodes = [n for n, beat in state.last_heartbeats.items()
+                 if n in keyed and n != me and beat < now - settings.keep_alive_interval]
+        for node, raw in zip(nodes, self._call("multi_get", [beats.key(n) for n in nodes]) if nodes else ()):
+            try:
+                beat = datetime.fromtimestamp(float(raw), timezone.utc)
+            except (ValueError, OverflowError, OSError, TypeError):
+                continue
+            if beat > state.last_heartbeats[node]:
+                state.last_heartbeats[node] = beat
+        state.last_heartbeats[me] = now
+        self._holder.mark_dirty()
+        return bool(self._holder.sync())
 
     # --- rule 5's heard records ----------------------------------------------------------------------------------
 
