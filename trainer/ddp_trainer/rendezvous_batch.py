@@ -16,15 +16,15 @@ cores: 40 lost compare-and-sets per agent, no re-form within two minutes; docs/s
   ``admit_waiting`` admits by rule 2's priority, up to max_nodes, with torch's last-call deadline and completion);
   rule 4's take-over runs for its pod. Its heartbeat in the state is the announcement's time, so an agent that
   announced and died expires as if it had written that heartbeat itself; an announcement older than the keep-alive
-  expiry is ignored. After a write that took, the writer empties the key if nobody appended since it read it.
+  expiry is ignored. After a write that took, the writer cuts what it read off the key (later lines stay).
 - An agent's first write after announcing waits a random while (up to ``HOLD_MAX_S`` or its poll interval) and then
   decides again on the state as it is by then: agents that announce together are placed by the first of them to
   write. An agent that finds itself placed writes nothing: it waits for the round, reading at its poll interval (rule
   6). One whose announcement nobody folded (a race with a round change) writes itself, as before; one that finds
   itself in no list again (its heartbeats expired while it was starved) announces again.
-- **One refresher** (the round's first participant; the first waiting agent while it has none) writes every listed
-  agent's heartbeat key into the state once a keep-alive interval. Heartbeats are keys of their own (rule 7), so the
-  state's copies went stale while nobody wrote, and every reader then fetched all N keys on every read to judge them.
+- **One refresher** (the agent of the state's first heartbeat entry) writes every listed agent's heartbeat key into
+  the state once a keep-alive interval. Heartbeats are keys of their own (rule 7), so the state's copies went stale
+  while nobody wrote, and every reader then fetched all N keys on every read to judge them.
 - Rule 5's record that a participant heard of its new round goes to ``<state key>/heard/<round>`` (an append), not
   into the state: that was one more compare-and-set of O(N) bytes per agent per round. Readers merge the key into the
   state's record before rule 5 judges (only while the round is in its grace and someone has not been heard of).
@@ -355,14 +355,14 @@ class Helping:
     # --- the refresher ------------------------------------------------------------------------------------------
 
     def _refresh_due(self, state: Any, me: Any) -> bool:
-        """Once a keep-alive interval: whether this agent refreshes the state's heartbeats, the first of the round's
-        participants (of the waiting agents, while it has none)."""
+        """Once a keep-alive interval: whether this agent refreshes the state's heartbeats: the first of the state's
+        heartbeats (the oldest entry: every agent sees the same order, and looking is O(1)). A dead refresher hands the
+        task on when its heartbeats expire and the sanitizer takes it out; until then readers judge by the keys."""
         now = time.monotonic()
         if now - self._refreshed < self._executor._settings.keep_alive_interval.total_seconds() or state.closed:
             return False
         self._refreshed = now
-        pool = state.participants or (state.wait_list | state.redundancy_list)
-        return me in pool and me == min(pool)
+        return next(iter(state.last_heartbeats), None) == me
 
     def refresh(self, state: Any, me: Any) -> bool:
         """Write the state with every listed agent's heartbeat from its key (rule 7) where that is newer. Heartbeats are
