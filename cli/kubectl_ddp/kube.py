@@ -23,6 +23,15 @@ class CliError(Exception):
     """A failure to tell the user in one line (exit status 1)."""
 
 
+def unreachable(e: Exception, host: str) -> CliError:
+    """A request that never reached the API server (refused, timed out, TLS), in one line like kubectl's."""
+    reason = getattr(e, "reason", None) or e
+    # urllib3 nests the cause in a repr ("HTTPSConnection(host=..): Failed to establish a new connection: [Errno
+    # 111] Connection refused"): its last clause is the sentence a user can act on.
+    detail = " ".join(str(reason).split()).rsplit("): ", 1)[-1]
+    return CliError(f"Unable to connect to the server {host}: {detail}")
+
+
 def server_error(e: ApiException, what: str) -> CliError:
     reason = {403: "Forbidden", 404: "NotFound", 409: "AlreadyExists", 422: "Invalid"}.get(e.status, str(e.status))
     detail = what

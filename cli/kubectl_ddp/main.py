@@ -11,7 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kubectl_ddp.kube import CliError, connect
+import urllib3
+from kubernetes.client.exceptions import ApiException
+
+from kubectl_ddp.kube import CliError, connect, server_error, unreachable
 from kubectl_ddp.run import DEFAULT_IMAGE
 
 EXAMPLES = """\
@@ -30,6 +33,20 @@ Examples:
   kubectl ddp plot digits -o loss.png
   kubectl ddp plot digits
 """
+
+
+def _count(least: int):
+    def parse(text: str) -> int:
+        if not text.isdigit() or int(text) < least:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {least}")
+        return int(text)
+    return parse
+
+
+def _nproc(text: str) -> str:
+    if text != "auto" and not (text.isdigit() and int(text) > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a positive number nor 'auto'")
+    return text
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -53,12 +70,16 @@ def parser() -> argparse.ArgumentParser:
 
     p = command("run", "Run a training script on N nodes as a DDPJob and follow it until it ends.",
                 "run SCRIPT [options] [-- SCRIPT_ARGS...]")
-    p.add_argument("script", help="a .py file, or a directory (with --entry) of at most ~1 MiB")
-    p.add_argument("--nodes", type=int, default=1, help="pods (machines) to train on (default 1)")
-    p.add_argument("--nproc-per-node", default="1", help="workers per pod: a number, or 'auto' (one per GPU, else "
-                                                         "per CPU) (default 1)")
-    p.add_argument("--spares", type=int, default=0, help="hot spare pods that take a failed pod's place (default 0)")
+    p.add_argument("script", help="a .py file, or a directory (with --entry) of at most ~1 MiB; with --in-image, "
+                                  "the script's path inside the image")
+    p.add_argument("--nodes", type=_count(1), default=1, metavar="N", help="pods (machines) to train on (default 1)")
+    p.add_argument("--nproc-per-node", type=_nproc, default="1", metavar="N|auto",
+                   help="workers per pod: a number, or 'auto' (one per GPU, else per CPU) (default 1)")
+    p.add_argument("--spares", type=_count(0), default=0, metavar="K",
+                   help="hot spare pods that take a failed pod's place (default 0)")
     p.add_argument("--image", default=DEFAULT_IMAGE, help=f"the trainer image (default {DEFAULT_IMAGE})")
+    p.add_argument("--in-image", action="store_true", help="the code is baked into --image: upload nothing, run "
+                   "SCRIPT from the image's working directory")
     p.add_argument("--entry", help="with a directory: the script in it to run, e.g. train.py")
     p.add_argument("--checkpoint", metavar="SIZE", help="a checkpoint volume of SIZE (e.g. 10Gi): a "
                    "ReadWriteMany PersistentVolumeClaim <job>-checkpoint, deleted with the job")
@@ -147,12 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     if not console.is_terminal:  # piped or redirected: whole lines, as kubectl prints them
         console = Console(highlight=False, soft_wrap=True, width=max(console.width, 200))
     err = Console(stderr=True, highlight=False, soft_wrap=True)
+    kube = None
     try:
+        if args.command == "run" and not args.in_image and not Path(args.script).exists():
+            raise CliError(f"{args.script}: no such file or directory")
         kube = connect(args.kubeconfig, args.context, args.namespace)
         if args.command == "run":
             from kubectl_ddp import run
-            if not Path(args.script).exists():
-                raise CliError(f"{args.script}: no such file or directory")
             name = run.submit(kube, args)
             console.print(f"ddpjob.ddp.dev/{name} created")
             return 0 if args.detach else run.follow(kube, name, console)
@@ -161,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             return top.top(kube, args, console)
         if args.command == "logs":
             from kubectl_ddp import logs
+            kube.job(args.job)  # an unknown job is kubectl's NotFound, not "no pods"
             return logs.show_logs(kube.core, kube.namespace, args.job, follow=args.follow, rank=args.rank,
                                   previous=args.previous, out=sys.stdout, tail=args.tail)
         if args.command == "describe":
@@ -169,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         return _plot(kube, args, console)
     except CliError as e:
         err.print(f"error: {e}", markup=False)
+        return 1
+    except ApiException as e:  # a read no command words itself (logs' listings): the server's own sentence
+        err.print(f"error: {server_error(e, f'{e.status} {e.reason}')}", markup=False)
+        return 1
+    except urllib3.exceptions.HTTPError as e:  # the request never reached the API server
+        err.print(f"error: {unreachable(e, kube.api.configuration.host if kube else '')}", markup=False)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -3,8 +3,8 @@
 The script travels in a ConfigMap (`<job>-script`) mounted read-only at SCRIPT_DIR in the stock trainer image (or
 `--image`), and the trainer runs `torchrun <script> <args>`: the operator passes every torchrun option as PET_*
 variables. The ConfigMap is created first (so no pod ever waits for its volume) and handed to the job once the job
-exists, so deleting the job deletes it. A ConfigMap holds at most 1 MiB: beyond that the message says to bake an
-image (docs/cli.md).
+exists, so deleting the job deletes it. A ConfigMap holds at most 1 MiB: beyond that the message says to bake the
+code into an image and run it with `--image I --in-image` (nothing uploaded; docs/cli.md).
 
 Following (`follow`): a progress line (phase, nodes, step, epoch, loss, samples/s, ETA when the script reports
 `totalSteps`) kept at the bottom of the terminal, global rank 0's output streamed above it (the pod
@@ -27,10 +27,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping, TextIO
 
+import urllib3
+
 from ddp_operator import names
 
 from kubectl_ddp import logs, view
-from kubectl_ddp.kube import CliError, Kube
+from kubectl_ddp.kube import CliError, Kube, unreachable
 
 DEFAULT_IMAGE = "localhost/ddp-trainer:0.1.0"
 SCRIPT_DIR = "/ddp/script"
@@ -62,19 +64,21 @@ def script_files(path: Path) -> dict[str, tuple[str, bytes]]:
         raise CliError(f"{path}: no such file or directory")
     if len(found) > MAX_FILES:
         raise CliError(f"{path} holds {len(found)} files, more than a ConfigMap should carry ({MAX_FILES}): "
-                       f"bake them into an image (docs/cli.md) and pass --image")
+                       f"bake them into an image (FROM {DEFAULT_IMAGE}; docs/cli.md) and run it with "
+                       f"--image IMAGE --in-image")
     out: dict[str, tuple[str, bytes]] = {}
     total = 0
     for rel, full in found:
         data = full.read_bytes()
-        total += len(data)
         key = _KEY_CHARS.sub("_", rel.replace("/", "__"))
         while key in out:
             key = "_" + key
         out[key] = (rel, data)
+        total += len(key) + len(data)  # the API server counts the keys too
     if total > MAX_SCRIPT_BYTES:
         raise CliError(f"{path} is {total / 1024:.0f} KiB; a ConfigMap carries at most {MAX_SCRIPT_BYTES // 1024} KiB: "
-                       f"bake the code into an image (FROM {DEFAULT_IMAGE}; docs/cli.md) and pass --image")
+                       f"bake the code into an image (FROM {DEFAULT_IMAGE}; docs/cli.md) and run it with "
+                       f"--image IMAGE --in-image")
     return out
 
 
@@ -106,8 +110,12 @@ def job_manifest(name: str, *, entry: str, args: list[str], files: Mapping[str, 
                  nproc_per_node: str, spares: int, image: str, cpu: str, memory: str,
                  checkpoint_claim: str | None, progress_period: int, backoff_limit: int | None = None,
                  max_restarts: int | None = None, memory_limit: str | None = None) -> dict:
-    """The DDPJob: the stock trainer's hardening (non-root, read-only root, /tmp an emptyDir), the script mounted."""
+    """The DDPJob: the stock trainer's hardening (non-root, read-only root, /tmp an emptyDir), the script mounted
+    (no `files`: the code is in the image, run from its own working directory)."""
     nproc: Any = "auto" if nproc_per_node == "auto" else int(nproc_per_node)
+    script_volume = [{"name": SCRIPT_VOLUME, "configMap": {
+        "name": f"{name}-script", "items": [{"key": k, "path": rel} for k, (rel, _) in sorted(files.items())]}}]
+    script_mount = [{"name": SCRIPT_VOLUME, "mountPath": SCRIPT_DIR, "readOnly": True}]
     spec: dict[str, Any] = {
         "nodes": nodes,
         "nprocPerNode": nproc,
@@ -119,20 +127,14 @@ def job_manifest(name: str, *, entry: str, args: list[str], files: Mapping[str, 
                 "image": image,
                 "imagePullPolicy": "IfNotPresent",
                 "command": ["torchrun", entry, *args],
-                "workingDir": SCRIPT_DIR,
+                **({"workingDir": SCRIPT_DIR} if files else {}),
                 "resources": {"requests": {"cpu": cpu, "memory": memory},
                               **({"limits": {"memory": memory_limit}} if memory_limit else {})},
                 "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                     "capabilities": {"drop": ["ALL"]}},
-                "volumeMounts": [{"name": SCRIPT_VOLUME, "mountPath": SCRIPT_DIR, "readOnly": True},
-                                 {"name": "tmp", "mountPath": "/tmp"}],
+                "volumeMounts": [*(script_mount if files else []), {"name": "tmp", "mountPath": "/tmp"}],
             }],
-            "volumes": [
-                {"name": SCRIPT_VOLUME, "configMap": {
-                    "name": f"{name}-script",
-                    "items": [{"key": k, "path": rel} for k, (rel, _) in sorted(files.items())]}},
-                {"name": "tmp", "emptyDir": {}},
-            ],
+            "volumes": [*(script_volume if files else []), {"name": "tmp", "emptyDir": {}}],
         }},
     }
     if spares:
@@ -160,10 +162,14 @@ def checkpoint_claim(name: str, size: str, storage_class: str | None) -> dict:
 def submit(kube: Kube, args: Any) -> str:
     """Create the script's ConfigMap, the checkpoint claim and the job; returns the job's name."""
     path = Path(args.script)
-    files = script_files(path)
-    entry = path.name if path.is_file() else args.entry
-    if not entry or not any(rel == entry for rel, _ in files.values()):
-        raise CliError(f"{path} is a directory: name the script to run in it with --entry (e.g. --entry train.py)")
+    if args.in_image:  # baked into the image: nothing travels
+        files, entry = {}, args.script
+    else:
+        files = script_files(path)
+        entry = path.name if path.is_file() else args.entry
+        if not entry or not any(rel == entry for rel, _ in files.values()):
+            raise CliError(f"{path} is a directory: name the script to run in it with --entry (e.g. --entry "
+                           f"train.py)")
     name = job_name(path, args.name)
     claim = f"{name}-checkpoint" if args.checkpoint else None
     body = job_manifest(name, entry=entry, args=list(args.args), files=files, nodes=args.nodes,
@@ -173,13 +179,14 @@ def submit(kube: Kube, args: Any) -> str:
                         memory_limit=args.memory_limit)
     made: list[tuple[str, str]] = []
     try:
-        kube.create_config_map(script_config_map(f"{name}-script", name, files))
-        made.append(("ConfigMap", f"{name}-script"))
+        if files:
+            kube.create_config_map(script_config_map(f"{name}-script", name, files))
+            made.append(("ConfigMap", f"{name}-script"))
         if claim:
             kube.create_pvc(checkpoint_claim(claim, args.checkpoint, args.storage_class))
             made.append(("PersistentVolumeClaim", claim))
         job = kube.create_job(body)
-    except CliError:
+    except (CliError, urllib3.exceptions.HTTPError):
         for kind, what in made:  # nothing half-made stays behind
             kube.delete(kind, what)
         raise
@@ -204,7 +211,16 @@ def follow(kube: Kube, name: str, console: Any, out: TextIO = sys.stdout) -> int
         if live:
             live.start()
         while True:
-            job = kube.job(name)
+            try:
+                job = kube.job(name)
+                index = _rank0_index(kube, name, view.progress(job).get("pod"))
+            except urllib3.exceptions.HTTPError as e:  # the job goes on without us: so does following it
+                if not seen.get("unreachable"):
+                    console.print(Text(f"--- {unreachable(e, kube.api.configuration.host)} (retrying)", style="red"))
+                seen["unreachable"] = True
+                time.sleep(POLL_SECONDS)
+                continue
+            seen["unreachable"] = False
             status = job.get("status") or {}
             p = view.progress(job)
             if since is None and isinstance(p.get("time"), (int, float)) and isinstance(p.get("step"), int):
@@ -217,7 +233,6 @@ def follow(kube: Kube, name: str, console: Any, out: TextIO = sys.stdout) -> int
             elif seen.get("line") != line:
                 console.print(line)
             seen["line"] = line
-            index = _rank0_index(kube, name, p.get("pod"))
             if index is not None and index != streaming:
                 if streamer is not None:  # global rank 0 moved to another pod (a recovery): follow it there
                     stop.set()
