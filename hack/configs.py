@@ -159,12 +159,15 @@ def write_configs() -> None:
         # The pause and local images cannot be pulled again: never garbage-collect images.
         imageGCHighThresholdPercent: 100
         imageGCLowThresholdPercent: 99
-        # Small disks must not evict the test pods.
+        # No eviction for disk (0% switches a signal off, as kind does): under disk pressure the kubelet taints the
+        # node (nothing schedules) and its image GC deletes every unused image, pause and the localhost/ images too,
+        # which no registry can give back. A full disk fails the commands that fill it instead, with their message.
         evictionHard:
           memory.available: 100Mi
-          nodefs.available: 1%
-          nodefs.inodesFree: 1%
-          imagefs.available: 1%
+          nodefs.available: "0%"
+          nodefs.inodesFree: "0%"
+          imagefs.available: "0%"
+          imagefs.inodesFree: "0%"
         serializeImagePulls: false
         # A lost node is noticed in about 20 s instead of 50 s, as on our kind clusters: the node Lease is renewed
         # every 5 s (a quarter of its duration) and the controller manager's node-monitor-grace-period is 20 s.

@@ -21,7 +21,8 @@
 # image is built here from the project's own binaries (hack/kind_node.py), else kind's default is used.
 # Knobs: KIND_CLUSTER_NAME (ddpjob), KIND_NODE_IMAGE (e.g. kindest/node:v1.34.0 or ddpjob/kind-node:v1.34.4),
 #        KIND, HELM, KUBECTL (binaries), PYTEST_ARGS (extra pytest arguments), KIND_MIN_FREE_GIB (16: the
-#        free disk a new cluster needs; the run stops before creating one with less).
+#        free disk a new cluster needs; the run stops before creating one with less), KIND_IMAGES_AFTER (a file:
+#        the images go into the nodes once it exists; hack/test.sh's end of step 3a).
 # The suite itself is provider-agnostic: it only sees KUBECONFIG and images already on the nodes, the
 # same way it sees the embedded cluster after hack/build-images.sh.
 set -euo pipefail
@@ -177,6 +178,11 @@ export KUBECONFIG=$KCFG
 # operator runs on the control plane, as on a cluster with system nodes: a test that stops a worker must not stop
 # the operator with it (its pod would wait out the 300 s unreachable toleration before moving).
 workers=$("$KIND" get nodes --name "$CLUSTER" | grep -v -- '-control-plane$' | paste -sd, -)
+if [[ -n ${KIND_IMAGES_AFTER:-} && ! -e $KIND_IMAGES_AFTER ]]; then
+  # hack/test.sh: not beside its stage 3a, whose release tests hold the trainer image's GiBs in the local registry
+  log "waiting for $KIND_IMAGES_AFTER before the images go into the nodes (KIND_IMAGES_AFTER)"
+  while [[ ! -e $KIND_IMAGES_AFTER ]]; do sleep 2; done
+fi
 if [[ $IMAGE_BUILDER == docker ]]; then
   stage "images (docker build, kind load)"
   DDPJOB_IMAGE_BUILDER=docker DDPJOB_IMAGE_TAG=$TAG hack/build-images.sh

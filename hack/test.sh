@@ -29,8 +29,19 @@ read -r -a extra <<<"${PYTEST_ARGS:-}"
 STAGES=()
 STARTED=$SECONDS
 free_gib() { echo $(($(df --output=avail -k . | tail -1) / 1048576)); }
-# a stage's time, and the disk left after it (a full run needs tens of GiB: images, kind's nodes, the Go caches)
-record() { STAGES+=("$(printf '%-52s %5d s   %4d GiB free' "$1" "$2" "$(free_gib)")"); }
+# a stage's time, the disk left after it (a full run needs tens of GiB: images, kind's nodes, the Go caches) and the
+# least seen during it (disk_watch: a stage's peak, e.g. images streamed into kind's nodes, may be gone by its end)
+record() {
+  STAGES+=("$(printf '%-52s %5d s   %4d GiB free, %4s least' "$1" "$2" "$(free_gib)" "$(cat "$TMP/disk-least" 2>/dev/null)")")
+  rm -f "$TMP/disk-least"
+}
+disk_watch() { # every 5 s: the least free GiB since the last record, in $TMP/disk-least
+  local f
+  while sleep 5; do
+    f=$(free_gib)
+    if [[ ! -s $TMP/disk-least ]] || ((f < $(cat "$TMP/disk-least"))); then echo "$f" >"$TMP/disk-least"; fi
+  done
+}
 kill_tree() { # pid: it and everything it started (a background job still running when the run stops)
   local child
   for child in $(pgrep -P "$1"); do kill_tree "$child"; done
@@ -90,6 +101,8 @@ pytest_run() { # name paths...: one pytest run with its JUnit XML
 
 rm -rf .test-results
 log "$(free_gib) GiB free on this disk at the start"
+disk_watch &
+BG_PIDS+=("$!")
 t0=$SECONDS
 log "stage 1: the tests that need no cluster | the Go binaries and both images behind them"
 background binaries hack/build-binaries.sh etcd coredns helm kube-router kube; pid_bin=$BG_PID
@@ -121,7 +134,8 @@ prepare_kind() { # (set -e does not hold in a function called with ||: every ste
   if [[ -n ${DDPJOB_SKIP_KIND:-} && ${CI:-} != true ]]; then return 0; fi
   hack/install-deps.sh --docker || return
   python3 hack/docker.py status >/dev/null 2>&1 || touch "$TMP/engine-started"
-  KIND_CLUSTER_NAME=$KIND_NAME KIND_PREPARE=1 hack/kind-e2e.sh --node-loss
+  # Its images go into the nodes once step 3a is over (the release tests' registry holds GiBs until then).
+  KIND_CLUSTER_NAME=$KIND_NAME KIND_PREPARE=1 KIND_IMAGES_AFTER=$TMP/3a-done hack/kind-e2e.sh --node-loss
 }
 background later prepare_kind
 pid_later=$BG_PID
@@ -177,6 +191,7 @@ if ((rc == 0)); then
 fi
 bench_waited
 record "stage 3a: cluster, chart, shared up | benchmarks" $((SECONDS - t0))
+touch "$TMP/3a-done"
 ((rc == 0 && rc_bench == 0)) || exit 1
 
 t0=$SECONDS

@@ -1,13 +1,20 @@
-"""Shared helpers for the chart and manifest tests: the pinned helm binary, rendering, kustomize."""
+"""Shared helpers for the chart and manifest tests: the pinned helm binary, rendering, kustomize, and the release
+that `make release` pushes into the local registry (the release tests and the upgrade test)."""
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
 import subprocess
+import time
 
 import pytest
 import yaml
 
+from hack import registry as local_registry
+from hack.common import pinned_path
+from hack.release_images import tag_digest
 from tests import tools
 
 CHART = tools.REPO_ROOT / "helm" / "ddp-operator"
@@ -121,3 +128,67 @@ def operator_image(ensure_image):
 def images(ensure_image, operator_image):
     """Both images, current with the working tree."""
     _image(ensure_image, "trainer")
+
+
+REPO = tools.REPO_ROOT
+REPOSITORY = "ddpjob"  # the path of the release's repositories in the registry (the release tests, the upgrade test)
+TEST_TAG = "-test."  # versions the test releases: <chart version>-test.<unix time>
+
+
+def _timed(times: dict, name: str, fn, *args, **kwargs):
+    t0 = time.monotonic()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        times[name] = round(time.monotonic() - t0, 1)
+
+
+def _ensure_binaries() -> None:
+    """The registry and crane: built behind stage 3 by hack/test.sh, first of its list, so usually there already;
+    else built here (a few minutes cold)."""
+    if not all(os.access(pinned_path(n), os.X_OK) for n in ("registry", "crane")):
+        subprocess.run([str(REPO / "hack" / "build-binaries.sh"), "registry"], check=True)
+
+
+def _prune(registry: str, keep: str) -> None:
+    """Delete the test's earlier releases from the registry (each repository's tags with TEST_TAG but `keep`), so the
+    registry's next start collects their blobs while the kept one holds the trainer's layers for the next run (a
+    registry the test did not start)."""
+    crane = tools.tool("crane")
+    for repo in [f"{registry}/ddp-{n}" for n in ("operator", "trainer", "store")] + [f"{registry}/charts/ddp-operator"]:
+        tags = subprocess.run([crane, "ls", repo], capture_output=True, text=True).stdout.split()
+        for tag in tags:
+            if TEST_TAG in tag and tag != keep and (digest := tag_digest(f"{repo}:{tag}")):
+                subprocess.run([crane, "delete", f"{repo}@{digest}"], capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def released(cluster):
+    """A release made by `make release` into the local registry: (its release.json, the registry's address). One
+    per session (the release tests and the upgrade test share it). A registry this fixture started is stopped and its
+    storage removed afterwards (the trainer's layers are GiBs; stage 4's kind nodes need the disk next); one that ran
+    before keeps the kept release, pruned of the others."""
+    if not cluster.embedded:
+        pytest.skip("the local registry listens on this machine's loopback, which only the embedded cluster's node "
+                    "shares")
+    times: dict[str, float] = {}
+    _timed(times, "binaries", _ensure_binaries)
+    was_running = local_registry.url() is not None
+    address = _timed(times, "registry up", local_registry.up)
+    registry = f"{address}/{REPOSITORY}"
+    version = f"{yaml.safe_load((CHART / 'Chart.yaml').read_text())['version']}{TEST_TAG}{int(time.time())}"
+    p = _timed(times, "make release", subprocess.run,
+               ["make", "--no-print-directory", "release", f"VERSION={version}", f"REGISTRY={registry}"],
+               cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, f"make release failed:\n{p.stderr[-4000:]}"
+    record = json.loads(p.stdout.strip().splitlines()[-1])
+    print(f"release {version}: {json.dumps(times)}; release.json seconds {record['seconds']}; "
+          + ", ".join(f"{n}: {i['seconds']} s, {i.get('blobs_uploaded')} blobs up, {i.get('blobs_found')} found"
+                      for n, i in record["images"].items()))
+    try:
+        yield record, registry
+    finally:
+        _prune(registry, keep=version)
+        if not was_running:
+            local_registry.down(purge=True)
+        subprocess.run(["rm", "-rf", str(REPO / "dist" / version)], check=False)

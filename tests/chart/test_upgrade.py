@@ -29,8 +29,7 @@ import pytest
 import yaml
 
 from ddp_operator import __version__, names
-from tests.chart.conftest import CHART
-from tests.chart.test_release import REPO, TEST_TAG, _timed, released  # noqa: F401  (the fixture, shared)
+from tests.chart.conftest import CHART, REPO, TEST_TAG, _timed
 from tests.e2e import harness
 from tests.support.kube import create_test_namespace, dump_namespace, foreign_operators_paused_in
 from tests.support.suite import RELEASE_NS_PREFIX
@@ -63,7 +62,7 @@ def _uids(pods: dict[str, dict]) -> dict[str, str]:
     return {n: p["metadata"]["uid"] for n, p in pods.items()}
 
 
-def test_helm_upgrade_under_a_training_job(released, kubectl, helm):  # noqa: F811
+def test_helm_upgrade_under_a_training_job(released, kubectl, helm):
     record, registry = released
     times: dict[str, float] = {}
     previous = _timed(times, "previous release", _release,
