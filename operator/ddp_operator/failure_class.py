@@ -16,6 +16,9 @@ what Kubernetes and torchrun leave behind, most telling first:
    SIGTERM from outside) -> Infrastructure, Killed;
 7. any other non-zero exit -> UserCode, ExitCode.
 
+A pod that never started is no ended pod: its image cannot be pulled or run (a container waiting for a reason in
+names.IMAGE_REASONS) -> Infrastructure, ImagePull (`image_pull`, plan/startup.py).
+
 The failing rank comes from torchrun's summary (`rank : 3 (local_rank: 1)`, its root cause first). Every input is
 a pod's own text: bounded, never trusted, and nothing here raises.
 """
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from ddp_operator import names
 
 USER_CODE = "UserCode"
 INFRASTRUCTURE = "Infrastructure"
@@ -35,6 +40,7 @@ REASON_OOM = "OOMKilled"
 REASON_NETWORK = "NetworkError"
 REASON_KILLED = "Killed"
 REASON_EXIT_CODE = "ExitCode"
+REASON_IMAGE_PULL = "ImagePull"
 
 MAX_MESSAGE = 1024
 TRACEBACK_LINES = 6
@@ -109,3 +115,13 @@ def classify(*, exit_code: int | None, reason: str, message: str, disruption: st
     tail = "\n".join(text.strip().splitlines()[-TRACEBACK_LINES:])
     return Failure(USER_CODE, REASON_EXIT_CODE, rank, (f"exit code {exit_code}" + (f": {tail}" if tail else ""))
                    [-MAX_MESSAGE:])
+
+
+def image_pull(waiting_reason: str, detail: str) -> Failure | None:
+    """The class of a pod that cannot start because of its image (the kubelet's waiting reason and message, as
+    observed.PodState.startup_error holds them): Infrastructure, ImagePull, the message `<reason>: <kubelet's
+    message>`; None for any other reason a pod cannot start (a container config error, Unschedulable)."""
+    if waiting_reason not in names.IMAGE_REASONS:
+        return None
+    message = f"{waiting_reason}: {detail}" if detail else waiting_reason
+    return Failure(INFRASTRUCTURE, REASON_IMAGE_PULL, None, message[:MAX_MESSAGE])

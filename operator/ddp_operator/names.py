@@ -229,10 +229,13 @@ REASON_PG_FORMED = "ProcessGroupFormed"  # Stalled=False once every rank joined
 
 # Why a pod that exists cannot start. Container waiting reasons set by the kubelet (CrashLoopBackOff is not
 # one: that container did start), and the scheduler's PodScheduled=False reason.
-STARTUP_WAITING_REASONS = (
+# The image ones are an infrastructure failure (status.lastFailure: Infrastructure, ImagePull; failure_class.py).
+IMAGE_REASONS = (
     "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull", "RegistryUnavailable",
-    "SignatureValidationFailed", "CreateContainerConfigError", "CreateContainerError", "PreCreateHookError",
-    "PreStartHookError",
+    "SignatureValidationFailed",
+)
+STARTUP_WAITING_REASONS = (
+    *IMAGE_REASONS, "CreateContainerConfigError", "CreateContainerError", "PreCreateHookError", "PreStartHookError",
 )
 # The kubelet alternates these while it retries a pull: one condition reason (the first seen) for all of them.
 IMAGE_PULL_REASONS = ("ErrImagePull", "ImagePullBackOff")

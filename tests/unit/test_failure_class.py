@@ -169,3 +169,14 @@ def test_the_avoidance_keeps_the_templates_own_affinity():
         == ["n1", "n2"]
     assert len(own["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]) == 1
     assert kept_off(own, []) is own
+
+
+def test_an_image_that_cannot_be_pulled_is_infrastructure_with_the_kubelets_message():
+    for reason in names.IMAGE_REASONS:
+        f = fc.image_pull(reason, "container trainer: not found")
+        assert (f.cls, f.reason, f.rank) == (fc.INFRASTRUCTURE, fc.REASON_IMAGE_PULL, None)
+        assert f.message == f"{reason}: container trainer: not found"
+    assert len(fc.image_pull("ErrImagePull", "x" * 10_000).message) == fc.MAX_MESSAGE
+    assert fc.image_pull("ErrImagePull", "").message == "ErrImagePull"
+    for other in ("CreateContainerConfigError", "Unschedulable", "CrashLoopBackOff", ""):
+        assert fc.image_pull(other, "no") is None

@@ -167,6 +167,49 @@ def test_startup_timeout_fails_the_job_with_the_blocking_reason():
     assert plan(job, failed.status, observed(), later(200)).actions == ()
 
 
+# --- an image that cannot be pulled: status.lastFailure ---------------------------------------------------------
+def test_an_image_pull_failure_is_the_last_failure_of_class_infrastructure_as_soon_as_seen():
+    job = make_job(failurePolicy={"startupTimeoutSeconds": 120})
+    pulling = observed(rdzv(), _waiting(trainer(0, phase="Pending", node="node-7"), "ErrImagePull", "not found"),
+                       trainer(1, phase="Pending"))
+    p = plan(job, _created(job), pulling, later(3))
+    assert p.status["lastFailure"] == {
+        "class": "Infrastructure", "reason": "ImagePull", "pod": "mnist-0", "node": "node-7",
+        "message": "ErrImagePull: container trainer: not found", "time": "2025-01-01T12:00:03Z", "budget": "none"}
+    assert p.status["restarts"] == 0 and "infraRestarts" not in p.status  # no budget spent: the pod never ran
+    assert p.status["phase"] == names.PHASE_PENDING and p.actions == ()  # nothing else changes
+    # The kubelet's retries (ImagePullBackOff and back, both pods now), a restarted operator: written once per pod.
+    backoff = observed(rdzv(), _waiting(trainer(0, phase="Pending", node="node-7"), "ImagePullBackOff", PULL),
+                       _waiting(trainer(1, phase="Pending"), "ErrImagePull", "not found"))
+    p2 = plan(job, p.status, backoff, later(8))
+    assert p2.status["lastFailure"] == p.status["lastFailure"]
+    assert plan(job, p2.status, backoff, later(9)).status == p2.status
+    # The job fails for it after startupTimeoutSeconds: the image pull is still the failure, no budget spent.
+    failed = plan(job, p2.status, backoff, later(120))
+    assert failed.status["reason"] == names.REASON_STARTUP_TIMEOUT
+    assert failed.status["lastFailure"] == p.status["lastFailure"]
+    assert failed.status["restarts"] == 0 and "infraRestarts" not in failed.status
+
+
+def test_an_image_pull_replaces_an_older_failure_and_other_startup_problems_are_none():
+    job, status = _running()
+    oom = plan(job, status, observed(rdzv(), trainer(0), trainer(1, phase="Failed", exit_code=137,
+                                                                    reason="OOMKilled")), later(10))
+    assert oom.status["lastFailure"]["reason"] == "OOMKilled"
+    # The replacement's image cannot be pulled: that is the last failure now, and it spends nothing more.
+    pulling = observed(rdzv(), trainer(0), _waiting(trainer(1, phase="Pending", uid="new"), "InvalidImageName",
+                                                    'Failed to apply default image tag "x:"'))
+    p = plan(job, oom.status, pulling, later(20))
+    assert p.status["lastFailure"]["reason"] == "ImagePull" and p.status["lastFailure"]["pod"] == "mnist-1"
+    assert p.status["lastFailure"]["message"].startswith("InvalidImageName: container trainer: Failed to apply")
+    assert (p.status["restarts"], p.status.get("infraRestarts")) == \
+        (oom.status["restarts"], oom.status.get("infraRestarts"))
+    # A container config error, a pod waiting for room: the condition or the timeout says so, no lastFailure.
+    config = observed(rdzv(), _waiting(trainer(0, phase="Pending"), "CreateContainerConfigError", "no key k"),
+                      trainer(1, phase="Pending"))
+    assert "lastFailure" not in plan(job, _created(job), config, later(2)).status
+
+
 def test_children_that_cannot_be_created_time_out_too():
     job = make_job(failurePolicy={"startupTimeoutSeconds": 60})
     refusal = {"mnist-rdzv": "cannot create Pod mnist-rdzv: 403 Forbidden: exceeded quota: q"}

@@ -8,7 +8,11 @@
   the kubelet's reason and message (an Unschedulable pod does not: an autoscaler may add room; the startup
   timeout's message names it); a child the API server refuses (Observed.refusals, the shell backs off its
   retries) sets ReplicaFailure=True, reason FailedCreate, with the refusal (one Event per distinct refusal).
-  Both show in status.reason/message and turn False once the cause is gone. While fewer than minNodes trainers
+  Both show in status.reason/message and turn False once the cause is gone. A current pod whose image cannot be
+  pulled or run is also status.lastFailure (Infrastructure, ImagePull, the kubelet's reason and message), as soon
+  as it is seen: it spends no failure budget (the pod never ran, nothing is replaced; the startup timeout bounds
+  it) and is written once per pod, kept while that pod stays blocked by its image (the kubelet's retries flip
+  ErrImagePull and ImagePullBackOff), so an operator restart or the next pass rewrites nothing. While fewer than minNodes trainers
   or no store pod run, status.podsPendingSince says since when; failurePolicy.startupTimeoutSeconds after it the
   job fails (StartupTimeoutExceeded) with the blocking reason.
 """
@@ -16,13 +20,14 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Mapping
 
-from ddp_operator import names
+from ddp_operator import failure_class, names
 from ddp_operator.observed import PodState
 from ddp_operator.plan.children import policy_missing
 from ddp_operator.plan.state import Pass
 from ddp_operator.plan.types import CREATE
-from ddp_operator.status import Event, get_condition
+from ddp_operator.status import Event, get_condition, last_failure
 
 # At most this many refused children are named in the ReplicaFailure condition (and get an Event each).
 REFUSALS_SHOWN = 3
@@ -96,8 +101,22 @@ def startup_problems(ctx: Pass) -> None:
         cond_reason = kept if kept in names.IMAGE_PULL_REASONS and reason in names.IMAGE_PULL_REASONS else reason
         ctx.cond(names.COND_PODS_NOT_STARTING, True, cond_reason, text)
         ctx.reason, ctx.message = reason, f"{ctx.message}; {text}"
+        image_pull_failure(ctx, blocked_pods)
     elif prev.get("status") == "True":
         ctx.cond(names.COND_PODS_NOT_STARTING, False, names.REASON_PODS_STARTED, "no pod is blocked from starting")
+
+
+def image_pull_failure(ctx: Pass, blocked_pods: list[PodState]) -> None:
+    """status.lastFailure for the first of `blocked_pods` whose image cannot be pulled or run, unless it already
+    names one of them (the module docstring: once per pod, no budget spent)."""
+    pulls = [(p, f) for p in blocked_pods if (f := failure_class.image_pull(*p.startup_error)) is not None]
+    if not pulls:
+        return
+    prev = ctx.last_failure if isinstance(ctx.last_failure, Mapping) else {}
+    if prev.get("reason") == failure_class.REASON_IMAGE_PULL and prev.get("pod") in {p.name for p, _ in pulls}:
+        return
+    pod, failure = pulls[0]
+    ctx.last_failure = last_failure({"pod": pod.name, "node": pod.node, "time": ctx.now_s}, failure, "none")
 
 
 def startup_timeout(ctx: Pass) -> bool:
