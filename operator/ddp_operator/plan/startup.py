@@ -12,9 +12,9 @@
   pulled or run is also status.lastFailure (Infrastructure, ImagePull, the kubelet's reason and message), as soon
   as it is seen: it spends no failure budget (the pod never ran, nothing is replaced; the startup timeout bounds
   it) and is written once per pod, kept while that pod stays blocked by its image (the kubelet's retries flip
-  ErrImagePull and ImagePullBackOff), so an operator restart or the next pass rewrites nothing. While fewer than minNodes trainers
-  or no store pod run, status.podsPendingSince says since when; failurePolicy.startupTimeoutSeconds after it the
-  job fails (StartupTimeoutExceeded) with the blocking reason.
+  ErrImagePull and ImagePullBackOff), so an operator restart or the next pass rewrites nothing. While fewer than
+  minNodes trainers or no store pod run, status.podsPendingSince says since when; failurePolicy.startupTimeoutSeconds
+  after it the job fails (StartupTimeoutExceeded) with the blocking reason.
 """
 
 from __future__ import annotations
