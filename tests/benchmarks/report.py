@@ -272,11 +272,13 @@ FAULT_ROWS: list[tuple[str, str, str]] = [
 ]
 
 
-def _fault_cell(r: dict | None) -> tuple[str, str, str, str]:
+def _fault_cell(r: dict | None) -> tuple[str, str, str, str, str]:
     if r is None:
-        return "not run", "—", "—", "—"
+        return "not run", "—", "—", "—", "—"
+    # goodput: the ratio faults.py recorded (the job's status.goodput.ratio at its end); a dash where a result
+    # predates it
     return ("yes" if r.get("survived") else "**no**", _n(r.get("recovery_s"), " s"), _n(r.get("steps_lost")),
-            r.get("resumed_from") or "not restarted")
+            r.get("resumed_from") or "not restarted", _n(r.get("goodput")))
 
 
 def faults_table(bench_dir: Path) -> str:
@@ -285,10 +287,10 @@ def faults_table(bench_dir: Path) -> str:
         return "Not recorded yet: run `make bench-faults`."
     r = doc["result"]
     lines = ["| fault | injected by | what DDPJob is designed to do (issue 8; the measured columns say whether it did) | survived | injection → first resumed step | steps lost "
-             "| resumed from |", "|---|---|---|---|---|---|---|"]
+             "| resumed from | goodput |", "|---|---|---|---|---|---|---|---|"]
     for fault, how, what in FAULT_ROWS:
-        survived, rec, lost, source = _fault_cell(r.get(fault))
-        lines.append(f"| `{fault}` | {how} | {what} | {survived} | {rec} | {lost} | {source} |")
+        survived, rec, lost, source, goodput = _fault_cell(r.get(fault))
+        lines.append(f"| `{fault}` | {how} | {what} | {survived} | {rec} | {lost} | {source} | {goodput} |")
     n = sum(1 for f, *_ in FAULT_ROWS if f in r)
     ok = sum(1 for f, *_ in FAULT_ROWS if (r.get(f) or {}).get("survived"))
     lines.append("")
@@ -297,7 +299,8 @@ def faults_table(bench_dir: Path) -> str:
                  f"per fault on a {(r.get('detail') or {}).get('node_notready', {}).get('nodes', '?')}-node "
                  f"cluster. Survived: the job Succeeded, the fault's checks held and at most one step was lost "
                  f"(node_notready on one node: Succeeded alone). \"not restarted\": training was never "
-                 f"interrupted, nothing was lost.")
+                 f"interrupted, nothing was lost. Goodput: the job's `status.goodput.ratio` at its end, the share of "
+                 f"its run that made new progress ([Goodput](#goodput-what-the-failures-cost)); — where not recorded.")
     nr = (r.get("detail") or {}).get("node_notready") or {}
     if "kubelet_stopped_s" in nr:
         lines[-1] += (f" node_notready: the node was marked NotReady {_n(nr.get('notready_after_s'), ' s')} after the "
@@ -355,7 +358,9 @@ def faults_summary(doc: Doc) -> str:
     r = doc["result"]
     names = [f for f, *_ in FAULT_ROWS if f in r]
     failed = [f for f in names if not r[f].get("survived")]
+    goodput = min(((r[f]["goodput"], f) for f in names if r[f].get("goodput") is not None), default=None)
     return (f"{len(names) - len(failed)}/{len(names)} survived" + (f" (not: {', '.join(failed)})" if failed else "")
+            + (f", goodput ≥ {_n(goodput[0])} ({goodput[1]})" if goodput else "")
             + " — table in [docs/recovery.md](docs/recovery.md#every-fault-once)")
 
 
@@ -383,7 +388,8 @@ ROWS: list[tuple[str, str, Callable[[Doc], str], str, str]] = [
      api("default_progress_period_s"), "≤ N+3 creates (with the NetworkPolicy), ≤ 6 status writes + progress, 0/min", "make bench-api"),
     ("same, the sample's `progressPeriodSeconds: 5`", "api_writes", api("sample_progress_period_s"),
      "progress ≤ 12/min", "make bench-api"),
-    ("every fault once: store, agent, worker, operator lost; hung worker; API server restart; NotReady node",
+    ("every fault once: store, agent, worker, operator lost; hung worker; API server restart; NotReady node; "
+     "every trainer pod evicted (`evict_all`)",
      "faults", faults_summary, "all survived, ≤ 1 step lost", "make bench-faults"),
     ("a kind worker stopped (`docker stop`) / frozen (`docker pause`) under a 2-node job → first resumed step, "
      "3-node kind", "node_loss", node_loss, "after NotReady ≤ nodeLostTimeoutSeconds + 15 s, ≤ 1 step lost",

@@ -43,9 +43,14 @@ def test_a_missing_file_is_shown_as_not_recorded(tmp_path):
 
 def test_the_fault_table_shows_every_fault_of_faults_json(tmp_path):
     result = {
-        "store_loss": {"survived": False, "recovery_s": 21.5, "steps_lost": 27, "resumed_from": "start"},
-        "agent_kill": {"survived": True, "recovery_s": 9.25, "steps_lost": 1, "resumed_from": "local"},
+        "store_loss": {"survived": False, "recovery_s": 21.5, "steps_lost": 27, "resumed_from": "start",
+                       "goodput": 0.7125},
+        "agent_kill": {"survived": True, "recovery_s": 9.25, "steps_lost": 1, "resumed_from": "local",
+                       "goodput": 0.93},
+        # recorded before faults.py recorded goodput: no such key, or the job reported none
         "apiserver_restart": {"survived": True, "recovery_s": None, "steps_lost": 0, "resumed_from": None},
+        "evict_all": {"survived": True, "recovery_s": 14.1, "steps_lost": 1, "resumed_from": "disk",
+                      "goodput": None},
         "all_survived": False, "operator": "helm", "step_delay_s": 0.15,
         "detail": {"node_notready": {"nodes": 1}},
     }
@@ -55,19 +60,36 @@ def test_the_fault_table_shows_every_fault_of_faults_json(tmp_path):
     finally:
         results.BENCH_DIR = saved
     table = report.faults_table(tmp_path)
-    rows = {line.split("|")[1].strip(" `"): [c.strip() for c in line.split("|")[4:8]]
+    head = [c.strip() for c in table.splitlines()[0].split("|")[4:9]]
+    assert head == ["survived", "injection → first resumed step", "steps lost", "resumed from", "goodput"]
+    rows = {line.split("|")[1].strip(" `"): [c.strip() for c in line.split("|")[4:9]]
             for line in table.splitlines() if line.startswith("| `")}
     assert list(rows) == [f for f, *_ in report.FAULT_ROWS]
-    assert rows["store_loss"] == ["**no**", "21.5 s", "27", "start"]
-    assert rows["agent_kill"] == ["yes", "9.25 s", "1", "local"]
-    assert rows["apiserver_restart"] == ["yes", "—", "0", "not restarted"]
-    assert rows["hang"] == ["not run", "—", "—", "—"]
-    assert "2/3 faults survived" in table
+    assert rows["store_loss"] == ["**no**", "21.5 s", "27", "start", "0.7125"]
+    assert rows["agent_kill"] == ["yes", "9.25 s", "1", "local", "0.93"]
+    assert rows["apiserver_restart"] == ["yes", "—", "0", "not restarted", "—"]
+    assert rows["evict_all"] == ["yes", "14.1 s", "1", "disk", "—"]
+    assert rows["hang"] == ["not run", "—", "—", "—", "—"]
+    assert "3/4 faults survived" in table
     summary = report.faults_summary(json.loads((tmp_path / "faults.json").read_text()))
-    assert summary.startswith("2/3 survived (not: store_loss)"), summary
+    assert summary.startswith("3/4 survived (not: store_loss), goodput ≥ 0.7125 (store_loss)"), summary
     assert "make bench-faults" in report.faults_table(tmp_path / "nothing")
 
 
 def test_every_fault_of_the_benchmark_has_a_row():
     from tests.benchmarks import faults
     assert [f for f, *_ in report.FAULT_ROWS] == faults.FAULTS
+
+
+def test_the_recorded_faults_table_renders_rows_without_goodput_as_a_dash():
+    """docs/bench/faults.json as recorded before faults.py kept goodput: every row still renders."""
+    doc = results.load("faults")
+    if doc is None:
+        return
+    table = report.faults_table(results.BENCH_DIR)
+    for fault, *_ in report.FAULT_ROWS:
+        row = next(line for line in table.splitlines() if line.startswith(f"| `{fault}` |"))
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        assert len(cells) == 8, row
+        goodput = (doc["result"].get(fault) or {}).get("goodput")
+        assert cells[-1] == ("—" if goodput is None else f"{goodput:g}"), row
