@@ -131,7 +131,7 @@ bench-api: ## API writes for one clean job at the default and the sample's progr
 bench-scale: ## 200 DDPJobs at once, control plane only (JSON, docs/bench/scale.json)
 	$(PY) tests/benchmarks/scale.py --record
 
-bench-faults: ## every fault once on the cluster: store/agent/worker/operator loss, hang, apiserver restart, NotReady node (docs/bench/faults.json)
+bench-faults: ## every fault once on the cluster: store/agent/worker/operator loss, hang, apiserver restart, NotReady node, every pod evicted (evict_all); per fault survived, recovery, steps lost, goodput (docs/bench/faults.json)
 	$(PY) tests/benchmarks/faults.py --record
 
 bench-node-loss: ## a kind worker stopped and frozen under a training job (docs/bench/node_loss.json)
