@@ -16,7 +16,8 @@ crash back-off starts fresh. Once rank 0 reports --inject-step steps, the fault 
 - `operator_kill`: force-delete pod 1, one second later the operator's pod (`DDPJOB_OPERATOR=subprocess`:
   SIGKILL the operator process and start a new one, as its Deployment would). Checked at every poll:
   at most one live pod per node index, and no failure counted twice (`status.restarts` <= 1, no pod UID
-  twice in `status.attempts`).
+  twice in `status.attempts`); at the end, status.goodput took the one incident in once, not again after the
+  operator's restart (`recoveries` 1: operator_kill_wrong).
 - `apiserver_restart`: `hack/cluster.py restart apiserver`; the operator must carry on without being
   restarted (its pod's UID and restartCount unchanged; as a subprocess: still the same process).
 - `node_notready`: `hack/cluster.py stop kubelet` until the operator has recorded the pods as lost (at most
@@ -134,6 +135,18 @@ def evict_all_wrong(status: dict, evicted: int) -> list[str]:
     if (status.get("disruptions") or 0) < evicted:
         wrong.append(f"status.disruptions {status.get('disruptions') or 0} < {evicted} pods evicted")
     return wrong
+
+
+def operator_kill_wrong(status: dict) -> list[str]:
+    """What is wrong with the job's status.goodput after operator_kill ([] if nothing): the one pod deleted is one
+    recovery, taken in once although a second operator derived goodput again (docs/recovery.md, "Goodput")."""
+    g = status.get("goodput")
+    if not isinstance(g, dict):
+        return ["no status.goodput: the recovery's cost was never taken in"]
+    if g.get("recoveries") != 1:
+        return [f"status.goodput.recoveries {g.get('recoveries')!r}, not 1 (one pod was deleted; byFault "
+                f"{g.get('byFault')!r})"]
+    return []
 
 
 def verdict(succeeded: bool, d: dict, steps_lost: int | None, *, judge_steps: bool = True) -> tuple[bool, list[str]]:
@@ -465,6 +478,8 @@ class Bench:
                 d.setdefault("violations", []).append("the operator never treated the NotReady node's pods as lost")
             if fault == "operator_kill" and counted(st) > 1:
                 d.setdefault("violations", []).append(f"status.restarts + infraRestarts {counted(st)} > 1 at the end")
+            if fault == "operator_kill" and (wrong_goodput := operator_kill_wrong(st)):
+                d.setdefault("violations", []).extend(wrong_goodput)
             if fault == "evict_all" and (wrong_status := evict_all_wrong(st, len(d.get("evicted") or []))):
                 d.setdefault("violations", []).extend(wrong_status)
         except Exception as e:  # noqa: BLE001 - reported, never swallowed: survived is false

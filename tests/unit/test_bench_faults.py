@@ -134,3 +134,25 @@ def test_a_fault_is_survived_only_within_one_step_and_without_a_violation():
         (False, ["status.restarts 1: the evictions spent backoffLimit"])
     assert faults.verdict(True, {}, 557, judge_steps=False) == (True, [])  # node_notready on one node
     assert faults.verdict(False, {"error": "job Failed"}, 3) == (False, ["job Failed"])  # the error says why
+
+
+GOOD_OPERATOR_KILL = {"phase": "Succeeded", "restarts": 0, "infraRestarts": 1,
+                      "lastRecovery": {"fault": "NodeFailed", "resumedFrom": "peer", "stepsLost": 0},
+                      "goodput": {"ratio": 0.91, "recoveries": 1, "stepsLost": 0,
+                                  "byFault": {"NodeFailed": {"recoveries": 1, "seconds": 10.4, "stepsLost": 0}}}}
+
+
+@pytest.mark.parametrize("goodput,wrong", [
+    ({**GOOD_OPERATOR_KILL["goodput"], "recoveries": 2,
+      "byFault": {"NodeFailed": {"recoveries": 2, "seconds": 20.8, "stepsLost": 0}}}, "recoveries 2, not 1"),
+    ({**GOOD_OPERATOR_KILL["goodput"], "recoveries": 0, "byFault": {}}, "recoveries 0, not 1"),
+    ({"ratio": 0.9}, "recoveries None, not 1"),
+    (None, "no status.goodput"),
+])
+def test_operator_kill_takes_the_one_incident_into_goodput_once(goodput, wrong):
+    """A second operator derives status.goodput again: the one pod deleted must still be one recovery."""
+    assert faults.operator_kill_wrong(GOOD_OPERATOR_KILL) == []
+    got = faults.operator_kill_wrong({**GOOD_OPERATOR_KILL, "goodput": goodput})
+    assert len(got) == 1 and wrong in got[0], got
+    survived, why = faults.verdict(True, {"violations": got}, 0)
+    assert not survived and why == got
