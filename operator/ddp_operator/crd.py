@@ -839,7 +839,7 @@ def _status_schema() -> dict:
                           "(spends backoffLimit).", enum=["UserCode", "Infrastructure", "Hang"]),
             "reason": _str("The exception type (e.g. FileNotFoundError), ExitCode, OOMKilled, NetworkError, Killed, "
                            "PodDeleted, a disruption reason (Evicted, NodeLost, ...), RendezvousStoreLost, "
-                           "NodeMissing or Hang."),
+                           "NodeMissing, ImagePull (the pod's image cannot be pulled: no budget spent) or Hang."),
             "pod": _str("Pod name."),
             "node": _str("Node it ran on."),
             "rank": _int("The failing global rank, from torchrun's summary, when it names one."),
