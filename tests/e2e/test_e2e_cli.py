@@ -4,9 +4,15 @@ PATH), in a real terminal (tmux) for the live views, against real jobs on the cl
 - A user's script (tests/e2e/cli_scripts/train_regression.py) run with `kubectl ddp run` on 2 nodes, with a pod
   killed midway: the terminal shows the progress line (with the ETA the script's total allows) and the recovery,
   `run` exits 0; `logs -f`, started before the kill, has both ranks' lines in time order and goes on with the
-  replacement pod; `plot -o` writes a PNG whose data are exactly the losses rank 0 logged; `describe` and `top`
-  (live, in the terminal, and as JSON) show the job, its attempt and its recovery.
+  replacement pod; `logs --rank 1` is rank 1's log alone; `plot -o` writes a PNG whose data are exactly the losses
+  rank 0 logged, and `plot` without -o draws the same points on the terminal; `describe` and `top` (live, in the
+  terminal, and as JSON) show the job, its pods, its attempt and its recovery.
 - A script that fails (a missing config file): `run` streams the traceback and exits 1, and `describe` shows why.
+- A script that the OOM killer ends, restarted in place: `logs --previous` is the killed container's log.
+
+With DDPJOB_TEST_ARTIFACTS naming a directory, what the user saw is copied there as evidence: the live `run` view
+when its progress line is asserted (run-view.txt), `top` of the job and of the namespace (top.txt, top-jobs.txt), the
+terminal chart (plot.txt) and the PNG (loss.png).
 """
 
 from __future__ import annotations
@@ -18,15 +24,30 @@ import shutil
 import subprocess
 import sys
 import time
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
 
+from ddp_operator import names
 from tests.e2e import harness as h
 from tests.support.waiting import WaitTimeout, wait_for
 
 SCRIPTS = Path(__file__).parent / "cli_scripts"
 VENV_BIN = Path(sys.executable).parent
+ARTIFACTS = "DDPJOB_TEST_ARTIFACTS"
+
+
+def keep(name: str, what: str | Path) -> None:
+    """With DDPJOB_TEST_ARTIFACTS set: a copy of what the user saw (a captured pane, a PNG) in that directory."""
+    folder = os.environ.get(ARTIFACTS)
+    if not folder:
+        return
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    if isinstance(what, Path):
+        shutil.copyfile(what, Path(folder) / name)
+    else:
+        (Path(folder) / name).write_text(what)
 
 
 def _env(kubectl) -> dict[str, str]:
@@ -78,8 +99,56 @@ class Terminal:
             raise AssertionError(f"{e}; the terminal shows:\n{self.screen(True)[-4000:]}") from None
         return found[0]
 
+    def wait_all(self, patterns: list[str], timeout: float) -> str:
+        """The first screen on which every pattern matches: a live view redraws, so one capture shows them all."""
+        shown = [""]
+
+        def check():
+            shown[0] = self.screen()
+            return all(re.search(p, shown[0], re.MULTILINE) for p in patterns)
+        try:
+            wait_for(check, timeout, f"{len(patterns)} patterns on one screen")
+        except WaitTimeout as e:
+            missing = [p for p in patterns if not re.search(p, shown[0], re.MULTILINE)]
+            raise AssertionError(f"{e}; missing {missing}; the terminal shows:\n{shown[0]}") from None
+        return shown[0]
+
     def close(self) -> None:
         subprocess.run([self.tmux, "-L", self.socket, "kill-server"], capture_output=True, timeout=30)
+
+
+def _lines(text: str) -> list[str]:
+    """A log's lines as written (a last line without its newline is one; a carriage return ends none)."""
+    lines = text.split("\n")
+    return [ln.removesuffix("\r") for ln in (lines[:-1] if lines[-1] == "" else lines)]
+
+
+def _pod_row(pod: dict) -> str:
+    """The row `top JOB` shows for a pod, as the pod has it: name, rank (node index), node, the trainer's state."""
+    trainer = next(c for c in pod["status"]["containerStatuses"] if c["name"] == names.TRAINER_CONTAINER)
+    kind, detail = next(iter(trainer["state"].items()))
+    state = "Running" if kind == "running" else detail.get("reason") or kind.capitalize()
+    return (rf"^{pod['metadata']['name']} +{pod['metadata']['labels'][names.LABEL_NODE_INDEX]} +"
+            rf"{re.escape(pod['spec']['nodeName'])} +{re.escape(state)} +\d+ +\S+")
+
+
+def _chart_axes(chart: str) -> tuple[list[str], list[int]]:
+    """The y axis' labels (top first) and the x axis' step ticks of a plotext chart."""
+    ys = re.findall(r"^ *([-+]?\d[\d.]*(?:e[-+]?\d+)?) *┤", chart, re.MULTILINE)
+    lines = chart.splitlines()
+    below = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("└"))
+    return ys, [int(t) for t in lines[below + 1].split()]
+
+
+def _label_shows(label: str, value: float) -> bool:
+    """An axis label is the value rounded to the label's last digit."""
+    return abs(float(label) - value) <= 10.0 ** Decimal(label).as_tuple().exponent
+
+
+def _trainer_restarts(kubectl, namespace: str, pod: str) -> int:
+    p = kubectl.json("get", "pod", pod, "-n", namespace)
+    return next((c.get("restartCount", 0) for c in p["status"].get("containerStatuses") or []
+                 if c["name"] == names.TRAINER_CONTAINER), 0)
 
 
 def _rank0_losses(text: str) -> dict[int, float]:
@@ -103,8 +172,9 @@ def test_run_follows_a_script_through_a_killed_pod_and_every_view_shows_it(kubec
         follower = subprocess.Popen([kubectl.binary, "ddp", "logs", "cli", "-f", "-n", ns], env=_env(kubectl),
                                     stdout=log_file.open("w"), stderr=subprocess.STDOUT)
         # 2 nodes x 20 batches of 32 per epoch, 5 epochs: the script's total is 100 steps.
-        line = term.wait_for(r"Running · nodes 2/2 · step (\d+)/100 · epoch \d+ · loss [\d.]+ · [\d,]+ samples/s · "
-                             r"ETA \d+", 150).group(0)
+        progress_line = term.wait_for(r"Running · nodes 2/2 · step (\d+)/100 · epoch \d+ · loss [\d.]+ · "
+                                      r"[\d,]+ samples/s · ETA \d+", 150)
+        keep("run-view.txt", progress_line.string)  # the pane as it was when the progress line matched
         h.wait_rank0_step(kubectl, ns, "cli", 25, timeout=90)
         progress = h.status(kubectl, ns, "cli")["progress"]
         step_at_kill, rank0_pod = int(progress["step"]), progress["pod"]
@@ -131,6 +201,15 @@ def test_run_follows_a_script_through_a_killed_pod_and_every_view_shows_it(kubec
         # Both ranks' lines, in time order: global rank 0's steps climb from the first to the last.
         assert steps0 and steps0[0] <= step_at_kill and steps0[-1] == 100 and max(steps0) == 100, steps0[:5]
 
+        # --rank 1: the pod of node index 1 alone (after the kill: the one running now), all of its log, every line
+        # under its own prefix.
+        p = ddp(kubectl, "logs", "cli", "--rank", "1", "-n", ns)
+        assert p.returncode == 0, p.stderr
+        shown = _lines(p.stdout)
+        assert shown and all(ln.startswith("[1 cli-1] ") for ln in shown), shown[:10]
+        assert [ln.removeprefix("[1 cli-1] ") for ln in shown] == _lines(h.pod_logs(kubectl, ns, "cli-1")), \
+            shown[-10:]
+
         png = tmp_path / "loss.png"
         p = ddp(kubectl, "plot", "cli", "-n", ns, "-o", str(png))
         assert p.returncode == 0, p.stderr
@@ -140,6 +219,21 @@ def test_run_follows_a_script_through_a_killed_pod_and_every_view_shows_it(kubec
         assert len(plotted) >= 10 and plotted[-1][0] == 100, plotted
         for step, loss in plotted:
             assert loss == pytest.approx(logged[step], rel=1e-5), (step, loss, logged.get(step))
+        keep("loss.png", png)
+
+        # Without -o, the same points as a chart on the terminal: its title and x axis span the run's steps, its y
+        # axis the losses' range, and the lines under it give the first and last loss.
+        p = ddp(kubectl, "plot", "cli", "-n", ns)
+        assert p.returncode == 0, p.stderr
+        chart = p.stdout
+        keep("plot.txt", chart)
+        (first, first_loss), (last, last_loss) = plotted[0], plotted[-1]
+        assert f"loss vs step ({len(plotted)} points, steps {first}–{last})" in chart, chart
+        y_labels, x_ticks = _chart_axes(chart)
+        losses = [loss for _, loss in plotted]
+        assert _label_shows(y_labels[0], max(losses)) and _label_shows(y_labels[-1], min(losses)), (y_labels, chart)
+        assert x_ticks == sorted(x_ticks) and first <= x_ticks[0] and x_ticks[-1] == 100, (x_ticks, chart)
+        assert f"loss: first {first_loss:.4g} (step {first}), last {last_loss:.4g} (step {last})" in chart, chart
 
         text = ddp(kubectl, "describe", "cli", "-n", ns).stdout
         assert re.search(r"^Phase: +Succeeded", text, re.MULTILINE), text
@@ -158,10 +252,30 @@ def test_run_follows_a_script_through_a_killed_pod_and_every_view_shows_it(kubec
 
         rows = json.loads(ddp(kubectl, "top", "cli", "-n", ns, "-o", "json").stdout)
         assert rows["job"][1:3] == ["cli", "Succeeded"] and rows["lastRecovery"].startswith("recovered from")
+        # `top cli`, live: a row per pod as the pods themselves say (name, rank, node, the trainer's state), the
+        # attempts timeline with a line per status.attempts entry (the kill among them), and the last recovery.
+        pods = h.trainer_pods(kubectl, ns, "cli")
+        assert [p["metadata"]["name"] for p in pods] == ["cli-0", "cli-1"], pods
+        attempts = st.get("attempts") or []
+        assert attempts, st
+        top = Terminal(kubectl, "top-job", f"kubectl ddp top cli -n {ns} --interval 1", tmp_path)
+        try:
+            screen = top.wait_all(
+                [rf"^{ns}/cli +Succeeded\b", r"^POD +RANK +NODE +STATE +RESTARTS +AGE",
+                 *map(_pod_row, pods), r"^Attempts \(oldest first\)",
+                 *(rf"^ *\S+ ago +rank {a.get('index', '-')} +{re.escape(str(a.get('pod', '-')))} on "
+                   rf"{re.escape(a.get('node') or '-')}: " for a in attempts),
+                 rf"ago +rank {other[-1]} +{other} on \S+: Infrastructure PodDeleted",
+                 r"^Last recovery: recovered from \w+"], 30)
+            keep("top.txt", screen)
+            top.keys("C-c")
+            top.wait_for(r"^EXIT=0", 30)
+        finally:
+            top.close()
         top = Terminal(kubectl, "top", f"kubectl ddp top -n {ns} --interval 1", tmp_path)
         try:
             top.wait_for(r"NAME +PHASE +NODES +STEP +LOSS +SAMPLES/S +GOODPUT +RESTARTS +AGE", 30)
-            top.wait_for(r"^cli +Succeeded +\S+ +100 ", 30)
+            keep("top-jobs.txt", top.wait_for(r"^cli +Succeeded +\S+ +100 ", 30).string)
             top.keys("C-c")
             top.wait_for(r"^EXIT=0", 30)
         finally:
@@ -210,5 +324,23 @@ def test_an_oom_kill_is_the_infrastructures_and_never_spends_the_users_budget(ku
     assert (failure["class"], failure["budget"]) == ("Infrastructure", "infraBackoffLimit"), failure
     assert failure["reason"] in ("OOMKilled", "Killed"), failure
     assert st.get("restarts", 0) == 0 and st["infraRestarts"] >= 1 and st["phase"] != "Failed", st
+
+    # The kubelet restarted the killed trainer in place (restartPolicy OnFailure): `logs --previous` is that
+    # container's log, line for line what `kubectl logs --previous` gives, under the pod's prefix. Read again when
+    # a further restart came between the two reads (the previous container is then another).
+    seen: dict = {}
+
+    def previous_alike() -> bool:
+        if _trainer_restarts(kubectl, ns, "hog-0") < 1:
+            return False
+        p = ddp(kubectl, "logs", "hog", "--previous", "-n", ns)
+        seen.update(rc=p.returncode, ours=_lines(p.stdout), err=p.stderr,
+                    theirs=_lines(h.pod_logs(kubectl, ns, "hog-0", previous=True)))
+        return (p.returncode == 0 and all(ln.startswith("[0 hog-0] ") for ln in seen["ours"])
+                and [ln.removeprefix("[0 hog-0] ") for ln in seen["ours"]] == seen["theirs"])
+    try:
+        wait_for(previous_alike, 60, "logs --previous of hog-0 as kubectl logs --previous has it")
+    except WaitTimeout as e:
+        raise AssertionError(f"{e}: {seen}") from None
     text = ddp(kubectl, "describe", "hog", "-n", ns).stdout
     assert re.search(r"^Budgets: +0/0 backoffLimit .*, [1-9]\d*/50 infraBackoffLimit", text, re.MULTILINE), text
