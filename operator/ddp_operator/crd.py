@@ -773,8 +773,9 @@ def _status_schema() -> dict:
     )
     last_recovery = _obj(
         "The most recent recovery, from the trainer's report (progress channel `recovery`) and the incident the "
-        "operator recorded for it. Absent for scripts that report no recovery; a figure the trainer could not "
-        "measure (no high-water mark survived: every pod was replaced) is left out.",
+        "operator recorded for it. Absent for scripts that report no recovery. A figure the trainer could not "
+        "measure (no high-water mark survived: every pod was replaced) is the operator's lower bound when it "
+        "recorded the incident (listed in `estimated`), else left out.",
         {
             "fault": _str("What the recovery was from: the reason of the incident the operator recorded ("
                           "NodeFailed, NodeDisrupted, RendezvousStoreLost, Hang, NodeMissing, ...), or "
@@ -783,13 +784,21 @@ def _status_schema() -> dict:
             "startedAt": _str("When it started: the incident time the operator recorded, else the trainer's last "
                               "step before the fault.", format="date-time"),
             "seconds": {"type": "number", "description": "From the last step completed before the fault to the "
-                        "first step completed after the resume (trainer clock)."},
+                        "first step completed after the resume (trainer clock); estimated: from startedAt."},
             "stepsLost": _int("The highest step any rank completed before the fault minus the restored step "
-                              "(never clamped)."),
+                              "(never clamped); estimated: the last step status.progress showed before the "
+                              "fault minus the restored step (0 for start)."),
             "resumedFrom": _str("Where the state came from: peer (another pod's snapshot), local (the pod's own "
                                 "snapshot), disk (a checkpoint) or start (nothing: from step 0).",
                                 enum=list(names.RESUMED_FROM)),
             "restoredFromPod": _str("The pod whose snapshot was used (peer/local)."),
+            "estimated": {"type": "array", "maxItems": 2,
+                          "items": _str("A field of this record.", enum=["seconds", "stepsLost"]),
+                          "description": "The figures the operator estimated because the trainer could not measure "
+                                         "them; together a lower bound of what the recovery cost: the steps done "
+                                         "after its last progress poll before the fault, or the time until it "
+                                         "recorded the incident, are not in them (docs/recovery.md, "
+                                         "'status.lastRecovery')."},
         },
     )
     def num(description: str) -> dict:

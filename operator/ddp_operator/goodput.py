@@ -6,8 +6,9 @@ The definition (docs/recovery.md, "Goodput"), once for every reader (the status,
     queued      = time Suspended (spec.runPolicy.suspend, or held or evicted by Kueue)
     starting    = from the creation to the first step the trainer reported, less the time queued before it
     recovering  = for each recovery, from the fault to the first step after the resume (status.lastRecovery.seconds;
-                  from startedAt to `at` when the trainer could not measure it)
-    redone      = for each recovery, the steps lost x the step time (the steps done again)
+                  the operator's estimate when the trainer could not measure it: status.last_recovery)
+    redone      = for each recovery, the steps lost x the step time (the steps done again; the step time from two
+                  consecutive progress reports of one run, never two around a recovery)
     productive  = wall - queued - starting - recovering - redone (never below 0)
     ratio       = productive / wall
 
@@ -81,7 +82,10 @@ def derive(prev: Mapping[str, Any] | None, *, created: datetime | None, now: dat
     # Times within what a datetime holds: status is only as trustworthy as whoever may write it.
     t1, t0 = real(p.get("time"), 0.0, MAX_UNIX_TIME), real(q.get("time"), 0.0, MAX_UNIX_TIME)
     s1, s0 = _num(p.get("step")), _num(q.get("step"))
-    if None not in (t1, s1, t0, s0) and s1 > s0 and t1 > t0:
+    # Two reports around a recovery are of two runs: the time between them is the recovery's, not the steps'.
+    fault = parse_time(recovery.get("startedAt")) if isinstance(recovery, Mapping) else None
+    across = fault is not None and None not in (t0, t1) and t0 < fault.timestamp() < t1
+    if None not in (t1, s1, t0, s0) and s1 > s0 and t1 > t0 and not across:
         g["stepSeconds"] = round((t1 - t0) / (s1 - s0), 6)
     if not g.get("firstStepAt") and s1 is not None and s1 >= 1 and t1 is not None:
         g["firstStepAt"] = format_time(_unix(t1))

@@ -368,7 +368,8 @@ class ProgressPoller:
                 obj = record.of(job.uid)
                 base = obj.written or status
                 current = base.get("progress") or {}
-                recovery = last_recovery(base.get("lastRecovery"), base.get("lastIncident"), report)
+                # Before this write's progress: the last step seen before the fault (a start-over's estimate).
+                recovery = last_recovery(base.get("lastRecovery"), base.get("lastIncident"), report, current)
                 written_at = obj.progress_written_at
             patch: dict[str, Any] = {}
             if (newer_progress(current, new) is new

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping
 
 from ddp_operator import names
 from ddp_operator.observed import PodState, format_time, parse_time
+from ddp_operator.report import MAX_COUNT, MAX_UNIX_TIME
 from ddp_operator.report import real, shown, valid_members, valid_report  # noqa: F401 (valid_members: spares.py)
 
 WARNING_CONDITIONS = {names.COND_FAILED, names.COND_RESTARTING, names.COND_REPLICA_FAILURE,
@@ -232,7 +233,8 @@ def _unix(value: float) -> str:
 
 
 def last_recovery(prev: Mapping[str, Any] | None, incident: Mapping[str, Any] | None,
-                  report: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+                  report: Mapping[str, Any] | None, progress: Mapping[str, Any] | None = None
+                  ) -> Mapping[str, Any] | None:
     """status.lastRecovery from global rank 0's report and the operator's last incident; `prev` when the report
     carries no complete `recovery` (plain scripts, an older trainer, a resume whose first step is not done yet).
 
@@ -240,6 +242,10 @@ def last_recovery(prev: Mapping[str, Any] | None, incident: Mapping[str, Any] | 
     the fault and its first step after the resume (give or take RECOVERY_MATCH_SLACK_SECONDS of clock skew);
     otherwise the fault is WorkerRestart when rank 0's torchrun restarted its workers, else Unknown. Level-based:
     the same status and report always give the same value.
+
+    A figure the trainer could not measure (no high-water mark survived: every pod lost, no checkpoint volume) is
+    estimated by the operator when it recorded the incident (`_estimates`; listed in `estimated`): `progress` is
+    status.progress as it stood before this write (the poller's and the pass's `prev`).
     """
     checked = valid_report({k: v for k, v in report.items() if k != "rank"})[0] if isinstance(report, Mapping) \
         else None
@@ -252,25 +258,71 @@ def last_recovery(prev: Mapping[str, Any] | None, incident: Mapping[str, Any] | 
         return prev
     seconds = float(seconds) if _number(seconds) and 0 <= seconds <= at else None
     last_step = at - seconds if seconds is not None else None
-    fault, started = None, None
+    fault, started, incident_at = None, None, None
     t = parse_time((incident or {}).get("time"))
     if t is not None and (incident or {}).get("reason"):
         ts = t.timestamp()
         if ts <= at + RECOVERY_MATCH_SLACK_SECONDS and (last_step is None or
                                                          ts >= last_step - RECOVERY_MATCH_SLACK_SECONDS):
-            fault, started = str(incident["reason"]), format_time(t)  # type: ignore[index]
+            fault, started, incident_at = str(incident["reason"]), format_time(t), ts  # type: ignore[index]
     if fault is None:
         restarts = (checked or {}).get("workerRestarts")
         fault = names.FAULT_WORKER_RESTART if _number(restarts) and restarts > 0 else names.FAULT_UNKNOWN
         started = _unix(last_step) if last_step is not None else None
     lost = rec.get("stepsLost")
+    lost = int(lost) if _number(lost) else None
+    estimated: list[str] = []
+    if incident_at is not None and (seconds is None or lost is None):
+        if (isinstance(prev, Mapping) and prev.get("estimated") and prev.get("startedAt") == started
+                and prev.get("fault") == fault and prev.get("resumedFrom") == resumed):
+            return prev  # the same recovery, estimated when it was first seen: progress has moved on since
+        step = rec.get("step", 0 if resumed == "start" else None)  # from step 0
+        seconds, lost, estimated = _estimates(prev, progress, incident_at, at, step, seconds, lost)
     pod = rec.get("restoredFromPod")
     out: dict[str, Any] = {
         "fault": fault,
         "startedAt": started,
         "seconds": round(seconds, 3) if seconds is not None else None,
-        "stepsLost": int(lost) if _number(lost) else None,
+        "stepsLost": lost,
         "resumedFrom": resumed,
         "restoredFromPod": pod[:_MAX_POD_NAME] if isinstance(pod, str) and pod else None,
+        "estimated": estimated or None,
     }
     return {k: v for k, v in out.items() if v is not None}  # unknown figures are left out (merge patch: null deletes)
+
+
+def _estimates(prev: Mapping[str, Any] | None, progress: Mapping[str, Any] | None, incident_at: float, at: float,
+               step: Any, seconds: float | None, lost: int | None) -> tuple[float | None, int | None, list[str]]:
+    """(seconds, stepsLost, the names of those the operator estimated) for a recovery the trainer could not measure,
+    from what the operator saw itself (docs/recovery.md, "status.lastRecovery").
+
+    seconds: from the incident (when the operator recorded the fault) to the first resumed step (`at`). stepsLost:
+    the last step status.progress showed before the fault minus the step the run resumed at (0 from the start), a
+    lower bound (the steps done after the operator last looked, at most one progressPeriodSeconds' worth, are not in
+    it). Together they fall short of the cost by about the time from that progress to the incident.
+    status.progress is from before the fault when its trainer time is before `at` (it never goes back: a run that
+    started over is shown again only once it passes that step) and after the previous recovery `prev` ended; else,
+    like an incident from before `prev` ended, it is no estimate.
+    """
+    estimated = []
+    after = _recovery_end(prev)
+    if after is not None and incident_at <= after:
+        return seconds, lost, estimated  # that incident was the previous recovery's
+    if seconds is None:
+        seconds = max(0.0, at - incident_at)
+        estimated.append("seconds")
+    p = progress if isinstance(progress, Mapping) else {}
+    seen, seen_at = p.get("step"), real(p.get("time"), 0.0, MAX_UNIX_TIME)
+    if (lost is None and isinstance(seen, int) and not isinstance(seen, bool) and 0 <= seen <= MAX_COUNT
+            and isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= seen
+            and seen_at is not None and seen_at < at and (after is None or seen_at > after)):
+        lost = seen - step
+        estimated.append("stepsLost")
+    return seconds, lost, estimated
+
+
+def _recovery_end(record: Mapping[str, Any] | None) -> float | None:
+    """When a recorded recovery ended (startedAt + seconds, Unix time), None when its start is not known."""
+    if not isinstance(record, Mapping) or (started := parse_time(record.get("startedAt"))) is None:
+        return None
+    return started.timestamp() + (real(record.get("seconds"), 0.0, MAX_UNIX_TIME) or 0.0)

@@ -112,3 +112,37 @@ def test_a_preemption_is_queued_time_not_recovering_time():
                        recovery=recovery(40, 70.0, 0, fault="Evicted"))
     assert (g["seconds"]["queued"], g["seconds"]["recovering"]) == (60.0, 10.0)
     assert g["byFault"]["Evicted"]["seconds"] == 10.0
+
+
+def test_a_start_over_the_trainer_could_not_measure_counts_its_redone_steps():
+    """Every pod lost, no checkpoint volume: the run starts over from step 0 and its recovery report has neither
+    seconds nor stepsLost. The operator's estimate (status.last_recovery: the last step it showed before the fault,
+    and the time from its incident) is counted: recovering and redone, once, the step time left as it was learned."""
+    from ddp_operator.status import last_recovery
+
+    # One step a second: step 1 at 20 s, step 300 at 319 s (the last progress written before the fault).
+    g = goodput.derive(None, created=T0, now=at(21), phase="Running", progress=progress(1, 20), refresh=True)
+    g = goodput.derive(g, created=T0, now=at(320), phase="Running", progress=progress(300, 319),
+                       prev_progress=progress(1, 20), refresh=True)
+    assert g["stepSeconds"] == 1.0 and g["ratio"] > 0.9
+    # The incident at 325 s; the new run's first step at 380 s: the poller writes the record with its progress.
+    incident = {"reason": names.REASON_NODE_FAILED, "time": format_time(at(325))}
+    report = {"rank": 0, "step": 1, "time": at(380).timestamp(),
+              "recovery": {"resumedFrom": "start", "step": 0, "at": at(380).timestamp()}}
+    rec = last_recovery(None, incident, report, progress(300, 319))
+    assert (rec["stepsLost"], rec["seconds"], rec["estimated"]) == (300, 55.0, ["seconds", "stepsLost"])
+    g = goodput.derive(g, created=T0, now=at(381), phase="Running", progress=progress(1, 380),
+                       prev_progress=progress(300, 319), recovery=rec, refresh=True)
+    assert (g["recoveries"], g["stepsLost"], g["seconds"]["recovering"], g["seconds"]["redone"]) == (1, 300, 55.0,
+                                                                                                     300.0)
+    # Later polls: the new run at step 20 (status.progress still shows 300), then past it at 310: the record is
+    # the same, counted once, and the two reports around the recovery teach no step time.
+    for step, t in ((20, 399), (310, 689)):
+        rec = last_recovery(rec, incident, {**report, "step": step}, progress(300, 319))
+        g = goodput.derive(g, created=T0, now=at(t + 1), phase="Running", progress=progress(step, t),
+                           prev_progress=progress(300, 319), recovery=rec, refresh=True)
+        assert (g["recoveries"], g["stepsLost"], g["stepSeconds"]) == (1, 300, 1.0)
+    g = goodput.derive(g, created=T0, now=at(1000), phase=names.PHASE_SUCCEEDED, prev_phase="Running",
+                       completed=at(1000), recovery=rec)
+    assert g["seconds"] == {"productive": 625.0, "starting": 20.0, "queued": 0.0, "recovering": 55.0, "redone": 300.0}
+    assert g["ratio"] == 0.625 and g["byFault"] == {"NodeFailed": {"recoveries": 1, "seconds": 355.0, "stepsLost": 300}}

@@ -361,6 +361,37 @@ def test_last_recovery_is_written_from_rank0s_report(monkeypatch):
     assert _obj(r, key, body).written["lastRecovery"]["stepsLost"] == 1
 
 
+def test_a_start_over_is_estimated_from_the_progress_written_before_the_fault(monkeypatch):
+    """Every pod lost, no checkpoint volume: rank 0's record has neither seconds nor stepsLost. The poller writes
+    the operator's estimate from the status before its write (progress at step 300 from before the fault), in the
+    same write as the goodput that counts it; later polls leave both as they are."""
+    r = _reconciler()
+    key, body, port = _hung_job(r, monkeypatch)
+    obj = _obj(r, key, body)
+    obj.written.update(progress={"step": 300, "time": 1735732890.0, "summary": "step 300"},  # 12:01:30Z
+                       lastIncident={"reason": names.REASON_NODE_FAILED, "time": "2025-01-01T12:01:35Z"},
+                       goodput={"since": "2025-01-01T12:00:00Z", "stepSeconds": 0.5})
+    report = {"rank": 0, "step": 2, "time": 1735732951.0, "workerRestarts": 0,
+              "recovery": {"resumedFrom": "start", "step": 0, "at": 1735732950.0}}
+    for step in (2, 20):
+        rank0 = _Serve("127.0.0.2", port, {**report, "step": step})
+        try:
+            obj.progress_at = 0.0
+            r.poller.poll(key)
+        finally:
+            rank0.close()
+        status = obj.written
+        assert status["progress"]["step"] == 300  # never back
+        assert status["lastRecovery"] == {"fault": names.REASON_NODE_FAILED, "startedAt": "2025-01-01T12:01:35Z",
+                                          "seconds": 55.0, "stepsLost": 300, "resumedFrom": "start",
+                                          "estimated": ["seconds", "stepsLost"]}
+        g = status["goodput"]
+        assert (g["recoveries"], g["stepsLost"], g["seconds"]["recovering"], g["seconds"]["redone"]) == (1, 300, 55.0,
+                                                                                                         150.0)
+    r.reconcile(*key)
+    assert obj.written["lastRecovery"]["stepsLost"] == 300 and obj.written["goodput"]["recoveries"] == 1
+
+
 # --- kopf's memo and the parsed spec ------------------------------------------------------------------------------
 def test_the_memo_carries_the_configuration_to_the_reconciler_and_every_handler(monkeypatch):
     import kopf

@@ -1,5 +1,9 @@
 """observed.observe_pod and status helpers: what a pod means, conditions, Events, progress."""
 
+import json
+
+import pytest
+
 from ddp_operator import names
 from ddp_operator.observed import observe_pod
 from ddp_operator.status import condition_events, progress_status, progress_summary, set_condition
@@ -148,6 +152,83 @@ def test_last_recovery_is_left_alone_without_a_complete_recovery_report():
     # idempotent
     assert last_recovery(out, None, _report(seconds=None, stepsLost=None, highestStep=None, resumedFrom="disk",
                                             restoredFromPod=None)) == out
+
+
+# A start-over the trainer could not measure (every pod lost, no checkpoint volume: no high-water mark survived).
+# The last progress the operator wrote before the fault: step 300 at 12:01:30Z; the incident at 12:01:35Z; the first
+# step of the new run (from step 0) at 12:02:30Z.
+SEEN = {"step": 300, "time": 1735732890.0}
+INCIDENT = {"reason": names.REASON_NODE_FAILED, "time": "2025-01-01T12:01:35Z"}
+
+
+def _start_over(**recovery):
+    rec = {"resumedFrom": "start", "step": 0, "at": 1735732950.0, **recovery}
+    return {"rank": 0, "step": 1, "workerRestarts": 0, "recovery": rec}
+
+
+def test_a_start_over_the_trainer_could_not_measure_is_estimated_by_the_operator():
+    from ddp_operator.status import last_recovery
+
+    out = last_recovery(None, INCIDENT, _start_over(), SEEN)
+    assert out == {"fault": names.REASON_NODE_FAILED, "startedAt": "2025-01-01T12:01:35Z", "seconds": 55.0,
+                   "stepsLost": 300, "resumedFrom": "start", "estimated": ["seconds", "stepsLost"]}
+    # a resume from a checkpoint below the step seen (no mark survived): the steps since that checkpoint
+    disk = last_recovery(None, INCIDENT, _start_over(resumedFrom="disk", step=250), SEEN)
+    assert disk["stepsLost"] == 50 and disk["estimated"] == ["seconds", "stepsLost"]
+    # a figure the trainer measured is its own; only the missing one is estimated
+    own = last_recovery(None, INCIDENT, _start_over(seconds=70.0), SEEN)
+    assert (own["seconds"], own["stepsLost"], own["estimated"]) == (70.0, 300, ["stepsLost"])
+    measured = last_recovery(None, INCIDENT, _start_over(seconds=70.0, stepsLost=305, highestStep=305), SEEN)
+    assert "estimated" not in measured and measured["stepsLost"] == 305
+
+
+def test_the_estimate_is_kept_when_progress_moves_on():
+    """Level-based: later polls (the new run at step 20, then past the old step) and the pass leave it as it was."""
+    from ddp_operator.status import last_recovery
+
+    first = last_recovery(None, INCIDENT, _start_over(), SEEN)
+    for later in ({"step": 20, "time": 1735732970.0}, {"step": 320, "time": 1735733300.0}, SEEN, None):
+        report = {**_start_over(), "step": later["step"] if later else 5}
+        assert last_recovery(first, INCIDENT, report, later) is first
+    # progress written after the resume (the operator first saw the record late) is no step before the fault
+    late = last_recovery(None, INCIDENT, _start_over(), {"step": 320, "time": 1735733300.0})
+    assert (late["seconds"], late.get("stepsLost"), late["estimated"]) == (55.0, None, ["seconds"])
+
+
+@pytest.mark.parametrize("step", [-1, True, False, 10 ** 30, 2 ** 53 + 1, "300", float("nan"), None, [300]])
+def test_a_garbage_progress_step_is_no_estimate(step):
+    from ddp_operator.status import last_recovery
+
+    out = last_recovery(None, INCIDENT, _start_over(), {"step": step, "time": SEEN["time"]})
+    assert "stepsLost" not in out and out["estimated"] == ["seconds"]
+    json.dumps(out, allow_nan=False)
+
+
+@pytest.mark.parametrize("progress", [{"step": 300, "time": t} for t in (-1.0, 1e300, "x", True, float("nan"))]
+                         + [{"step": 300}, "junk", [300]])
+def test_a_garbage_progress_time_is_no_estimate(progress):
+    from ddp_operator.status import last_recovery
+
+    out = last_recovery(None, INCIDENT, _start_over(), progress)
+    assert "stepsLost" not in out and out["estimated"] == ["seconds"]
+
+
+def test_no_estimate_from_what_an_earlier_recovery_already_holds():
+    from ddp_operator.status import last_recovery
+
+    # No incident recorded: the operator saw no fault of its own and estimates nothing (as before).
+    assert last_recovery(None, None, _start_over(), SEEN) == {"fault": names.FAULT_UNKNOWN, "resumedFrom": "start"}
+    # The incident is the previous recovery's (it ended at 12:01:45Z): not this one's start.
+    prev = {"fault": names.REASON_NODE_FAILED, "startedAt": "2025-01-01T12:01:35Z", "seconds": 10.0,
+            "stepsLost": 1, "resumedFrom": "peer"}
+    assert "estimated" not in last_recovery(prev, INCIDENT, _start_over(), SEEN)
+    # A new incident, but the progress shown is from before the previous recovery (the run that started over failed
+    # again before it passed that step): those steps were that recovery's.
+    second = {"reason": names.REASON_HANG, "time": "2025-01-01T12:02:10Z"}
+    prev = {"fault": names.REASON_NODE_FAILED, "startedAt": "2025-01-01T12:00:00Z", "seconds": 30.0,
+            "stepsLost": 300, "resumedFrom": "start", "estimated": ["seconds", "stepsLost"]}
+    out = last_recovery(prev, second, _start_over(), {"step": 300, "time": 1735732790.0})  # 11:59:50Z
+    assert (out["startedAt"], out["seconds"], out.get("stepsLost")) == ("2025-01-01T12:02:10Z", 20.0, None)
 
 
 def test_incident_record_keeps_the_first_reason_within_the_window():

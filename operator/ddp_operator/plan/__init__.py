@@ -203,7 +203,7 @@ def last_recovery_record(ctx: Pass) -> Mapping[str, Any] | None:
         report = p.final_report
         if report and p.role == names.ROLE_TRAINER and p.group == ctx.group and isinstance(report, Mapping) \
                 and (report.get("rank") in (None, 0)):
-            current = last_recovery(current, last_incident_record(ctx), report)
+            current = last_recovery(current, last_incident_record(ctx), report, ctx.prev.progress)
     return current
 
 
