@@ -46,7 +46,7 @@ MAX_MESSAGE = 1024
 TRACEBACK_LINES = 6
 _NETWORK = re.compile(
     r"Connection (reset|closed|refused) by peer|Broken pipe|DistNetworkError|DistStoreError|"
-    r"Rendezvous(Connection|Timeout|Closed)Error|"
+    r"Rendezvous(Connection|Timeout)Error|"
     r"\bgloo\b.*(Connection|[Tt]imed out|timeout|Socket)|NCCL (error|WARN).*(remote|network|socket|Connection)|"
     r"ncclRemoteError|ncclSystemError|Socket Timeout|Network is unreachable|No route to host", re.IGNORECASE)
 _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning|Failure))(?::\s?(.*))?$")
@@ -115,6 +115,17 @@ def classify(*, exit_code: int | None, reason: str, message: str, disruption: st
     tail = "\n".join(text.strip().splitlines()[-TRACEBACK_LINES:])
     return Failure(USER_CODE, REASON_EXIT_CODE, rank, (f"exit code {exit_code}" + (f": {tail}" if tail else ""))
                    [-MAX_MESSAGE:])
+
+
+_RDZV_CLOSED = re.compile(r"\bRendezvousClosedError\b")
+
+
+def rendezvous_closed(message: str) -> bool:
+    """Whether a trainer's torchrun ended because it found its rendezvous closed (torch's RendezvousClosedError in
+    the last lines of its log): a consequence of another agent that gave up, not a failure of its own (plan/
+    rdzv_closed.py)."""
+    lines = (message or "")[-4096:].strip().splitlines()[-TRACEBACK_LINES:]
+    return any(_RDZV_CLOSED.search(ln) for ln in lines)
 
 
 def image_pull(waiting_reason: str, detail: str) -> Failure | None:

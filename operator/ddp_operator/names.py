@@ -184,6 +184,9 @@ REASON_NODE_FAILED = "NodeFailed"
 REASON_NODE_DISRUPTED = "NodeDisrupted"
 REASON_NODE_MISSING = "NodeMissing"
 REASON_RDZV_LOST = "RendezvousStoreLost"
+# A trainer found its rendezvous closed (plain torchrun closes it when an agent gives up); the store is made anew.
+REASON_RDZV_CLOSED = "RendezvousClosed"
+REASON_RDZV_RESET = "RendezvousReset"
 REASON_HANG = "Hang"
 # status.lastRecovery.fault when the trainer recovered without an incident the operator saw
 FAULT_WORKER_RESTART = "WorkerRestart"

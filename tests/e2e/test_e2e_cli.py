@@ -287,20 +287,30 @@ def test_run_follows_a_script_through_a_killed_pod_and_every_view_shows_it(kubec
 
 
 def test_run_of_a_failing_script_exits_non_zero_and_says_why(kubectl, ns, tmp_path):
+    """Two nodes of plain torchrun, backoffLimit 1: the first failure closes the rendezvous (torchrun's agent gives
+    up, --max-restarts 0) and the restarted agents meet it closed; the operator makes the store anew (not counted),
+    the script runs and fails again, and the second failure of the user's code ends the job. Without the store's
+    renewal the job crash-looped on the closed rendezvous, each restart an infrastructure NetworkError."""
     shutil.copy(SCRIPTS / "fail_config.py", tmp_path / "fail_config.py")
-    p = ddp(kubectl, "run", "fail_config.py", "--nodes", "1", "--name", "broken", "-n", ns, "--backoff-limit", "0",
-            "--max-restarts", "0", cwd=tmp_path, timeout=240)
+    p = ddp(kubectl, "run", "fail_config.py", "--nodes", "2", "--name", "broken", "-n", ns, "--backoff-limit", "1",
+            "--max-restarts", "0", cwd=tmp_path, timeout=360)
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr
     assert "FileNotFoundError" in p.stdout, "rank 0's traceback is streamed"
     assert re.search(r"^broken failed: BackoffLimitExceeded", p.stdout, re.MULTILINE), p.stdout[-2000:]
-    failure = h.status(kubectl, ns, "broken")["lastFailure"]
-    assert (failure["class"], failure["reason"], failure["rank"], failure["budget"]) == (
-        "UserCode", "FileNotFoundError", 0, "backoffLimit"), failure
-    assert failure["message"].endswith("No such file or directory: 'config.json'"), failure
+    status = h.status(kubectl, ns, "broken")
+    failure = status["lastFailure"]
+    assert (failure["class"], failure["reason"], failure["budget"]) == (
+        "UserCode", "FileNotFoundError", "backoffLimit"), failure
+    assert failure["rank"] in (0, 1) and failure["message"].endswith("No such file or directory: 'config.json'"), \
+        failure
+    reasons = [a.get("cause") or a["reason"] for a in status["attempts"]]
+    assert "NetworkError" not in reasons and status.get("infraRestarts", 0) == 0, status["attempts"]
+    assert names.REASON_RDZV_RESET in reasons, f"the store was never made anew: {status['attempts']}"
     text = ddp(kubectl, "describe", "broken", "-n", ns).stdout
     assert re.search(r"^Phase: +Failed", text, re.MULTILINE), text
-    assert "broken-0" in text and "exit 1" in text, text
-    assert re.search(r"^Last failure: +UserCode FileNotFoundError, rank 0, pod broken-0", text, re.MULTILINE), text
+    assert "exit 1" in text and names.REASON_RDZV_RESET in text, text
+    assert re.search(r"^Last failure: +UserCode FileNotFoundError, rank [01], pod broken-[01]", text, re.MULTILINE), \
+        text
 
 
 def test_an_oom_kill_is_the_infrastructures_and_never_spends_the_users_budget(kubectl, ns, tmp_path):

@@ -180,3 +180,16 @@ def test_an_image_that_cannot_be_pulled_is_infrastructure_with_the_kubelets_mess
     assert fc.image_pull("ErrImagePull", "").message == "ErrImagePull"
     for other in ("CreateContainerConfigError", "Unschedulable", "CrashLoopBackOff", ""):
         assert fc.image_pull(other, "no") is None
+
+
+def test_a_closed_rendezvous_is_no_network_error_but_its_own_echo():
+    """torch's RendezvousClosedError is what an agent meets after another gave up (plan/rdzv_closed.py), not the
+    network's fault; a connection error of the rendezvous still is."""
+    closed = "  File \"x.py\", line 677, in run\n    raise RendezvousClosedError\n" \
+             "torch.distributed.elastic.rendezvous.api.RendezvousClosedError"
+    assert fc.rendezvous_closed(closed)
+    assert fc.classify(exit_code=1, reason="Error", message=closed, disruption=None).reason != "NetworkError"
+    assert not fc.rendezvous_closed("FileNotFoundError: config.json") and not fc.rendezvous_closed("")
+    assert not fc.rendezvous_closed(closed + "\n" + "\n".join(f"later line {i}" for i in range(20)))
+    conn = "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store"
+    assert fc.classify(exit_code=1, reason="Error", message=conn, disruption=None).reason == "NetworkError"

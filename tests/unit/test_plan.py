@@ -582,3 +582,47 @@ def test_status_says_which_operator_version_reconciled_the_job_and_a_finished_jo
     assert done.status["operatorVersion"] == "0.0.9"
     unknown = plan(job, {k: v for k, v in done.status.items() if k != "operatorVersion"}, observed(), later(3))
     assert "operatorVersion" not in unknown.status
+
+
+CLOSED = ("Traceback (most recent call last):\n  File \"/opt/venv/bin/torchrun\", line 8, in <module>\n"
+          "    rdzv_info = spec.rdzv_handler.next_rendezvous()\n"
+          "  File \".../dynamic_rendezvous.py\", line 677, in run\n    raise RendezvousClosedError\n"
+          "torch.distributed.elastic.rendezvous.api.RendezvousClosedError")
+
+
+def test_a_closed_rendezvous_renews_the_store_once_and_counts_nothing():
+    """Plain torchrun closed the rendezvous when an agent gave up: the restarted agents end at once on it. Recorded,
+    not counted, lastFailure kept, the store deleted once (recreated empty) and not taken for a lost store."""
+    job, status = _running()
+    first = plan(job, status, observed(rdzv(), trainer(0), trainer(1, restart_count=1, last_exit_code=1,
+                                       last_message="FileNotFoundError: [Errno 2] No such file: 'config.json'")),
+                 later(10))
+    assert first.status["restarts"] == 1 and first.status["lastFailure"]["reason"] == "FileNotFoundError"
+    echo = observed(rdzv(), trainer(0, restart_count=1, last_exit_code=1, last_message=CLOSED),
+                    trainer(1, restart_count=2, last_exit_code=1, last_message=CLOSED))
+    p = plan(job, first.status, echo, later(60))
+    assert _acts(p) == [(DELETE, "mnist-rdzv")]
+    assert (p.status["restarts"], p.status.get("infraRestarts", 0)) == (1, 0)
+    assert p.status["lastFailure"]["reason"] == "FileNotFoundError"
+    reasons = [(a["pod"], a["reason"], a["counted"]) for a in p.status["attempts"][1:]]
+    assert reasons == [("mnist-0", names.REASON_RDZV_CLOSED, False), ("mnist-rdzv", names.REASON_RDZV_RESET, False),
+                       ("mnist-1", names.REASON_RDZV_CLOSED, False)]
+    assert [e.reason for e in p.events].count(names.REASON_RDZV_RESET) == 1
+    # The store's delete in flight: no lost store recorded, nothing counted, nothing deleted again.
+    again = plan(job, p.status, observed(rdzv(deleting_since=later(60)), trainer(0, restart_count=1, last_exit_code=1,
+                 last_message=CLOSED), trainer(1, restart_count=2, last_exit_code=1, last_message=CLOSED)), later(61))
+    assert (again.status["restarts"], again.status.get("infraRestarts", 0)) == (1, 0) and again.actions == ()
+    assert names.REASON_RDZV_LOST not in [a["reason"] for a in again.status["attempts"]]
+    # The script fails again on the new store: the user's code counts again (a crash loop still ends).
+    loop = plan(job, again.status, observed(rdzv(uid="uid-store-2"), trainer(0, restart_count=2, last_exit_code=1,
+                last_message="FileNotFoundError: [Errno 2] No such file: 'config.json'"),
+                trainer(1, restart_count=2, last_exit_code=1, last_message=CLOSED)), later(120))
+    assert loop.status["restarts"] == 2
+
+
+def test_a_closed_rendezvous_after_a_success_is_left_to_the_success_rule():
+    job, status = _running()
+    p = plan(job, status, observed(rdzv(), trainer(0, phase="Succeeded", exit_code=0),
+                                   trainer(1, restart_count=1, last_exit_code=1, last_message=CLOSED)), later(10))
+    assert (DELETE, "mnist-rdzv") not in _acts(p) or p.status["phase"] == "Succeeded"
+    assert names.REASON_RDZV_RESET not in [a.get("reason") for a in p.status.get("attempts", [])]

@@ -36,6 +36,7 @@ from ddp_operator.failure_class import (
     HANG, INFRASTRUCTURE, MAX_MESSAGE, REASON_EXIT_CODE, USER_CODE, Failure, classify,
 )
 from ddp_operator.observed import PodState, rdzv_backend_missing, torch_unsupported
+from ddp_operator.plan.rdzv_closed import closed, reopen
 from ddp_operator.plan.spares import spare_released
 from ddp_operator.plan.state import Pass
 from ddp_operator.status import Event, invalid_report_event
@@ -150,6 +151,9 @@ def in_place_restarts(ctx: Pass) -> bool:
         if sparesmod.released(p.restart_message, spares=ctx.job.spec.spares):
             spare_released(ctx, p, restart=p.restarts)
             continue
+        if closed(ctx, p, p.restart_message):
+            reopen(ctx, p, restart=p.restarts)
+            continue
         if unfit_image(ctx, p, p.restart_message, restart=p.restarts):
             return False
         missed = p.restarts - ctx.restarts_recorded(p) - 1
@@ -182,6 +186,10 @@ def trainer_failures(ctx: Pass) -> bool:
     for p in ended:
         if sparesmod.released(p.message, spares=ctx.job.spec.spares):
             spare_released(ctx, p)
+            ctx.delete(p)
+            continue
+        if p.disruption is None and not (p.gone or p.deleting) and closed(ctx, p, p.message):
+            reopen(ctx, p)
             ctx.delete(p)
             continue
         if p.disruption is None and unfit_image(ctx, p, p.message):
