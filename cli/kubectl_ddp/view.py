@@ -120,10 +120,12 @@ def recovery_line(recovery: Any) -> str | None:
         bits.append(f"resumed from {source}")
     if _num(r.get("step")) is not None:
         bits.append(f"at step {int(r['step'])}")
+    estimated = r.get("estimated") if isinstance(r.get("estimated"), list) else []
     if _num(r.get("stepsLost")) is not None:
-        bits.append(f"{int(r['stepsLost'])} steps lost")
+        bits.append(f"{'≥ ' if 'stepsLost' in estimated else ''}{int(r['stepsLost'])} steps lost"
+                    + (" (estimated)" if "stepsLost" in estimated else ""))
     if _num(r.get("seconds")) is not None:
-        bits.append(f"{r['seconds']:.1f} s")
+        bits.append(f"{r['seconds']:.1f} s" + (" (estimated)" if "seconds" in estimated else ""))
     return ", ".join(bits)
 
 

@@ -130,6 +130,9 @@ def evict_all_wrong(status: dict, evicted: int) -> list[str]:
     lost = last.get("stepsLost")
     if not isinstance(lost, int) or lost > 1:
         wrong.append(f"status.lastRecovery.stepsLost is {lost!r}, not at most 1")
+    if "stepsLost" in (last.get("estimated") or []):
+        wrong.append("status.lastRecovery.stepsLost is the operator's estimate: the trainer left no mark beside the "
+                     "SIGTERM checkpoint")
     if counted(status):
         wrong.append(f"status.restarts + infraRestarts {counted(status)}: the evictions spent a failure budget")
     if (status.get("disruptions") or 0) < evicted:

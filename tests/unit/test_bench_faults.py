@@ -113,6 +113,8 @@ GOOD_EVICTION = {"phase": "Succeeded", "restarts": 0, "disruptions": 2,
     ({"lastRecovery": {**GOOD_EVICTION["lastRecovery"], "resumedFrom": "peer"}}, "'peer', not 'disk'"),
     ({"lastRecovery": {"fault": "NodeDisrupted", "resumedFrom": "disk"}}, "stepsLost is None"),  # no mark survived
     ({"lastRecovery": {**GOOD_EVICTION["lastRecovery"], "stepsLost": 2}}, "stepsLost is 2, not at most 1"),
+    ({"lastRecovery": {**GOOD_EVICTION["lastRecovery"], "stepsLost": 0, "estimated": ["stepsLost"]}},
+     "the operator's estimate"),  # no mark survived: the operator's lower bound is no proof
     ({"restarts": 1}, "spent a failure budget"),
     ({"infraRestarts": 1}, "spent a failure budget"),
     ({"disruptions": 1}, "disruptions 1 < 2"),

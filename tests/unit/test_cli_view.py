@@ -56,6 +56,10 @@ def test_rows_attempts_and_recovery():
                                             "            Killed by the test"]
     assert view.recovery_line(job["status"]["lastRecovery"]) == (
         "recovered from NodeFailed, resumed from peer (digits-0), 0 steps lost, 5.5 s")
+    guessed = {"fault": "NodeLost", "resumedFrom": "start", "stepsLost": 294, "seconds": 55.6,
+               "estimated": ["seconds", "stepsLost"]}
+    assert view.recovery_line(guessed) == (
+        "recovered from NodeLost, resumed from start, ≥ 294 steps lost (estimated), 55.6 s (estimated)")
     pod = {"metadata": {"name": "digits-1", "labels": {"ddp.dev/node-index": "1"},
                         "creationTimestamp": "2026-12-05T11:59:30Z"},
            "spec": {"nodeName": "vm"},
