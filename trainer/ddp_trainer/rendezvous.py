@@ -8,13 +8,12 @@ and once a participant drops out (its heartbeat expired) moves to the wait list 
 next round.
 
 It livelocks, though (torch 2.13, measured: tests/trainer/test_trainer_spares.py). An agent that is in the *wait
-list* when a round completes with ``max_nodes`` participants without it stays in the wait list: the join
-operation moves only agents that are in no list to the redundancy list. Every agent polls
-``num_nodes_waiting()`` and restarts its workers for the next round while it is above 0, so the
-participants restart again and again, and each new round again leaves one agent behind in the wait list.
-That happens at every start with N+1 agents and at every recovery where the survivors rejoin at slightly
-different times (the first to rejoin finds the old round complete with fewer than ``max_nodes`` and
-enters the wait list).
+list* when a round completes with ``max_nodes`` participants without it stays in the wait list: the join operation
+moves only agents that are in no list to the redundancy list. Every agent polls ``num_nodes_waiting()`` and restarts
+its workers for the next round while it is above 0, so the participants restart again and again, and each new round
+again leaves one agent behind in the wait list. That happens at every start with N+1 agents and at every recovery
+where the survivors rejoin at slightly different times (the first to rejoin finds the old round complete with fewer
+than ``max_nodes`` and enters the wait list).
 
 This backend is the c10d handler with these rules added:
 
@@ -30,12 +29,12 @@ This backend is the c10d handler with these rules added:
    list too, because a redundant agent moves to the wait list only at its next poll (1 s apart under plain
    torchrun), by which time a newcomer that polled first had taken its place (seen in CI). For the same reason a
    move between the lists is one state write (torch's takes two, with the agent in no list and without a heartbeat
-   in between, which let a newcomer take the place too). Without rule 2, a quick
-   replacement took the place while the spare kept waiting (measured on a cluster), and with two spares a
-   survivor could be left out, its snapshot with it. The priorities live in the shared state (pickled with it):
-   the last round's participants and, per agent, when it first was a participant or redundant. A
-   higher-priority agent that is not waiting yet (still stopping its workers) is not waited for; survivors
-   rejoin within a second of a loss, well before the lost agent's heartbeat expires and the new round starts.
+   in between, which let a newcomer take the place too). Without rule 2, a quick replacement took the place while the
+   spare kept waiting (measured on a cluster), and with two spares a survivor could be left out, its snapshot with it. The
+   priorities live in the shared state (pickled with it): the last round's participants and, per agent, when it first
+   was a participant or redundant. A higher-priority agent that is not waiting yet (still stopping its workers) is not
+   waited for; survivors rejoin within a second of a loss, well before the lost agent's heartbeat expires and the new
+   round starts.
 
 3. The group size follows the job (``kubectl scale``; jobs with spares and elastic jobs). The operator keeps the
    wanted number of training nodes W (spec.nodes) in an annotation of every pod, which the kubelet writes into a
@@ -59,14 +58,13 @@ This backend is the c10d handler with these rules added:
    node that lost its connection), its next join fails with a message saying a newer agent of its pod replaced it,
    rather than taking the place back, and so does its next look at the rendezvous while it trains
    (``num_nodes_waiting()``, each monitor interval): it stops its workers and exits then, whatever they are blocked
-   in. That holds for an agent whose heartbeats expired too (a frozen node woken after its pod was recreated
-   elsewhere): records are kept per pod, not per heartbeat. torch names an agent
-   ``<address>_<pid>_<n>``; in a container the agent is PID 1, so a container restarted in place would repeat the
-   name of the agent it replaces. With rule 4 on, ``<n>`` is an incarnation number drawn when the agent starts
-   (``fresh_identity``), so every agent process has a name of its own.
-   Without ``DDPJOB_POD_INDEX`` (plain torchrun outside a DDPJob) nothing changes;
-   ``DDPJOB_TAKE_OVER=0`` turns the rule off. It applies to plain ``c10d`` too when ``ddp_trainer.launch`` runs the
-   agent (jobs without spares): the executor below, with rules 1-3 off.
+   in. That holds for an agent whose heartbeats expired too (a frozen node woken after its pod was recreated elsewhere):
+   records are kept per pod, not per heartbeat. torch names an agent ``<address>_<pid>_<n>``; in a container the agent
+   is PID 1, so a container restarted in place would repeat the name of the agent it replaces. With rule 4 on, ``<n>``
+   is an incarnation number drawn when the agent starts (``fresh_identity``), so every agent process has a name of its
+   own. Without ``DDPJOB_POD_INDEX`` (plain torchrun outside a DDPJob) nothing changes; ``DDPJOB_TAKE_OVER=0`` turns the
+   rule off. It applies to plain ``c10d`` too when ``ddp_trainer.launch`` runs the agent (jobs without spares): the
+   executor below, with rules 1-3 off.
 
 5. A new round's participants are not judged dead by their heartbeats until each has heard of the round. An agent
    sends its heartbeats through the same store client as everything else, and a TCPStore client serves one call at a
@@ -115,25 +113,26 @@ This backend is the c10d handler with these rules added:
 
 9. A write that lost the race waits before the agent tries again (``rendezvous_rules.backing_off``): a random while
    up to 10 ms x 2^k after its k-th loss in a row, at most the round's poll interval (rule 6: 0.1 s up to 8 nodes,
-   2 s from 160). torch tries again at once, so agents that write
-   together (every survivor leaving its round at a re-form) retried in lockstep: N^2/2 attempts of O(N) bytes.
+   2 s from 160). torch tries again at once, so agents that write together (every survivor leaving its round at a
+   re-form) retried in lockstep: N^2/2 attempts of O(N) bytes.
 
 10. A start or a re-form takes a few writes of the state, not one per agent (``rendezvous_batch``, where rules 7 and 8
    apply): an agent asking for a round announces itself in one small store operation, and whoever writes the state
    places every announced agent as its own writes would (rules 1, 2, 4, 8); rule 5's record is a key of the round's.
 
-Everything else (heartbeats, admitting a redundant
-agent when a participant drops out, closing at the end) is torch's. A redundant agent still ends when a
-participant closes the rendezvous at the end of the training: torch raises RendezvousGracefulExitError there,
-its launcher then fails on the missing run result (``'NoneType' object has no attribute 'is_failed'``) and the
-spare's torchrun exits 1; this backend makes SPARE_RELEASED its last log line, which is how the operator tells
-that exit from a failure (docs/contract.md).
+11. A look reads the state only when its version moved; heartbeats are vouched for in a key (``rendezvous_version``).
+
+Everything else (heartbeats, admitting a redundant agent when a participant drops out, closing at the end) is
+torch's. A redundant agent still ends when a participant closes the rendezvous at the end of the training: torch raises
+RendezvousGracefulExitError there, its launcher then fails on the missing run result (``'NoneType' object has no
+attribute 'is_failed'``) and the spare's torchrun exits 1; this backend makes SPARE_RELEASED its last log line, which
+is how the operator tells that exit from a failure (docs/contract.md).
 
 torchrun finds the backend through the ``torchrun.handlers`` entry point (trainer/pyproject.toml: ``pip install``
-registers it); the operator selects it with ``PET_RDZV_BACKEND=ddpjob-c10d`` for jobs with
-``spec.spares`` or an elastic range (``spec.torchrun.rdzvBackend: auto``). It uses torch internals (underscored names), so it checks them when it is created and
-fails with a clear message rather than misbehave on a torch it was not written for; before that, a torch outside the
-tested range is refused outright (``torch_version``: one line, exit code 78).
+registers it); the operator selects it with ``PET_RDZV_BACKEND=ddpjob-c10d`` for jobs with ``spec.spares`` or an
+elastic range (``spec.torchrun.rdzvBackend: auto``). It uses torch internals (underscored names), so it checks them
+when it is created and fails with a clear message rather than misbehave on a torch it was not written for; before
+that, a torch outside the tested range is refused outright (``torch_version``: one line, exit code 78).
 
 The rules' decisions and state writes are in ``ddp_trainer.rendezvous_rules``; this module wires them into
 torch's operation executor, state holder and handler (and keeps rule 5's judgment of heartbeats, with
@@ -151,7 +150,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 
-from . import env as envmod, rendezvous_batch, torch_version
+from . import env as envmod, rendezvous_batch, rendezvous_version, torch_version
 # The rules' decisions and state writes; every name stays importable from here (torchrun's entry point, the
 # operator's contract test and the unit tests use ddp_trainer.rendezvous).
 from .rendezvous_rules import (  # noqa: F401
@@ -266,6 +265,8 @@ def _executor_class(spares: bool = True) -> type:
                 if not _guard_expiry(state_holder, node, self.beats):  # rule 5 (and 7: judged with the keys)
                     self.beats = None
                 self.helping = rendezvous_batch.Helping.of(state_holder, self, ROUND_START_GRACE)  # rule 10
+                self.versioned = rendezvous_version.Versioned.of(state_holder, self)  # rule 11
+                rendezvous_version.quiet_events(self)
                 # rule 6: the base, and a jitter drawn once so that agents started together do not read in lockstep
                 self.poll_base = envmod.get_float(envmod.RDZV_POLL, POLL_BASE_S, minimum=0.0)
                 self.poll_jitter = random.random()
@@ -396,6 +397,7 @@ def this_pod() -> str | None:
 def enable_take_over(handler: Any, pod: str | None) -> bool:
     """Rule 4 on a dynamic rendezvous handler, c10d's or this backend's. False, and the handler unchanged, without a
     pod or where the handler or this torch is not what it was written for."""
+    rendezvous_version.quiet_events(handler)  # any handler: its heartbeats' events cost nothing unrecorded
     if pod is None:
         return False
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr

@@ -217,6 +217,7 @@ class Helping:
         self._announced = -math.inf  # when (time.monotonic()) this agent last announced itself
         self._refreshed = -math.inf  # when (time.monotonic()) it last looked whether it is the refresher
         self._sync, self._sanitize = holder.sync, holder._sanitize
+        self.vouch: Callable[[Any, Any], bool] | None = None  # rule 11's, set by rendezvous_version
         holder.sync = self._helped_sync
         holder._sanitize = self._sanitize_with_heard
 
@@ -278,18 +279,25 @@ class Helping:
     def rejoining(self, join_op: Callable[[Any, float], Any]) -> Callable[[Any, float], Any]:
         """A join operation that announces the agent again when it is about to write itself into a list it is in none
         of (its heartbeats expired while it waited: a starved process; or its announcement was not folded) and it has
-        not announced within a keep-alive interval: agents dropped together re-enter in a few writes too."""
+        not announced within a keep-alive interval: agents dropped together re-enter in a few writes too. Until its
+        state lists it, an agent that announced sends its heartbeat (its key) once a keep-alive interval: a write may
+        have placed it, with its announcement's time as its heartbeat, a poll interval before it reads that (2 s at
+        160 nodes and more), and judged by the state alone it expired before it knew it was in (seen at 512 agents)."""
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action
 
         entering = (_Action.ADD_TO_PARTICIPANTS, _Action.ADD_TO_WAIT_LIST, _Action.ADD_TO_REDUNDANCY_LIST)
 
         def join(ctx: Any, deadline: float) -> Any:
             action = join_op(ctx, deadline)
-            state, me = ctx.state, ctx.node
-            if action in entering and me not in state.participants and me not in state.wait_list and \
-                    me not in state.redundancy_list and \
-                    time.monotonic() - self._announced > ctx.settings.keep_alive_interval.total_seconds():
+            state, me, settings = ctx.state, ctx.node, ctx.settings
+            if me in state.participants or me in state.wait_list or me in state.redundancy_list:
+                return action
+            interval, now = settings.keep_alive_interval.total_seconds(), time.monotonic()
+            if action in entering and now - self._announced > interval:
                 self.announce(state, me)
+            elif self.on() and now - self._announced < interval * settings.keep_alive_max_attempt and \
+                    now - self._executor.beats.sent > interval:
+                self._executor.beats.send(me)
             return action
 
         return join
@@ -322,6 +330,7 @@ class Helping:
         raw = self._call("compare_set", self._joining, "", "")  # the value, never a wait (the key may not exist)
         expiry_s = (settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds()
         folded = self._fold(parse(raw, 4 * settings.max_nodes + 64, time.time() - expiry_s)) if raw else []
+        self._keys_over(holder._state, None)  # rule 11: a new version's readers judge by its heartbeats, not the keys
         has_set = self._sync()
         if has_set and raw:
             # what it read is in the state now (or stale): cut it off the key, keeping what others appended since
@@ -369,6 +378,15 @@ class Helping:
         keys of their own, so the state's go stale while nobody writes, and every reader then read N keys to judge
         them (O(N) per read, O(N²) per poll interval across the group: what a slow start at 512 agents spent its CPU
         on). One agent doing it once a keep-alive interval keeps them fresh for all. False if the write lost."""
+        if self.vouch is not None and self.vouch(state, me):  # rule 11: no state write while it can vouch instead
+            return True
+        self._keys_over(state, me)
+        state.last_heartbeats[me] = datetime.now(timezone.utc)
+        self._holder.mark_dirty()
+        return bool(self._holder.sync())
+
+    def _keys_over(self, state: Any, me: Any) -> None:
+        """Lay the heartbeat keys (rule 7) over the state's heartbeats older than a keep-alive interval (but ``me``'s)."""
         settings, beats = self._executor._settings, self._executor.beats
         now = datetime.now(timezone.utc)
         keyed = getattr(state, _BEATS, set())
@@ -381,9 +399,6 @@ class Helping:
                 continue
             if beat > state.last_heartbeats[node]:
                 state.last_heartbeats[node] = beat
-        state.last_heartbeats[me] = now
-        self._holder.mark_dirty()
-        return bool(self._holder.sync())
 
     # --- rule 5's heard records ----------------------------------------------------------------------------------
 

@@ -1,0 +1,91 @@
+"""Rule 11 of this project's executor (ddp_trainer.rendezvous_version) on torch's own handlers and state holders over a
+real TCPStore (loopback, no torchrun): an agent reads the whole shared state only when it changed (a version key every
+write bumps, looked at first), and rule 10's refresher vouches for the heartbeats in a small key instead of rewriting the
+state, so a group that trains reads and writes no state at all, and a silent agent still expires.
+
+Before rule 11 every agent read the whole state (O(N) bytes, unpickled) at every look past torch's cache, changed or
+not, and the refresher rewrote it once a keep-alive interval: at 512 agents on 2 cores each agent read the 27 KB state
+about 100 times while the group formed and no round completed (docs/scale.md)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+
+from test_trainer_rendezvous_helping import ATTEMPTS, KEEP_ALIVE_S, N, _agent, _fresh, _next_round  # noqa: E402
+from test_trainer_rendezvous_helping import store_port  # noqa: E402,F401 (the fixture)
+
+from ddp_trainer import rendezvous_version  # noqa: E402
+
+
+def _ops(agents, op: str) -> list[int]:
+    return [s.ops.get(op, 0) for _, _, s in agents]
+
+
+def test_a_training_group_reads_and_writes_no_state_and_a_silent_agent_still_expires(store_port):
+    agents = [_agent(store_port, "version", i, str(i)) for i in range(N)]
+    handlers = [h for h, _, _ in agents]
+    assert sorted(_next_round(handlers).values()) == list(range(N))
+    time.sleep(1.5 * KEEP_ALIVE_S)  # every agent heard of the round (rule 5: a key of the round's)
+    reads0, writes0, keys0 = _ops(agents, "get"), sum(b.tries for _, b, _ in agents), _ops(agents, "multi_get")
+    idle_s = KEEP_ALIVE_S * ATTEMPTS + 2  # the heartbeats the round's writes put into the state have all expired
+    for _ in range(int(idle_s / 0.25)):  # training: every agent looks at the rendezvous (num_nodes_waiting)
+        for h in handlers:
+            h.num_nodes_waiting()
+        time.sleep(0.25)
+    reads = [a - b for a, b in zip(_ops(agents, "get"), reads0)]
+    writes = sum(b.tries for _, b, _ in agents) - writes0
+    key_reads = [a - b for a, b in zip(_ops(agents, "multi_get"), keys0)]
+    try:
+        # before rule 11: a read per agent per look past the 1 s cache (the refresher's write changed it every second)
+        assert max(reads) == 0, f"reads of the whole state per agent in {idle_s} s of training: {reads}"
+        assert writes == 0, f"{writes} state writes in {idle_s} s of training (the refresher vouches instead)"
+        assert sum(1 for n in key_reads if n) <= 1, f"agents that read heartbeat keys: {key_reads}"
+        assert all(h._op_executor.versioned is not None for h in handlers)
+
+        silent = handlers[4]
+        silent._stop_heartbeats()  # killed without leaving
+        time.sleep(KEEP_ALIVE_S * ATTEMPTS + 1.5)
+        state = _fresh(handlers[7])
+        assert silent._this_node not in state.participants, "the vouch left it out: judged by its key, it expired"
+        assert set(state.participants) == {h._this_node for h in handlers if h is not silent}, "the others stay"
+    finally:
+        for h in handlers:
+            h._stop_heartbeats()
+
+
+def test_a_look_keeps_the_state_only_while_it_is_the_stores(store_port):
+    """A write by one agent is seen by every other at its next look (the version moved), and each reads it once."""
+    agents = [_agent(store_port, "moved", i, str(i)) for i in range(N)]
+    handlers = [h for h, _, _ in agents]
+    assert sorted(_next_round(handlers).values()) == list(range(N))
+    try:
+        for h in handlers:
+            _fresh(h)
+        reads0 = _ops(agents, "get")
+        writer = handlers[2]
+        writer._state_holder.mark_dirty()
+        assert writer._state_holder.sync() is True  # a write of the state as it is: a new version
+        version = writer._op_executor.versioned.known[0]
+        for h in handlers:
+            _fresh(h)
+            assert h._op_executor.versioned.known[0] == version, "every look saw the new version"
+        reads = [a - b for a, b in zip(_ops(agents, "get"), reads0)]
+        assert reads[2] == 0 and all(r == 1 for i, r in enumerate(reads) if i != 2), reads
+        for h in handlers:
+            _fresh(h)
+        assert _ops(agents, "get") == [r0 + r for r0, r in zip(reads0, reads)], "unchanged: nobody read it again"
+    finally:
+        for h in handlers:
+            h._stop_heartbeats()
+
+
+def test_vouch_lines_round_trip_and_garbage_is_ignored():
+    assert rendezvous_version.parse_vouch(rendezvous_version.vouch_line(7, 12.5, ["a_1_2", "b_3_4"])) == \
+        (7, 12.5, {"a_1_2", "b_3_4"})
+    assert rendezvous_version.parse_vouch(b"3 1.000") == (3, 1.0, set())
+    for raw in ("", b"", "x 1", "1 nan", "-1 2.0", "1", None, 3):
+        assert rendezvous_version.parse_vouch(raw) is None, raw
