@@ -262,7 +262,7 @@ def kind_load(ref: str, cluster_name: str, nodes: list[str] | None = None, kind:
     offline way in, where Docker cannot build (no base image to pull).
 
     What `kind load image-archive` does (`ctr images import` in each node), without its two copies on disk:
-    the archive is made once and streamed from buildah's store into every node at once, never written, and
+    the archive is streamed from buildah's store into each node in turn, never written, and
     the layers' blobs are dropped from the node's content store once unpacked (the kubelet runs the unpacked
     snapshots; containerd's `discard_unpacked_layers` leaves pulled images the same way). A 5 GB image then
     costs a node 5 GB, not 10, and the host no 5 GB archive."""
@@ -280,10 +280,13 @@ def kind_load(ref: str, cluster_name: str, nodes: list[str] | None = None, kind:
             todo.append(node)
     if not todo:
         return
-    log(f"streaming {ref} ({sum(m['size'] for m in layers) / 2**30:.2f} GiB) into {', '.join(todo)}")
-    argvs = [_node_ctr(node) + ["images", "import", "--digests", f"--snapshotter={kind_snapshotter(node)}", "-"]
-             for node in todo]
-    _exported(ref, lambda export_dir: _ctr_import(argvs, ref, image, layers, export_dir))
+    # One node after the other: a node holds the image twice until its blobs are dropped (the content store, then the
+    # unpacked snapshots), so streaming into every node at once needed twice the image per node free at the same
+    # time (~22 GB for the trainer on two workers, beside make test's own use of the disk); one at a time, one
+    # node's second copy at most.
     for node in todo:
+        log(f"streaming {ref} ({sum(m['size'] for m in layers) / 2**30:.2f} GiB) into {node}")
+        argvs = [_node_ctr(node) + ["images", "import", "--digests", f"--snapshotter={kind_snapshotter(node)}", "-"]]
+        _exported(ref, lambda export_dir, argvs=argvs: _ctr_import(argvs, ref, image, layers, export_dir))
         subprocess.run(_node_ctr(node) + ["content", "rm", *(layer["digest"] for layer in layers)], check=True,
                        capture_output=True)
