@@ -151,7 +151,7 @@ def in_place_restarts(ctx: Pass) -> bool:
         if sparesmod.released(p.restart_message, spares=ctx.job.spec.spares):
             spare_released(ctx, p, restart=p.restarts)
             continue
-        if closed(ctx, p, p.restart_message):
+        if closed(ctx, p.restart_message):
             reopen(ctx, p, restart=p.restarts)
             continue
         if unfit_image(ctx, p, p.restart_message, restart=p.restarts):
@@ -188,7 +188,7 @@ def trainer_failures(ctx: Pass) -> bool:
             spare_released(ctx, p)
             ctx.delete(p)
             continue
-        if p.disruption is None and not (p.gone or p.deleting) and closed(ctx, p, p.message):
+        if p.disruption is None and not (p.gone or p.deleting) and closed(ctx, p.message):
             reopen(ctx, p)
             ctx.delete(p)
             continue

@@ -24,8 +24,9 @@ from ddp_operator.plan.state import Pass
 from ddp_operator.status import Event
 
 
-def closed(ctx: Pass, p: PodState, message: str) -> bool:
-    """Whether trainer `p` ended on a closed rendezvous that the store's renewal can reopen (no trainer succeeded)."""
+def closed(ctx: Pass, message: str) -> bool:
+    """Whether a trainer whose log ends with `message` ended on a closed rendezvous that the store's renewal can reopen
+    (no trainer succeeded)."""
     return rendezvous_closed(message) and not any(q.succeeded for q in ctx.trainers if ctx.current(q))
 
 
