@@ -285,6 +285,7 @@ def create_nodes(count: int, timeout: float = 300) -> list[str]:
     """Fake nodes 0 .. count-1 (the missing ones created), every one Ready within `timeout`; their names."""
     have = {n["metadata"]["name"] for n in nodes_json()}
     missing = [node(i) for i in range(count) if node_name(i) not in have]
+    delete_leases([n["metadata"]["name"] for n in missing])
     for start in range(0, len(missing), BATCH):
         items = missing[start:start + BATCH]
         kubectl("create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}),
@@ -307,7 +308,17 @@ def delete_nodes() -> int:
     items = nodes_json()
     if items:  # one request (a delete collection): a thousand one by one take minutes on a busy machine
         kubectl("delete", "--raw", f"/api/v1/nodes?labelSelector={NODE_LABEL[0]}%3D{NODE_LABEL[1]}", timeout=300)
+        delete_leases([n["metadata"]["name"] for n in items])
     return len(items)
+
+
+def delete_leases(names: list[str]) -> None:
+    """Delete the node Leases of `names`, which the garbage collector would delete some time after their nodes: a
+    node of the same name made meanwhile found its old Lease, kwok took it for the new node's, and renewing it failed
+    for good (its UID precondition names an object that is gone), so that node never turned Ready."""
+    for start in range(0, len(names), BATCH):
+        kubectl("delete", "lease", "-n", "kube-node-lease", "--ignore-not-found", "--wait=false",
+                *names[start:start + BATCH], timeout=300)
 
 
 def unmanage(names: list[str]) -> float:

@@ -77,3 +77,20 @@ def test_not_ready_since_reads_the_ready_condition():
     assert kwok.not_ready_since(ready) is None
     assert kwok.not_ready_since(lost) == 1767225610.0
     assert kwok.not_ready_since({}) is None
+
+
+def test_a_fake_node_made_again_never_finds_its_old_lease(monkeypatch):
+    """The garbage collector deletes a deleted node's Lease some time later; a node of the same name made meanwhile
+    found it, kwok renewed it under the old UID and failed for good, and the node never turned Ready."""
+    calls, have = [], [0]
+    monkeypatch.setattr(kwok, "kubectl", lambda *args, **kw: calls.append(args) or have.append(1))
+    monkeypatch.setattr(kwok, "nodes_json", lambda: [
+        {"metadata": {"name": kwok.node_name(i)}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+        for i in sorted(set(have))])
+    kwok.create_nodes(2)
+    leases = [c for c in calls if c[:2] == ("delete", "lease")]
+    assert leases and kwok.node_name(1) in leases[0] and kwok.node_name(0) not in leases[0]
+    assert calls.index(leases[0]) < next(i for i, c in enumerate(calls) if c[0] == "create")
+    calls.clear()
+    kwok.delete_nodes()
+    assert any(c[:2] == ("delete", "lease") and kwok.node_name(0) in c for c in calls)
