@@ -52,6 +52,12 @@ def describe_error(e: Exception) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _json(response: Any) -> dict:
+    """The object an API call answered, read from its raw response (`_preload_content=False`): the client's models
+    would validate it, build one object per field and turn it back into a dict, about 3 ms of a pod's create."""
+    return json.loads(response.data)
+
+
 class NotLeading(Exception):
     """This replica may not write: its leadership (leader.py) is not known to hold now."""
 
@@ -97,11 +103,13 @@ class Api:
         t = self._write("create", kind)
         try:
             if kind == "Pod":
-                return self._dict(self.core.create_namespaced_pod(ns, body, _request_timeout=t))
+                return _json(self.core.create_namespaced_pod(ns, body, _request_timeout=t, _preload_content=False))
             if kind == "Service":
-                return self._dict(self.core.create_namespaced_service(ns, body, _request_timeout=t))
+                return _json(self.core.create_namespaced_service(ns, body, _request_timeout=t,
+                                                                 _preload_content=False))
             if kind == "NetworkPolicy":
-                return self._dict(self.networking.create_namespaced_network_policy(ns, body, _request_timeout=t))
+                return _json(self.networking.create_namespaced_network_policy(ns, body, _request_timeout=t,
+                                                                              _preload_content=False))
             if kind == names.WORKLOAD_KIND:
                 return dict(self.custom.create_namespaced_custom_object(
                     names.KUEUE_GROUP, names.KUEUE_VERSION, ns, names.WORKLOAD_PLURAL, body, _request_timeout=t))

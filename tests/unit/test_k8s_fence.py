@@ -58,7 +58,7 @@ def _answer(name, args, kwargs):
         return {"spec": {}, "value": 1}
     if name.startswith("create_namespaced_custom_object"):
         return {}
-    return SimpleNamespace(status=SimpleNamespace(conditions=[]))
+    return SimpleNamespace(status=SimpleNamespace(conditions=[]), data=b"{}")
 
 
 def _api(fence=None):
