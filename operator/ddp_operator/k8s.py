@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
 REQUEST_TIMEOUT_SECONDS = 30.0
+CONNECTIONS = 64  # kept open to the API server (see Api.__init__)
 
 
 class ChildConflict(Exception):
@@ -73,7 +74,14 @@ class Api:
             config.load_incluster_config()
         except config.ConfigException:
             config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
-        self.client = client.ApiClient()
+        configuration = client.Configuration.get_default_copy()
+        # At most CONNECTIONS requests in flight, each on a connection kept open: the client's default pool (5 per
+        # core) opened a connection for every request past it and dropped it after, each paying a TLS handshake, and
+        # the passes' pod writers side by side (reconciler.POD_WRITERS each) could put hundreds of requests on an API
+        # server at once; a thread past the limit waits for a connection instead (urllib3's blocking pool).
+        configuration.connection_pool_maxsize = CONNECTIONS
+        self.client = client.ApiClient(configuration)
+        self.client.rest_client.pool_manager.connection_pool_kw["block"] = True
         self.core = client.CoreV1Api(self.client)
         self.custom = client.CustomObjectsApi(self.client)
         self.coordination = client.CoordinationV1Api(self.client)

@@ -147,3 +147,19 @@ def test_node_state_carries_since_when():
     assert state.ready is False and state.since == since and not state.gone
     assert _api(ApiException(status=404, reason="Not Found")).node_state("n").gone
     assert _api(ApiException(status=403, reason="Forbidden")).node_state("n") is None
+
+
+def test_requests_in_flight_are_bounded_by_a_pool_of_kept_connections(tmp_path, monkeypatch):
+    """Past the pool, a request waits for a connection (no new TLS handshake per request, no flood of requests)."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}]}))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    kw = Api().client.rest_client.pool_manager.connection_pool_kw
+    assert kw["maxsize"] == k8s.CONNECTIONS and kw["block"] is True
+    from ddp_operator.reconciler import POD_WRITERS
+    assert k8s.CONNECTIONS >= 2 * POD_WRITERS  # two passes' pod writers at once, with room for the rest
