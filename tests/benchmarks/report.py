@@ -158,7 +158,8 @@ def scale_sim(doc: Doc) -> str:
     r = doc["result"]
     n = str(max(r.get("nodes") or [0]))
     return (f"{n} nodes: every pod created in {_n((r.get('created_s_by_nodes') or {}).get(n), ' s')} "
-            f"({_n((r.get('pods_per_s_by_nodes') or {}).get(n))} pods/s), "
+            f"({_n((r.get('pods_per_s_by_nodes') or {}).get(n))} pods/s; the control plane alone "
+            f"{_n(r.get('control_plane_pods_per_s'))} pods/s), "
             f"{_n((r.get('creates_per_job_by_nodes') or {}).get(n))} creates, "
             f"{_n((r.get('status_writes_per_job_by_nodes') or {}).get(n))} status writes; a deleted pod replaced in "
             f"{_n(r.get('replacement_p99_s'), ' s')} (p99); 50 nodes lost: pods replaced {_n(r.get('node_storm_s'), ' s')} "

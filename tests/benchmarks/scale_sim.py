@@ -10,6 +10,8 @@ DDPJob tolerates kwok's taint and selects type=kwok. Scenarios, in this order, o
 
   a. one DDPJob of N nodes for each N: apply -> every pod created -> every pod Running; per N the seconds, pods/s,
      the operator's creates and status writes for the job (the audit log, the job's namespace) and its CPU seconds;
+     before the operator starts, the largest job's objects created by a minimal client (sim_baseline): the control
+     plane's own rate for them, the figure the operator's pods/s is read against;
   b. a pod of the largest job deleted, --deletes times one after the other -> its replacement created (p50/p99);
   e. hang detection switched on for the largest job (its fake pods answer no probe; 20 of them sit on loopback
      servers that accept and never answer, on the progress and diagnostics ports): the operator's poll duration
@@ -49,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from hack import kwok  # noqa: E402
 from tests.benchmarks import results  # noqa: E402
 from tests.benchmarks.api_writes import AuditCursor  # noqa: E402
+from tests.benchmarks.sim_baseline import create_as_the_operator, job_objects  # noqa: E402
 from tests.benchmarks.sim_support import (  # noqa: E402
     PodWatch, SilentServers, SimOperator, operator_writes, wait_until,
 )
@@ -170,6 +173,11 @@ class Sim:
         self.watches[ns] = w
         return ns
 
+    def drop(self, ns: str) -> None:
+        """Namespace `ns` deleted and gone, and forgotten by the run."""
+        self.watches.pop(ns).stop()
+        self.k("delete", "namespace", ns, "--timeout=300s", timeout=320)
+
     def create(self, ns: str, jobs: list[dict]) -> None:
         for start in range(0, len(jobs), 200):
             text = json.dumps({"apiVersion": "v1", "kind": "List", "items": jobs[start:start + 200]})
@@ -219,6 +227,21 @@ def one_job(sim: Sim, n: int) -> tuple[str, dict]:
                 "creates": writes.get("creates", 0), "status_writes": writes.get("status_writes", 0),
                 "writes": dict(sorted(writes.items())), "operator_cpu_s": round(sim.op.cpu_seconds() - cpu0, 2),
                 "pods_missing": sorted(pod_names(JOB, n) - names)[:10]}
+
+
+def control_plane(sim: Sim, n: int) -> dict:
+    """Scenario a's baseline, before the operator starts: the same objects created by a minimal client
+    (sim_baseline), "created" as in scenario a; the namespace is gone again before the next scenario."""
+    ns = sim.namespace(f"base{n}")
+    w = sim.watches[ns]
+    children, pods = job_objects(sim_job(JOB, n), ns)
+    t0 = time.time()
+    requests_s = create_as_the_operator(sim.core.api_client, children, pods)
+    t_created = wait_until(lambda: w.count(JOB) >= n + 1, 120 + n * 0.5, f"{n + 1} baseline pods of {ns} created")
+    sim.drop(ns)
+    h.log(f"baseline N={n}: the control plane created the job's objects in {t_created - t0:.1f} s without the operator")
+    return {"nodes": n, "created_s": round(t_created - t0, 2), "requests_s": round(requests_s, 2),
+            "pods_per_s": round((n + 1) / max(t_created - t0, 1e-3), 1)}
 
 
 def replace_one(sim: Sim, ns: str, job: str, n: int, rng: random.Random) -> float | None:
@@ -418,6 +441,7 @@ def summary(a: argparse.Namespace, parts: dict, sim: Sim) -> dict:
         "status_writes_per_job_by_nodes": costs["status_writes"],
         "operator_cpu_s_by_nodes": costs["operator_cpu_s"],
         "slope_per_node": {key: slope(v) for key, v in costs.items()},
+        "control_plane_pods_per_s": (parts.get("baseline") or {}).get("pods_per_s"),
         "replacement_p50_s": d and d["replacement_p50_s"], "replacement_p99_s": d and d["replacement_p99_s"],
         "node_storm_s": c and c["node_storm_s"], "hang_poll_s": e and e["hang_poll_s"],
         "other_job_delay_s": e and e["other_job_delay_s"],
@@ -426,13 +450,15 @@ def summary(a: argparse.Namespace, parts: dict, sim: Sim) -> dict:
         "goal": {"created_s at 1000": 10, "creates": "<= N + 3", "status_writes": f"<= {STATUS_WRITES_GOAL}",
                  "replacement_p99_s": 1, "node_storm_s": f"<= {NODE_LOST_TIMEOUT_S + 10}",
                  "operator_rss_mib_max": RSS_GOAL_MIB, "hang_poll_s": 10, "other_job_delay_s": 1},
-        "by_nodes": by_n, "deletions": d, "hang": e, "node_storm": c, "many_jobs": parts.get("many_jobs"),
+        "by_nodes": by_n, "baseline": parts.get("baseline"), "deletions": d, "hang": e, "node_storm": c, "many_jobs": parts.get("many_jobs"),
         "restart": rs, "duplicates": sim.duplicates()[:20], "non_loopback_ips": sim.check_loopback(),
         "fake_nodes": parts["fake_nodes"],
     }
 
 
 def scenarios(sim: Sim, a: argparse.Namespace, parts: dict) -> dict:
+    if a.full:
+        parts["baseline"] = control_plane(sim, max(a.sizes))
     sim.op.start()
     spaces = {}
     for n in a.sizes:
