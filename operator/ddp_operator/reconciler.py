@@ -50,6 +50,7 @@ from ddp_operator.poller import ProgressPoller
 from ddp_operator.spec import SpecError
 from ddp_operator.stall import Finding, PodDiagnosis
 from ddp_operator.status import newer_progress
+from ddp_operator.ticker import DuePasses
 
 log = logging.getLogger("ddp_operator")
 
@@ -128,6 +129,7 @@ class Reconciler:
         self.nodes = ReadCache(NODE_CACHE_SECONDS)
         self.flavors = ReadCache(FLAVOR_CACHE_SECONDS)     # Kueue's ResourceFlavors
         self.priorities = ReadCache(FLAVOR_CACHE_SECONDS)  # Kueue's WorkloadPriorityClasses
+        self.due = DuePasses(lambda *key: self.reconcile(*key), self.jobs.wake, RETRY_SECONDS, TICK_SECONDS)
         self._swept_at = 0.0
         self._stop = threading.Event()
 
@@ -141,11 +143,11 @@ class Reconciler:
         self.jobs.indexes = indexes
 
     # --- the ticker -------------------------------------------------------------------------------
-    def tick(self) -> None:
+    def tick(self, wait: bool = True) -> None:
         """Run due wake-ups, a slow resync of every job, progress probes (in the pool) and the sweep.
 
-        Each job's work is isolated: whatever one job raises, every other due wake-up still runs, and the
-        failing job's own wake-up is re-armed."""
+        Each job's work is isolated: the due passes run side by side (ticker.py; `wait`: return once they ended),
+        whatever one job raises, every other due wake-up still runs, and the failing job's own wake-up is re-armed."""
         now = time.monotonic()
         keys = set(self.jobs.take_due(now))
         try:
@@ -165,22 +167,19 @@ class Reconciler:
                 self.jobs.sweep()
             except Exception:  # noqa: BLE001
                 log.exception("sweep of deleted jobs failed")
-        for key in sorted(keys):
-            try:
-                self.reconcile(*key)
-            except Exception:  # noqa: BLE001 - logged by reconcile; this job alone is retried
-                self.jobs.wake(key, RETRY_SECONDS)
+        self.due.run(sorted(keys), wait_for_them=wait)
 
     def run_ticker(self) -> None:
         while not self._stop.wait(TICK_SECONDS):
             try:
-                self.tick()
+                self.tick(wait=False)
             except Exception:
                 log.exception("ticker pass failed")
 
     def stop(self) -> None:
         self._stop.set()
         self.poller.stop()
+        self.due.stop()
 
     # --- observation ------------------------------------------------------------------------------
     def _observe(self, key: Key, uid: str) -> tuple[tuple[PodState, ...], set[str]]:
