@@ -21,7 +21,7 @@ from torch.distributed import TCPStore  # noqa: E402
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr  # noqa: E402
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend  # noqa: E402
 
-from ddp_trainer import rendezvous  # noqa: E402
+from ddp_trainer import rendezvous, rendezvous_rules  # noqa: E402
 from ddp_trainer.testing import free_port  # noqa: E402
 
 KEEP_ALIVE_S, ATTEMPTS = 1, 2  # expiry after 2 s
@@ -59,10 +59,12 @@ def _group(port: int, run_id: str, n: int):
 
 
 def _fresh(handler):
-    """The state as the store has it now (the holder's cache bypassed), judged by this agent's holder."""
-    handler._state_holder._last_sync_time = -1
-    handler._state_holder.sync()
-    return handler._state_holder.state
+    """The state as the store has it now (the holder's cache bypassed), judged by this agent's holder (under its
+    heartbeat lock, as torch's own looks: its keep-alive timer syncs the same holder)."""
+    with handler._heartbeat_lock:
+        handler._state_holder._last_sync_time = -1
+        handler._state_holder.sync()
+        return handler._state_holder.state
 
 
 @pytest.fixture
@@ -95,3 +97,53 @@ def test_a_silent_agent_is_still_dropped_once_its_heartbeats_expire(group):
     state = _fresh(group[0][0])
     assert silent._this_node not in state.participants and silent._this_node not in state.last_heartbeats
     assert {group[0][0]._this_node, group[2][0]._this_node} <= set(state.participants)
+
+
+def _until(done, timeout: float = 10 * KEEP_ALIVE_S) -> None:
+    end = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_training_agents_heartbeat_key_goes_out_before_its_look_at_the_state(group):
+    """torch's keep-alive looks at the state (a sync: store calls, the state read when it changed) before it sends the
+    heartbeat; on a loaded machine those calls were slow and the key went out later than the expiry allows (512 agents
+    on 2 cores: live agents dropped, the re-form churned; docs/scale.md). The key now goes first."""
+    handler = group[0][0]
+    beats, holder = handler._op_executor.beats, handler._state_holder
+    _until(lambda: not rendezvous_rules._unheard(holder.state, handler._this_node))  # rule 5 recorded its first
+    handler._stop_heartbeats()  # the test calls the keep-alive itself
+    sends: list[float] = []
+    send, sync = beats.send, holder.sync
+    beats.send = lambda node: (sends.append(time.time()), send(node))[1]
+    holder.sync = lambda: (time.sleep(1.5 * KEEP_ALIVE_S), sync())[1]  # a look slowed down by a loaded machine
+    started = time.time()
+    handler._keep_alive()
+    assert sends and sends[0] - started < 0.5 * KEEP_ALIVE_S, f"heartbeat key sent {sends[0] - started:.2f} s late" \
+        if sends else "no heartbeat key sent"
+    state = _fresh(group[1][0])
+    assert handler._this_node in state.participants, "the agent stays a participant"
+
+
+def test_a_waiting_agents_heartbeat_key_goes_out_while_its_join_loop_is_slow(group):
+    """While an agent waits in next_rendezvous, torch's timer is stopped and the join loop sends the heartbeats; one
+    turn of it can take seconds on a loaded machine (a read of the whole state, lost writes), and the key went out as
+    late (512 agents on 2 cores: live agents dropped while the group re-formed). A thread of the agent's sends it."""
+    waiting = group[0][0]
+    beats, holder = waiting._op_executor.beats, waiting._state_holder
+    _until(lambda: not rendezvous_rules._unheard(holder.state, waiting._this_node))  # heard of the round (rule 5)
+    sync = holder.sync
+    holder.sync = lambda: (time.sleep(2 * KEEP_ALIVE_S * ATTEMPTS), sync())[1]  # each turn slower than the expiry
+    joining = threading.Thread(target=waiting.next_rendezvous, daemon=True)  # the others train on: it waits
+    joining.start()
+    ages = []
+    try:
+        for _ in range(int(3 * KEEP_ALIVE_S * ATTEMPTS / 0.2)):
+            time.sleep(0.2)
+            ages.append(time.time() - float(beats._store.get(beats.key(waiting._this_node))))
+    finally:
+        holder.sync = sync
+        group[1][0].set_closed()  # its join ends (RendezvousClosedError)
+        joining.join(4 * KEEP_ALIVE_S * ATTEMPTS)
+    assert max(ages) < KEEP_ALIVE_S * ATTEMPTS, f"the waiting agent's heartbeat key was {max(ages):.2f} s old"

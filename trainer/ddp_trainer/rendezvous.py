@@ -134,9 +134,8 @@ elastic range (``spec.torchrun.rdzvBackend: auto``). It uses torch internals (un
 when it is created and fails with a clear message rather than misbehave on a torch it was not written for; before
 that, a torch outside the tested range is refused outright (``torch_version``: one line, exit code 78).
 
-The rules' decisions and state writes are in ``ddp_trainer.rendezvous_rules``; this module wires them into
-torch's operation executor, state holder and handler (and keeps rule 5's judgment of heartbeats, with
-``ROUND_START_GRACE``, next to the state holder's sanitizer it guards).
+The rules' decisions and state writes are in ``ddp_trainer.rendezvous_rules``; this module wires them into torch's
+operation executor, state holder and handler (and keeps rule 5's judgment of heartbeats next to the sanitizer).
 """
 
 from __future__ import annotations
@@ -398,6 +397,7 @@ def enable_take_over(handler: Any, pod: str | None) -> bool:
     """Rule 4 on a dynamic rendezvous handler, c10d's or this backend's. False, and the handler unchanged, without a
     pod or where the handler or this torch is not what it was written for."""
     rendezvous_version.quiet_events(handler)  # any handler: its heartbeats' events cost nothing unrecorded
+    rendezvous_version.beat_first(handler)  # any handler: its heartbeat key, where it has one, before its look
     if pod is None:
         return False
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr

@@ -348,7 +348,8 @@ def _beating(op: Callable[[Any, float], Any], beats: Beats, joining: bool,
         action = op(ctx, deadline)
         if action != _Action.KEEP_ALIVE or (_unheard(ctx.state, ctx.node) and not (heard and heard(ctx))):
             return action
-        beats.send(ctx.node)
+        if time.monotonic() - beats.sent >= ctx.settings.keep_alive_interval.total_seconds() / 2:
+            beats.send(ctx.node)  # else sent just now (rendezvous_version.beat_first)
         ctx.state.last_heartbeats[ctx.node] = datetime.now(timezone.utc)  # local only: no state write
         return _Action.SYNC if joining else _Action.FINISH
 

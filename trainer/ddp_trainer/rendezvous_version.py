@@ -33,8 +33,9 @@ Rule 11 applies where rule 10 does (rounds of more than 8 nodes): there readers 
 vouches. The version is bumped by every write of this executor whatever the size, so that agents whose settings differ
 for a moment (rule 3 crossing 8 nodes) never keep a state another one changed. Garbage in either key is ignored.
 
-Two costs found on the way at 512 agents are here too: torch's event naming on every heartbeat (``quiet_events``), and
-an agent that waits after lost writes (rule 9) without sending its heartbeat (``Versioned.beat``).
+Costs found on the way at 512 agents are here too: torch's event naming on every heartbeat (``quiet_events``), an
+agent that waits after lost writes (rule 9) without sending its heartbeat (``Versioned.beat``), and heartbeats sent only
+after a look at the state (``beat_first``).
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import threading
 import time
+import weakref
 from datetime import datetime, timezone
 from typing import Any
 
-from .rendezvous_rules import BACKEND, _BEATS, batched
+from .rendezvous_rules import BACKEND, _BEATS, _unheard, batched
 
 # The refresher leaves out of its vouch the agents whose heartbeat key is older than this many keep-alive intervals
 # (a heartbeat is due every interval; a late one may be a dying agent's), at most VOUCH_LEFT_OUT_MAX of them (the
@@ -75,6 +78,72 @@ def quiet_events(obj: Any) -> bool:
             message=message, node_state=node_state, hostname=node.addr, pid=node.pid, local_id=node.local_id, **extra)
 
     obj._record = _record
+    return True
+
+
+def beat_first(handler: Any) -> bool:
+    """An agent's heartbeat key (rule 7) goes out once a keep-alive interval whatever its looks at the state cost:
+
+    - while it trains, torch's keep-alive (its timer) sends the key before anything else, outside the handler's
+      heartbeat lock. torch's keep-alive looks at the state first (a sync: the version, the vouch, the keys of stale
+      heartbeats, the whole state when it changed; behind the lock, which a training agent's ``num_nodes_waiting()``
+      holds for its own look) and sent the heartbeat after it;
+    - while it waits in ``next_rendezvous`` (torch stops its timer there and the join loop sends the heartbeats), a
+      thread of its own sends the key when none went out for a keep-alive interval: one turn of the join loop can
+      take seconds (a read of the whole state and its unpickling, lost writes, the fold of a writer).
+
+    On a loaded machine those looks were slow and the key as late: at 512 agents on 2 cores heartbeats went out more
+    than the 3 s expiry apart, the others dropped live agents and the re-form churned (docs/scale.md). The key says
+    only that this agent's process runs, which needs no look; what a look decides still follows it (the refresher's
+    vouch, rule 5's record), and ``_beating`` does not send the key again within half an interval. An agent's first
+    heartbeat in a new round is left to its look (rule 5 records it; a fresh key laid over its stale heartbeat would
+    let the look decide there is nothing to send). Any handler: the executor's ``beats`` are read at each call (none:
+    torch's keep-alive, unchanged). False where the handler's class has no ``_keep_alive`` or ``next_rendezvous``."""
+    if getattr(handler, "_ddpjob_beat_first", False):
+        return True  # once (ddp_trainer.launch enables rule 4 on the handler create_handler made)
+    cls = type(handler)
+    keep_alive, next_rendezvous = getattr(cls, "_keep_alive", None), getattr(cls, "next_rendezvous", None)
+    if not callable(keep_alive) or not callable(next_rendezvous) or \
+            {"_keep_alive", "next_rendezvous"} & vars(handler).keys():  # wrapped by someone else: left alone
+        return False
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    # the wrappers hold the handler weakly, as torch's timer does: a handler dropped is collected and its timer stops
+    this = weakref.ref(handler)
+
+    def send(due: float = 0.0) -> None:
+        h = this()
+        beats = getattr(getattr(h, "_op_executor", None), "beats", None)
+        if beats is None or not beats.created or time.monotonic() - beats.sent < due or \
+                _unheard(h._state_holder.state, h._this_node):
+            return
+        try:
+            beats.send(h._this_node)
+        except RendezvousError:
+            pass  # the store is what the agent's own next call meets and reports
+
+    def _keep_alive() -> None:
+        send()
+        if (h := this()) is not None:
+            keep_alive(h)
+
+    def beating(stop: threading.Event, interval: float) -> None:
+        while True:
+            send(interval)
+            if stop.wait(interval / 2):
+                return
+
+    def _next_rendezvous() -> Any:
+        h, stop = this(), threading.Event()
+        interval = h._settings.keep_alive_interval.total_seconds()
+        threading.Thread(target=beating, args=(stop, interval), name=f"{BACKEND}-beat", daemon=True).start()
+        try:
+            return next_rendezvous(h)
+        finally:
+            stop.set()
+
+    handler._keep_alive, handler.next_rendezvous = _keep_alive, _next_rendezvous
+    handler._ddpjob_beat_first = True
     return True
 
 
