@@ -50,7 +50,7 @@ from ddp_operator.poller import ProgressPoller
 from ddp_operator.spec import SpecError
 from ddp_operator.stall import Finding, PodDiagnosis
 from ddp_operator.status import newer_progress
-from ddp_operator.ticker import DuePasses
+from ddp_operator.ticker import RESYNC_SECONDS, RESYNCS_PER_TICK, DuePasses
 
 log = logging.getLogger("ddp_operator")
 
@@ -61,7 +61,6 @@ POD_WRITERS = 32  # a pass's pod creates (or deletes) in flight at once: the API
 SIDE_BY_SIDE = (CREATE, DELETE, FORCE_DELETE)  # verbs whose runs of pod writes a pass sends side by side
 CREATED_MEMORY_SECONDS = 30.0
 TICK_SECONDS = 1.0
-RESYNC_SECONDS = 300.0
 RETRY_SECONDS = 5.0
 SWEEP_SECONDS = 10.0
 NODE_CACHE_SECONDS = 5.0  # a node's state read for the node-loss rule is reused (one read per node, not per pod)
@@ -155,11 +154,13 @@ class Reconciler:
         except Exception:  # noqa: BLE001 - the wake-ups already taken must run regardless
             log.exception("could not list jobs for the resync")
             jobs = []
+        stale = []
         for key in jobs:
-            record = self.jobs.get(key)
-            if now - (record.last_pass if record is not None else 0.0) >= RESYNC_SECONDS:
-                keys.add(key)
+            last = getattr(self.jobs.get(key), "last_pass", 0.0)  # 0.0: no record yet
+            if now - last >= RESYNC_SECONDS:
+                stale.append((last, key))
             self.poller.schedule(key)
+        keys.update(key for _, key in sorted(stale)[:RESYNCS_PER_TICK])  # the oldest; the rest at the next ticks
         if now - self._swept_at >= SWEEP_SECONDS:
             self._swept_at = now
             try:

@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 Key = tuple[str, str]
 DUE_WORKERS = 8
+RESYNC_SECONDS = 300.0  # every job has a pass at least this often, events or not
+RESYNCS_PER_TICK = 4  # a thousand jobs resynced in 250 s, never a thousand passes at once beside the due ones
 
 
 class DuePasses:

@@ -53,7 +53,7 @@ from tests.benchmarks import results  # noqa: E402
 from tests.benchmarks.api_writes import AuditCursor  # noqa: E402
 from tests.benchmarks.sim_baseline import create_as_the_operator, job_objects  # noqa: E402
 from tests.benchmarks.sim_support import (  # noqa: E402
-    PodWatch, SilentServers, SimOperator, operator_writes, wait_until,
+    PodWatch, SilentServers, SimOperator, kwok_raced, operator_writes, wait_until,
 )
 from tests.e2e import harness as h  # noqa: E402
 from tests.support.kube import Kubectl, create_test_namespace  # noqa: E402
@@ -161,6 +161,7 @@ class Sim:
                 raise SystemExit("the kwok simulation runs against the embedded cluster (hack/kwok.py), or --kubeconfig")
             self.kubeconfig, self.audit = str(cluster.kubeconfig), h.embedded.audit_log()
         self.k = Kubectl(self.kubeconfig)
+        self.run_audit = AuditCursor(self.audit)
         self.core = kclient.CoreV1Api(kconfig.new_client_from_config(config_file=self.kubeconfig))
         self.op = SimOperator(self.kubeconfig)
         self.watches: dict[str, PodWatch] = {}
@@ -194,14 +195,15 @@ class Sim:
             raise SystemExit(f"network rule broken: fake pod IPs outside 127.0.0.0/8: {bad[:5]}")
         return bad
 
-    def duplicates(self) -> list[str]:
-        """Names seen with two UIDs where no scenario removed the first."""
-        out = []
+    def duplicates(self) -> tuple[list[str], list[str]]:
+        """(names seen with two UIDs where no scenario removed the first, those of them kwok deleted right after their
+        create: sim_support.kwok_raced, not counted as duplicates)."""
+        out, raced = [], kwok_raced(self.run_audit.events())
         for ns, w in self.watches.items():
             for name, uids in w.uids_by_name().items():
                 if len([u for u in uids[:-1] if u not in self.replaced_ok]) > 0:
                     out.append(f"{ns}/{name}")
-        return sorted(out)
+        return sorted(n for n in out if n not in raced), sorted(n for n in out if n in raced)
 
 
 # --- scenarios ---------------------------------------------------------------------------------------------------
@@ -429,6 +431,7 @@ def goals_missed(result: dict) -> list[str]:
 
 def summary(a: argparse.Namespace, parts: dict, sim: Sim) -> dict:
     by_n = {str(n): r for n, r in parts["by_nodes"].items()}
+    duplicates, raced = sim.duplicates()
     d, e, c, rs = parts.get("deletions"), parts.get("hang"), parts.get("node_storm"), parts.get("restart")
     costs = {key: {n: r[key] for n, r in by_n.items()} for key in ("created_s", "creates", "status_writes",
                                                                    "operator_cpu_s")}
@@ -451,7 +454,7 @@ def summary(a: argparse.Namespace, parts: dict, sim: Sim) -> dict:
                  "replacement_p99_s": 1, "node_storm_s": f"<= {NODE_LOST_TIMEOUT_S + 10}",
                  "operator_rss_mib_max": RSS_GOAL_MIB, "hang_poll_s": 10, "other_job_delay_s": 1},
         "by_nodes": by_n, "baseline": parts.get("baseline"), "deletions": d, "hang": e, "node_storm": c, "many_jobs": parts.get("many_jobs"),
-        "restart": rs, "duplicates": sim.duplicates()[:20], "non_loopback_ips": sim.check_loopback(),
+        "restart": rs, "duplicates": duplicates[:20], "kwok_raced": raced[:20], "non_loopback_ips": sim.check_loopback(),
         "fake_nodes": parts["fake_nodes"],
     }
 

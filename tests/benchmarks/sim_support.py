@@ -1,7 +1,8 @@
 """What tests/benchmarks/scale_sim.py observes, apart from its scenarios: every pod of a namespace as a watch sees it
 (`PodWatch`), the operator it runs as a host process and what /proc says of it (`SimOperator`), the operator's API
 writes in the audit log (`operator_writes`, over api_writes.AuditCursor), and loopback servers that accept and never answer
-(`SilentServers`, the slow probes of the hang scenario).
+(`SilentServers`, the slow probes of the hang scenario), and the pods kwok deleted under the operator's replacements
+(`kwok_raced`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -284,3 +286,29 @@ class SilentServers:
                 s.close()
             except OSError:
                 pass
+
+
+KWOK_RACE_SECONDS = 2.0
+
+
+def kwok_raced(events: list[dict]) -> set[str]:
+    """Pods ("namespace/name") kwok deleted within KWOK_RACE_SECONDS of their create, in the audit `events`.
+
+    kwok's Stage for a pod being deleted deletes it by name, without the UID precondition a kubelet sends: when the
+    operator force-deleted a pod of a lost node and created its replacement before kwok's delete of the old one went
+    out, that delete took the replacement, and the operator rightly made the pod again. A simulation artifact, told
+    apart from a pod the operator made twice (scale_sim's duplicates) and reported on its own."""
+    created: dict[str, datetime] = {}
+    out = set()
+    for ev in sorted(events, key=lambda e: e.get("stageTimestamp") or ""):
+        ref = ev.get("objectRef") or {}
+        if ref.get("resource") != "pods" or ref.get("subresource") or not ev.get("stageTimestamp") \
+                or (ev.get("responseStatus") or {}).get("code") not in (200, 201):
+            continue
+        key, at = f"{ref.get('namespace')}/{ref.get('name')}", datetime.fromisoformat(ev["stageTimestamp"])
+        if ev.get("verb") == "create":
+            created[key] = at
+        elif ev.get("verb") == "delete" and (ev.get("userAgent") or "").startswith("kwok/") and key in created \
+                and (at - created[key]).total_seconds() <= KWOK_RACE_SECONDS:
+            out.add(key)
+    return out

@@ -94,3 +94,26 @@ def test_the_audit_cursor_reads_on_across_a_rotation(tmp_path):
     log.rename(tmp_path / "audit-2026-12-05T16-00-00.000.log")  # the API server rotates by renaming
     log.write_text(json.dumps({"n": 2}) + "\n")
     assert [e["n"] for e in cursor.events()] == [1, 2]
+
+
+def _audit(verb, name, at, agent="OpenAPI-Generator/37.0.2/python", code=201, sub=""):
+    return {"verb": verb, "userAgent": agent, "stageTimestamp": f"2026-12-06T10:06:{at}Z",
+            "responseStatus": {"code": code},
+            "objectRef": {"resource": "pods", "namespace": "ns", "name": name, "subresource": sub}}
+
+
+def test_a_pod_kwok_deleted_right_after_its_create_is_told_apart_from_a_duplicate():
+    """kwok deletes by name: its delete of a force-deleted pod took the replacement made meanwhile (audit of a run)."""
+    kwok = "kwok/v0.8.0 (linux/amd64)"
+    events = [
+        _audit("delete", "job-25", "09.192000", code=200),               # the operator's force delete
+        _audit("create", "job-25", "09.617000"),                         # its replacement
+        _audit("delete", "job-25", "09.930000", agent=kwok, code=200),   # kwok's late delete takes it
+        _audit("create", "job-26", "09.617000"),
+        _audit("delete", "job-26", "19.930000", agent=kwok, code=200),   # a pod deleted later, gracefully: not a race
+        _audit("create", "job-27", "09.617000"),
+        _audit("delete", "job-27", "09.900000", agent=kwok, code=404),   # kwok's delete that found nothing
+        _audit("create", "job-28", "09.617000"),
+        _audit("patch", "job-28", "09.700000", agent=kwok, code=200, sub="status"),
+    ]
+    assert sim_support.kwok_raced(events) == {"ns/job-25"}

@@ -60,3 +60,21 @@ def test_a_failing_pass_is_retried_and_the_others_still_run():
         assert set(calls) == {("ns", "bad"), ("ns", "good")} and woken == [(("ns", "bad"), 5)]
     finally:
         due.stop()
+
+
+def test_the_resync_takes_a_few_of_the_oldest_jobs_per_tick(monkeypatch):
+    """A restarted operator (or 300 s after it) found every job due for its resync at once: a thousand passes in one
+    tick, beside kopf's own first passes. Now RESYNCS_PER_TICK a tick, the oldest first."""
+    from ddp_operator import reconciler as rmod, ticker
+    r = rmod.Reconciler.__new__(rmod.Reconciler)
+    ran = []
+    keys = [("ns", f"j{i}") for i in range(10)]
+    records = {k: type("R", (), {"last_pass": float(i)})() for i, k in enumerate(keys)}
+    r.jobs = type("J", (), {"take_due": lambda self, now: [], "keys": lambda self: list(keys),
+                            "get": lambda self, k: records[k], "wake": lambda self, k, d: None})()
+    r.poller = type("P", (), {"schedule": lambda self, k: None})()
+    r._swept_at = float("inf")
+    r.due = type("D", (), {"run": lambda self, ks, wait_for_them: ran.extend(ks)})()
+    monkeypatch.setattr(rmod.time, "monotonic", lambda: 10_000.0)
+    r.tick()
+    assert ran == keys[:ticker.RESYNCS_PER_TICK]
