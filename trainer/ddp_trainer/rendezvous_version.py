@@ -81,6 +81,39 @@ def quiet_events(obj: Any) -> bool:
     return True
 
 
+class _Beater:
+    """One thread per process sends the heartbeat keys of this process's agents that wait in ``next_rendezvous``
+    (``beat_first``), every ``BEAT_TICK_S``: a pod runs one agent, a benchmark hundreds, and a thread each made hundreds
+    of wake-ups a second compete for one interpreter."""
+
+    def __init__(self) -> None:
+        self._lock, self._sends, self._thread = threading.Lock(), {}, None
+
+    def add(self, key: int, send: Any) -> None:
+        with self._lock:
+            self._sends[key] = send
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"{BACKEND}-beats", daemon=True)
+                self._thread.start()
+
+    def remove(self, key: int) -> None:
+        with self._lock:
+            self._sends.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(BEAT_TICK_S)
+            with self._lock:
+                sends = list(self._sends.values())
+            for send in sends:
+                send()
+
+
+# How often the beater looks whether a waiting agent's heartbeat key is due (a keep-alive interval is 1 s or more).
+BEAT_TICK_S = 0.25
+_WAITING_BEATS = _Beater()
+
+
 def beat_first(handler: Any) -> bool:
     """An agent's heartbeat key (rule 7) goes out once a keep-alive interval whatever its looks at the state cost:
 
@@ -88,9 +121,9 @@ def beat_first(handler: Any) -> bool:
       heartbeat lock. torch's keep-alive looks at the state first (a sync: the version, the vouch, the keys of stale
       heartbeats, the whole state when it changed; behind the lock, which a training agent's ``num_nodes_waiting()``
       holds for its own look) and sent the heartbeat after it;
-    - while it waits in ``next_rendezvous`` (torch stops its timer there and the join loop sends the heartbeats), a
-      thread of its own sends the key when none went out for a keep-alive interval: one turn of the join loop can
-      take seconds (a read of the whole state and its unpickling, lost writes, the fold of a writer).
+    - while it waits in ``next_rendezvous`` (torch stops its timer there and the join loop sends the heartbeats), the
+      process's beater thread (``_Beater``) sends the key when none went out for a keep-alive interval: one turn of
+      the join loop can take seconds (a read of the whole state and its unpickling, lost writes, the fold of a writer).
 
     On a loaded machine those looks were slow and the key as late: at 512 agents on 2 cores heartbeats went out more
     than the 3 s expiry apart, the others dropped live agents and the re-form churned (docs/scale.md). The key says
@@ -127,20 +160,15 @@ def beat_first(handler: Any) -> bool:
         if (h := this()) is not None:
             keep_alive(h)
 
-    def beating(stop: threading.Event, interval: float) -> None:
-        while True:
-            send(interval)
-            if stop.wait(interval / 2):
-                return
-
     def _next_rendezvous() -> Any:
-        h, stop = this(), threading.Event()
+        h = this()
         interval = h._settings.keep_alive_interval.total_seconds()
-        threading.Thread(target=beating, args=(stop, interval), name=f"{BACKEND}-beat", daemon=True).start()
+        send(interval)
+        _WAITING_BEATS.add(id(h), lambda: send(interval))
         try:
             return next_rendezvous(h)
         finally:
-            stop.set()
+            _WAITING_BEATS.remove(id(h))
 
     handler._keep_alive, handler.next_rendezvous = _keep_alive, _next_rendezvous
     handler._ddpjob_beat_first = True
