@@ -308,17 +308,19 @@ def delete_nodes() -> int:
     items = nodes_json()
     if items:  # one request (a delete collection): a thousand one by one take minutes on a busy machine
         kubectl("delete", "--raw", f"/api/v1/nodes?labelSelector={NODE_LABEL[0]}%3D{NODE_LABEL[1]}", timeout=300)
-        delete_leases([n["metadata"]["name"] for n in items])
     return len(items)
 
 
 def delete_leases(names: list[str]) -> None:
-    """Delete the node Leases of `names`, which the garbage collector would delete some time after their nodes: a
-    node of the same name made meanwhile found its old Lease, kwok took it for the new node's, and renewing it failed
-    for good (its UID precondition names an object that is gone), so that node never turned Ready."""
-    for start in range(0, len(names), BATCH):
+    """Delete the node Leases left of `names` (the garbage collector deletes a node's Lease some time after the node):
+    a node of the same name made meanwhile found its old Lease, kwok took it for the new node's, and renewing it
+    failed for good (its UID precondition names an object that is gone), so that node never turned Ready. One list;
+    a delete only for those still there (kubectl reads every name it is given first, a few a second)."""
+    listed = kubectl("get", "lease", "-n", "kube-node-lease", "-o", "name").stdout.split()
+    left = sorted({item.rsplit("/", 1)[-1] for item in listed} & set(names))
+    for start in range(0, len(left), BATCH):
         kubectl("delete", "lease", "-n", "kube-node-lease", "--ignore-not-found", "--wait=false",
-                *names[start:start + BATCH], timeout=300)
+                *left[start:start + BATCH], timeout=300)
 
 
 def unmanage(names: list[str]) -> float:
