@@ -454,7 +454,7 @@ def summary(a: argparse.Namespace, parts: dict, sim: Sim) -> dict:
                  "replacement_p99_s": 1, "node_storm_s": f"<= {NODE_LOST_TIMEOUT_S + 10}",
                  "operator_rss_mib_max": RSS_GOAL_MIB, "hang_poll_s": 10, "other_job_delay_s": 1},
         "by_nodes": by_n, "baseline": parts.get("baseline"), "deletions": d, "hang": e, "node_storm": c, "many_jobs": parts.get("many_jobs"),
-        "restart": rs, "duplicates": duplicates[:20], "kwok_raced": raced[:20], "non_loopback_ips": sim.check_loopback(),
+        "restart": rs, "duplicates": duplicates[:20], "kwok_raced": raced[:20], "kwok_raced_count": len(raced), "non_loopback_ips": sim.check_loopback(),
         "fake_nodes": parts["fake_nodes"],
     }
 

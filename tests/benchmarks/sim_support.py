@@ -15,7 +15,6 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -288,27 +287,27 @@ class SilentServers:
                 pass
 
 
-KWOK_RACE_SECONDS = 2.0
-
-
 def kwok_raced(events: list[dict]) -> set[str]:
-    """Pods ("namespace/name") kwok deleted within KWOK_RACE_SECONDS of their create, in the audit `events`.
+    """Pods ("namespace/name") kwok deleted when nobody had asked to delete them, in the audit `events`.
 
-    kwok's Stage for a pod being deleted deletes it by name, without the UID precondition a kubelet sends: when the
-    operator force-deleted a pod of a lost node and created its replacement before kwok's delete of the old one went
-    out, that delete took the replacement, and the operator rightly made the pod again. A simulation artifact, told
-    apart from a pod the operator made twice (scale_sim's duplicates) and reported on its own."""
-    created: dict[str, datetime] = {}
+    kwok deletes a pod only once it is being deleted, and by name, without the UID precondition a kubelet sends: when
+    the operator force-deleted a pod of a lost node and created its replacement before kwok's delete of the old one
+    went out, that delete took the replacement (seconds after its create), and the operator rightly made the pod
+    again. A kwok delete whose pod's last create came after its last delete by anyone else is that: a simulation
+    artifact, told apart from a pod the operator made twice (scale_sim's duplicates) and reported on its own."""
+    last: dict[str, str] = {}  # "namespace/name" -> the last create or delete of it by anyone but kwok
     out = set()
     for ev in sorted(events, key=lambda e: e.get("stageTimestamp") or ""):
         ref = ev.get("objectRef") or {}
-        if ref.get("resource") != "pods" or ref.get("subresource") or not ev.get("stageTimestamp") \
+        if ref.get("resource") != "pods" or ref.get("subresource") \
+                or ev.get("verb") not in ("create", "delete", "deletecollection") \
                 or (ev.get("responseStatus") or {}).get("code") not in (200, 201):
             continue
-        key, at = f"{ref.get('namespace')}/{ref.get('name')}", datetime.fromisoformat(ev["stageTimestamp"])
-        if ev.get("verb") == "create":
-            created[key] = at
-        elif ev.get("verb") == "delete" and (ev.get("userAgent") or "").startswith("kwok/") and key in created \
-                and (at - created[key]).total_seconds() <= KWOK_RACE_SECONDS:
+        key = f"{ref.get('namespace')}/{ref.get('name')}"
+        if ev["verb"] == "deletecollection":  # e.g. the namespace controller's: every pod of the namespace
+            last.update({k: "delete" for k in last if k.startswith(f"{ref.get('namespace')}/")})
+        elif not (ev.get("userAgent") or "").startswith("kwok/"):
+            last[key] = ev["verb"]
+        elif ev["verb"] == "delete" and last.get(key) == "create":
             out.add(key)
     return out

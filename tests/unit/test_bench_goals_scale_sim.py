@@ -102,15 +102,16 @@ def _audit(verb, name, at, agent="OpenAPI-Generator/37.0.2/python", code=201, su
             "objectRef": {"resource": "pods", "namespace": "ns", "name": name, "subresource": sub}}
 
 
-def test_a_pod_kwok_deleted_right_after_its_create_is_told_apart_from_a_duplicate():
+def test_a_pod_kwok_deleted_though_nobody_asked_is_told_apart_from_a_duplicate():
     """kwok deletes by name: its delete of a force-deleted pod took the replacement made meanwhile (audit of a run)."""
     kwok = "kwok/v0.8.0 (linux/amd64)"
     events = [
         _audit("delete", "job-25", "09.192000", code=200),               # the operator's force delete
         _audit("create", "job-25", "09.617000"),                         # its replacement
-        _audit("delete", "job-25", "09.930000", agent=kwok, code=200),   # kwok's late delete takes it
+        _audit("delete", "job-25", "11.930000", agent=kwok, code=200),   # kwok's late delete takes it
         _audit("create", "job-26", "09.617000"),
-        _audit("delete", "job-26", "19.930000", agent=kwok, code=200),   # a pod deleted later, gracefully: not a race
+        _audit("delete", "job-26", "19.000000", code=200),               # a graceful delete by someone...
+        _audit("delete", "job-26", "19.930000", agent=kwok, code=200),   # ...that kwok carries out: no race
         _audit("create", "job-27", "09.617000"),
         _audit("delete", "job-27", "09.900000", agent=kwok, code=404),   # kwok's delete that found nothing
         _audit("create", "job-28", "09.617000"),
