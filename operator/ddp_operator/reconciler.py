@@ -57,7 +57,8 @@ log = logging.getLogger("ddp_operator")
 COMPONENT = "ddp-operator"
 STATUS_COALESCE_SECONDS = 2.0
 STATUS_COALESCE_MAX_SECONDS = 30.0
-POD_WRITERS = 32  # a pass's pod creates (or deletes) in flight at once: the API server's latency, not its CPU, bounds 8 (48 creates/s for one job of 1,000 pods on the kwok simulation, 64/s with 32)
+# A pass's pod creates (or deletes) in flight at once: with 8 the API server's latency, not its CPU, bounded one job
+POD_WRITERS = 32  # of 1,000 pods at 48 creates/s on the kwok simulation; 78/s with 32 (docs/scale.md)
 SIDE_BY_SIDE = (CREATE, DELETE, FORCE_DELETE)  # verbs whose runs of pod writes a pass sends side by side
 CREATED_MEMORY_SECONDS = 30.0
 TICK_SECONDS = 1.0
