@@ -247,6 +247,7 @@ def follow(kube: Kube, name: str, console: Any, out: TextIO = sys.stdout) -> int
             time.sleep(POLL_SECONDS)
     except KeyboardInterrupt:
         stop.set()
+        writer.close()  # the streamer prints nothing more: the interpreter may shut down under it
         if live:
             live.stop()
         console.print(f"\ndetached from {name}; it keeps running.\n  reattach:  kubectl ddp logs {name} -f -n "
@@ -259,6 +260,7 @@ def follow(kube: Kube, name: str, console: Any, out: TextIO = sys.stdout) -> int
     if streamer is not None:
         streamer.join(timeout=10)  # the last lines of rank 0's log
     stop.set()
+    writer.close()
     if view.progress_line(job) != seen.get("line") or live:
         console.print(Text(view.progress_line(job), style="bold"))
     if view.phase(job) == names.PHASE_SUCCEEDED:
@@ -312,20 +314,31 @@ def _stream(kube: Kube, name: str, index: int, out: TextIO, stop: threading.Even
 
 
 class _ConsoleLines:
-    """A text stream whose whole lines go to the rich console (above a live progress line)."""
+    """A text stream whose whole lines go to the rich console (above a live progress line), until `close`.
+
+    The log streamer is a daemon thread that may still be reading when `run` returns (Ctrl-C): a daemon thread
+    printing while the interpreter shuts down aborts it ("Fatal Python error: _enter_buffered_busy", exit 134). Lines
+    are printed under the lock, and `close` takes it: once it returns, no line is being printed or will be."""
 
     def __init__(self, console: Any):
         self.console = console
         self._partial = ""
         self._lock = threading.Lock()
+        self._closed = False
 
     def write(self, s: str) -> int:
         from rich.text import Text
         with self._lock:
+            if self._closed:
+                return len(s)
             *lines, self._partial = (self._partial + s).split("\n")
-        for line in lines:
-            self.console.print(Text(line), soft_wrap=True, highlight=False)
+            for line in lines:
+                self.console.print(Text(line), soft_wrap=True, highlight=False)
         return len(s)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
 
     def flush(self) -> None:
         pass

@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from decimal import Decimal
 from pathlib import Path
@@ -87,16 +88,23 @@ class Terminal:
 
     def wait_for(self, pattern: str, timeout: float, history: bool = False) -> re.Match:
         found: list[re.Match] = []
+        bottoms: list[str] = []  # the last line of each screen that differed from the one before (the live line)
 
         def check():
-            m = re.search(pattern, self.screen(history), re.MULTILINE)
+            screen = self.screen(history)
+            m = re.search(pattern, screen, re.MULTILINE)
             if m:
                 found.append(m)
+            bottom = next((ln for ln in reversed(screen.splitlines()) if ln.strip()), "")
+            if not bottoms or bottoms[-1] != bottom:
+                bottoms.append(bottom)
             return m is not None
         try:
             wait_for(check, timeout, f"/{pattern}/ on the terminal")
         except WaitTimeout as e:
-            raise AssertionError(f"{e}; the terminal shows:\n{self.screen(True)[-4000:]}") from None
+            seen = "\n".join(bottoms[-30:])
+            raise AssertionError(f"{e}; its last line was, in turn:\n{seen}\nthe terminal shows:\n"
+                                 f"{self.screen(True)[-4000:]}") from None
         return found[0]
 
     def wait_all(self, patterns: list[str], timeout: float) -> str:
@@ -115,6 +123,34 @@ class Terminal:
 
     def close(self) -> None:
         subprocess.run([self.tmux, "-L", self.socket, "kill-server"], capture_output=True, timeout=30)
+
+
+class StatusTimeline:
+    """What the job's status said, sampled twice a second while a wait runs: (wall time, phase, nodesReady, step,
+    the report's time) each time one of them changed. A failed wait for the terminal shows it beside the screen: the
+    operator's writes and the client's view told apart."""
+
+    def __init__(self, kubectl, namespace: str, name: str):
+        self.rows: list[tuple] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(kubectl, namespace, name), daemon=True)
+        self._thread.start()
+
+    def _sample(self, kubectl, namespace: str, name: str) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                st = h.status(kubectl, namespace, name)
+            except Exception:  # noqa: BLE001 - a sample missed is a gap in the timeline, nothing more
+                continue
+            p = st.get("progress") or {}
+            row = (st.get("phase"), st.get("nodesReady"), p.get("step"), p.get("time"))
+            if not self.rows or self.rows[-1][1:] != row:
+                self.rows.append((time.strftime("%H:%M:%S"), *row))
+
+    def stop(self) -> str:
+        self._stop.set()
+        self._thread.join(10)
+        return "\n".join(" ".join(map(str, r)) for r in self.rows)
 
 
 def _lines(text: str) -> list[str]:
@@ -172,8 +208,14 @@ def test_run_follows_a_script_through_a_killed_pod_and_every_view_shows_it(kubec
         follower = subprocess.Popen([kubectl.binary, "ddp", "logs", "cli", "-f", "-n", ns], env=_env(kubectl),
                                     stdout=log_file.open("w"), stderr=subprocess.STDOUT)
         # 2 nodes x 20 batches of 32 per epoch, 5 epochs: the script's total is 100 steps.
-        progress_line = term.wait_for(r"Running · nodes 2/2 · step (\d+)/100 · epoch \d+ · loss [\d.]+ · "
-                                      r"[\d,]+ samples/s · ETA \d+", 150)
+        timeline = StatusTimeline(kubectl, ns, "cli")
+        try:
+            progress_line = term.wait_for(r"Running · nodes 2/2 · step (\d+)/100 · epoch \d+ · loss [\d.]+ · "
+                                          r"[\d,]+ samples/s · ETA \d+", 150)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nthe job's status meanwhile (phase, nodesReady, step, report time):\n"
+                                 f"{timeline.stop()}") from None
+        timeline.stop()
         keep("run-view.txt", progress_line.string)  # the pane as it was when the progress line matched
         h.wait_rank0_step(kubectl, ns, "cli", 25, timeout=90)
         progress = h.status(kubectl, ns, "cli")["progress"]

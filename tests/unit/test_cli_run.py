@@ -2,6 +2,8 @@
 (valid against the CRD's schema), the job's name, and the lines announced while following."""
 
 import base64
+import threading
+import time
 
 import jsonschema
 import pytest
@@ -98,3 +100,25 @@ def test_incidents_recoveries_and_phases_are_announced_once_each():
     assert run.announcements(seen, status) == []
     # Attached to a job that already had a recovery: nothing old is announced.
     assert run.announcements({}, status) == ["> Running"]
+
+
+def test_the_log_writer_prints_nothing_once_closed_and_close_waits_for_a_line_being_printed():
+    """Ctrl-C: the log streamer (a daemon thread) must not be printing while the interpreter shuts down (it aborts
+    with exit 134): `close` returns only after a line in progress is out, and every later line is dropped."""
+    printed, printing = [], threading.Event()
+
+    class SlowConsole:
+        def print(self, text, **_):
+            printing.set()
+            time.sleep(0.3)
+            printed.append(str(text))
+
+    writer = run._ConsoleLines(SlowConsole())
+    streamer = threading.Thread(target=writer.write, args=("one\ntwo\n",), daemon=True)
+    streamer.start()
+    assert printing.wait(5)
+    writer.close()
+    assert printed == ["one", "two"]  # the lines being printed when close was called are out before it returned
+    writer.write("three\n")
+    assert printed == ["one", "two"]
+    streamer.join(5)
