@@ -104,8 +104,9 @@ def test_helm_upgrade_under_a_training_job(released, kubectl, helm):
                 "ingress") == policy["spec"]["ingress"], 60, "the NetworkPolicy put back")
 
             # The store pod lost after the upgrade: its replacement is this release's shape, the trainers keep theirs.
+            logged = harness.job_events(kubectl, ns, JOB)  # the trainers restart in place: their logs, kept
             killed_at = harness.kill_pod(kubectl, ns, store)
-            rec = harness.recovery_after(kubectl, ns, JOB, killed_at, timeout=180, previous=True)
+            rec = harness.recovery_after(kubectl, ns, JOB, killed_at, timeout=180, previous=True, before=logged)
             assert rec.steps_lost is not None and rec.steps_lost <= 1, rec
             now = _pods(kubectl, ns)
             table = kubectl("get", "pods", "-n", ns, "-L", HASH).stdout

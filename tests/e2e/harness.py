@@ -33,7 +33,7 @@ from calendar import timegm
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import yaml
 
@@ -567,12 +567,26 @@ def pod_log_lines(k: Kubectl, namespace: str, pod: str, container: str = "traine
     return stamped_lines(p.stdout) if p.returncode == 0 else []
 
 
+# What `kubectl logs` says when there is no log to read (not a failure to read one): no previous container, no pod.
+LOG_READS = 3  # tries of one `kubectl logs` (pod_logs)
+_NO_LOG = ("previous terminated container", "not found", "waiting to start", "ContainerCreating", "PodInitializing")
+
+
 def pod_logs(k: Kubectl, namespace: str, pod: str, tail: int | None = None, previous: bool = False) -> str:
-    """The trainer container's log; `previous`: of the container before its last in-place restart ("" if none)."""
+    """The trainer container's log; `previous`: of the container before its last in-place restart ("" if none).
+
+    A read that failed for another reason (the kubelet slow to answer on a busy machine) is tried again: taken for
+    "no log", it hid a surviving pod's steps and a recovery measured no steps lost at all (steps_lost None)."""
     args = ["logs", "-n", namespace, pod, "-c", "trainer"] + ([f"--tail={tail}"] if tail else []) + \
         (["--previous"] if previous else [])
-    p = k(*args, check=False, timeout=30)
-    return p.stdout if p.returncode == 0 else ""
+    for _ in range(LOG_READS):
+        p = k(*args, check=False, timeout=30)
+        if p.returncode == 0:
+            return p.stdout
+        if any(s in p.stderr for s in _NO_LOG):
+            return ""
+        time.sleep(1.0)
+    return ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -667,16 +681,19 @@ class Recovery:
 
 
 def recovery_after(k: Kubectl, namespace: str, name: str, killed_at: float, step_at_kill: int | None = None,
-                   timeout: float = 180, *, since: float = float("-inf"), previous: bool = False) -> Recovery:
+                   timeout: float = 180, *, since: float = float("-inf"), previous: bool = False,
+                   before: Sequence[Event] = ()) -> Recovery:
     """Wait for the first step after a resume (or fresh start) logged after `killed_at`.
 
     Steps lost come from the trainer's own log lines in the job's current pods (the killed pod's are gone
     with it; the survivors' remain), never from `step_at_kill`, a progress reading taken before the kill
     (kept in the signature for callers that pass it). `since`: the previous restore of the same job.
-    `previous`: read the logs of trainer containers restarted in place too (job_events).
+    `previous`: read the logs of trainer containers restarted in place too (job_events). `before`: the job's
+    events read just before the kill, for a kill that restarts the trainers in place: the kubelet may have
+    removed a dead container already (`kubectl logs --previous`: not found), and its steps with it.
     """
     def check():
-        evs = job_events(k, namespace, name, previous)
+        evs = sorted([*job_events(k, namespace, name, previous), *before], key=lambda e: e.time)
         after = [e for e in evs if e.time >= killed_at]
         restart = next((e for e in after if e.event in ("resume", "start")), None)
         if restart is None:

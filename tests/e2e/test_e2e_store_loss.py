@@ -67,11 +67,12 @@ def test_store_pod_loss_keeps_the_trainer_pods_and_their_snapshots(kubectl, ns):
     _, prog = h.wait_rank0_step(kubectl, ns, "sl", KILL_AT_STEP, 240)
     before = _pod_uids(kubectl, ns, "sl")
     group = h.status(kubectl, ns, "sl").get("group", 0)
+    logged = h.job_events(kubectl, ns, "sl")  # the trainers restart in place: their logs, kept (recovery_after)
     killed_at = h.kill_pod(kubectl, ns, "sl-rdzv")
 
     # A new store pod under the same name, admitted by the quota as the first was.
     _store_pod(kubectl, ns, "sl", not_uid=store_uid)
-    rec = h.recovery_after(kubectl, ns, "sl", killed_at, prog["step"], 180, previous=True)
+    rec = h.recovery_after(kubectl, ns, "sl", killed_at, prog["step"], 180, previous=True, before=logged)
     assert rec.source in ("local", "peer"), f"not resumed from a snapshot: {rec}"
     assert rec.resumed_from > 0, f"training started over instead of resuming: {rec}"
     assert rec.steps_lost is not None and rec.steps_lost <= 1, rec
