@@ -21,8 +21,8 @@ through their lifecycle without a kubelet, for the control-plane simulation (tes
   127.16.0.0/12 (fake_pod_cidr), and kwok hands out pod IPs from the node's podCIDR (its --cidr, used only for a node
   without one, is loopback too): whatever is sent to a fake pod (the operator's progress and hang probes) stays on
   this machine, and a connection to a fake pod is refused at once unless a test listens there.
-- `unmanage(names)` takes nodes from kwok (their Lease is no longer renewed) and marks them Ready=False: the node
-  controller then marks their pods not Ready, as it does for a node that stopped heart-beating.
+- `unmanage(names)` takes nodes from kwok as a node whose kubelet stopped: their Leases are handed to another holder
+  (kwok neither renews them nor acts on their pods any more); `manage(names)` gives them back.
 
 Standard library only (hack/ rule), like hack/cluster.py.
 """
@@ -60,6 +60,9 @@ LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 NODE_IP = "127.0.0.1"  # the fake nodes' InternalIP: nothing is served there
 LEASE_SECONDS = 40  # renewed every 10 s
 BATCH = 250  # nodes per kubectl call
+# unmanage(): a lost node's Lease is handed to this holder, unexpired for this long (kwok leaves such a node alone).
+LOST_HOLDER = "ddp-sim-node-lost"
+LOST_LEASE_SECONDS = 3600
 
 
 # The cluster kwok and the fake nodes are in: the embedded cluster's, unless fake_nodes() is given another kubeconfig.
@@ -323,21 +326,38 @@ def delete_leases(names: list[str]) -> None:
                 *left[start:start + BATCH], timeout=300)
 
 
+def lost_lease_patch() -> str:
+    """The merge patch that hands a node's Lease to LOST_HOLDER for LOST_LEASE_SECONDS, its renewTime kept (the node
+    controller sees no heartbeat after it, as for a kubelet that stopped)."""
+    return json.dumps({"spec": {"holderIdentity": LOST_HOLDER, "leaseDurationSeconds": LOST_LEASE_SECONDS}})
+
+
 def unmanage(names: list[str]) -> float:
-    """Take `names` from kwok: their Lease is no longer renewed, so the node controller turns them NotReady
-    (Unknown) after its grace period and marks their pods not Ready, as for a node that stopped heart-beating.
-    Returns when they were taken (epoch seconds)."""
+    """Take `names` from kwok, as a node whose kubelet stopped: nothing renews their Lease and nothing acts on their
+    pods any more. Returns when they were taken (epoch seconds).
+
+    Removing the annotation kwok selects nodes by is not enough: kwok 0.8 filters its node watch on its side and
+    drops the update of a node that stops matching, so it went on managing the node, and its stage deleted the node's
+    pods as they were deleted, by name, without the UID precondition a kubelet sends. A pod the operator force-deleted
+    and made again at once was deleted a second time that way (105 of 200 in a node storm). What kwok does honour is
+    its Lease: a node whose Lease another holder holds, unexpired, is read-only to it (no stage runs for its pods),
+    and it does not renew that Lease. The annotation goes too, so a kwok started again leaves these nodes alone."""
     at = time.time()
     key = MANAGED_ANNOTATION[0]
     for start in range(0, len(names), BATCH):
         kubectl("annotate", "nodes", *names[start:start + BATCH], f"{key}-", timeout=300)
+        kubectl("patch", "lease", "-n", "kube-node-lease", *names[start:start + BATCH], "--type=merge",
+                "-p", lost_lease_patch(), timeout=300)
     return at
 
 
 def manage(names: list[str]) -> None:
-    """Give `names` back to kwok, which makes them Ready again."""
+    """Give `names` back to kwok, which makes them Ready again: their Leases deleted (kwok, which still tries them,
+    makes a Lease of its own at its next renewal and manages the node from then on), the annotation back."""
     key, value = MANAGED_ANNOTATION
     for start in range(0, len(names), BATCH):
+        kubectl("delete", "lease", "-n", "kube-node-lease", "--ignore-not-found", "--wait=false",
+                *names[start:start + BATCH], timeout=300)
         kubectl("annotate", "nodes", *names[start:start + BATCH], f"{key}={value}", "--overwrite", timeout=300)
 
 

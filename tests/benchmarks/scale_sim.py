@@ -41,6 +41,7 @@ import re
 import secrets
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -66,6 +67,7 @@ NODE_LOST_TIMEOUT_S = 10
 # Lease late, and a node NotReady for a few seconds must not replace pods behind a scenario's back.
 CALM_NODE_LOST_TIMEOUT_S = 3600
 STORM_NODES = 50
+MARK_WRITERS = 16  # the node storm's status writes (the nodes' Ready Unknown, their pods' Ready False) in flight at once
 SILENT_PODS = 20
 PROGRESS_PORT, DIAGNOSTICS_PORT = 29401, 29402
 JOB = "job"
@@ -326,14 +328,14 @@ def node_storm(sim: Sim) -> dict:
     # Ready False on their pods (its MarkPodsNotReady). The operator's node-loss clock starts here.
     t0 = time.time()
     stamp = datetime.fromtimestamp(t0, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    for node in nodes:
-        sim.core.patch_node_status(node, {"status": {"conditions": [
-            {"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
-             "message": "Kubelet stopped posting node status.", "lastHeartbeatTime": stamp,
-             "lastTransitionTime": stamp}]}})
-    for ns, name in pods_on.values():
-        sim.core.patch_namespaced_pod_status(name, ns, {"status": {"conditions": [
-            {"type": "Ready", "status": "False", "lastTransitionTime": stamp}]}})
+    unknown = {"status": {"conditions": [
+        {"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
+         "message": "Kubelet stopped posting node status.", "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}]}}
+    not_ready = {"status": {"conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": stamp}]}}
+    # Side by side, like the controller's own workers: one after the other, 260 writes took 8.7 s of the figure.
+    with ThreadPoolExecutor(MARK_WRITERS) as pool:
+        list(pool.map(lambda node: sim.core.patch_node_status(node, unknown), nodes))
+        list(pool.map(lambda pod: sim.core.patch_namespaced_pod_status(pod[1], pod[0], not_ready), pods_on.values()))
     h.log(f"node storm: {len(nodes)} nodes NotReady, {len(pods_on)} pods on them not Ready "
           f"({time.time() - t0:.1f} s to write)")
 

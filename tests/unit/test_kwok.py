@@ -5,6 +5,7 @@ Stages it writes are the ones a pod and a node need."""
 from __future__ import annotations
 
 import ipaddress
+import json
 
 import yaml
 
@@ -98,3 +99,24 @@ def test_a_fake_node_made_again_never_finds_its_old_lease(monkeypatch):
     leases = [c for c in calls if c[:2] == ("delete", "lease")]
     assert leases and kwok.node_name(1) in leases[0] and kwok.node_name(0) not in leases[0] and "vm" not in leases[0]
     assert calls.index(leases[0]) < next(i for i, c in enumerate(calls) if c[0] == "create")
+
+
+def test_a_lost_node_is_taken_from_kwok_by_its_lease_and_given_back(monkeypatch):
+    """kwok 0.8 drops the update of a node that stops matching its annotation selector: it went on acting on the
+    node's pods (deleting them by name, replacements included). A Lease held by another holder, unexpired, is what
+    makes a node read-only to kwok; giving the node back deletes that Lease so kwok makes its own again."""
+    calls = []
+    monkeypatch.setattr(kwok, "kubectl", lambda *args, **kw: calls.append(args))
+    names = [kwok.node_name(i) for i in range(3)]
+    kwok.unmanage(names)
+    patch = next(c for c in calls if c[:2] == ("patch", "lease"))
+    assert all(n in patch for n in names) and "kube-node-lease" in patch
+    spec = json.loads(patch[patch.index("-p") + 1])["spec"]
+    assert spec == {"holderIdentity": kwok.LOST_HOLDER, "leaseDurationSeconds": kwok.LOST_LEASE_SECONDS}
+    assert "renewTime" not in spec  # the last heartbeat stays the kubelet's last one
+    assert kwok.LOST_LEASE_SECONDS > 600  # unexpired for the whole scenario: kwok may take an expired Lease back
+    calls.clear()
+    kwok.manage(names)
+    deleted = next(c for c in calls if c[:2] == ("delete", "lease"))
+    assert all(n in deleted for n in names)
+    assert calls.index(deleted) < next(i for i, c in enumerate(calls) if c[0] == "annotate")
