@@ -77,7 +77,7 @@ class Api:
         configuration = client.Configuration.get_default_copy()
         # At most CONNECTIONS requests in flight, each on a connection kept open: the client's default pool (5 per
         # core) opened a connection for every request past it and dropped it after, each paying a TLS handshake, and
-        # the passes' pod writers side by side (reconciler.POD_WRITERS each) could put hundreds of requests on an API
+        # the passes' pod writers side by side (writers.POD_WRITERS each) could put hundreds of requests on an API
         # server at once; a thread past the limit waits for a connection instead (urllib3's blocking pool).
         configuration.connection_pool_maxsize = CONNECTIONS
         self.client = client.ApiClient(configuration)

@@ -27,7 +27,6 @@ import copy
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any, Callable, Mapping
@@ -50,15 +49,15 @@ from ddp_operator.poller import ProgressPoller
 from ddp_operator.spec import SpecError
 from ddp_operator.stall import Finding, PodDiagnosis
 from ddp_operator.status import newer_progress
+from ddp_operator.event_passes import EventPasses
 from ddp_operator.ticker import RESYNC_SECONDS, RESYNCS_PER_TICK, DuePasses
+from ddp_operator.writers import post_in_order, side_by_side
 
 log = logging.getLogger("ddp_operator")
 
 COMPONENT = "ddp-operator"
 STATUS_COALESCE_SECONDS = 2.0
 STATUS_COALESCE_MAX_SECONDS = 30.0
-# A pass's pod creates (or deletes) in flight at once: with 8 the API server's latency, not its CPU, bounded one job
-POD_WRITERS = 32  # of 1,000 pods at 48 creates/s on the kwok simulation; 78/s with 32 (docs/scale.md)
 SIDE_BY_SIDE = (CREATE, DELETE, FORCE_DELETE)  # verbs whose runs of pod writes a pass sends side by side
 CREATED_MEMORY_SECONDS = 30.0
 TICK_SECONDS = 1.0
@@ -130,6 +129,7 @@ class Reconciler:
         self.flavors = ReadCache(FLAVOR_CACHE_SECONDS)     # Kueue's ResourceFlavors
         self.priorities = ReadCache(FLAVOR_CACHE_SECONDS)  # Kueue's WorkloadPriorityClasses
         self.due = DuePasses(lambda *key: self.reconcile(*key), self.jobs.wake, RETRY_SECONDS, TICK_SECONDS)
+        self.event_passes = EventPasses(lambda *key: self.reconcile(*key))
         self._swept_at = 0.0
         self._stop = threading.Event()
 
@@ -182,6 +182,7 @@ class Reconciler:
         self._stop.set()
         self.poller.stop()
         self.due.stop()
+        self.event_passes.stop()
 
     # --- observation ------------------------------------------------------------------------------
     def _observe(self, key: Key, uid: str) -> tuple[tuple[PodState, ...], set[str]]:
@@ -252,15 +253,16 @@ class Reconciler:
             return result
 
     def child_changed(self, namespace: str, name: str) -> None:
-        """A pass for a child's event, unless one of the job's passes waits to start: that one reads the indexes
-        (kopf updates them before it calls a handler) when it starts, so it sees this event too. One O(N) pass per
-        pod event cost a job of N pods O(N^2); coalesced, a burst costs the pass running and one more."""
+        """A pass for a child's event, run off kopf's worker (event_passes.py), unless one of the job's passes waits
+        to start: that one reads the indexes (kopf updates them before it calls a handler) when it starts, so it sees
+        this event too. One O(N) pass per pod event cost a job of N pods O(N^2); coalesced, a burst costs the pass
+        running and one more."""
         record = self.jobs.record((namespace, name))
         with self.jobs.guard:
             if record.waiting:
                 return
             record.waiting = True
-        self.reconcile(namespace, name)
+        self.event_passes.submit((namespace, name))  # off kopf's worker: the pod's next events index at once
 
     def _reconcile(self, key: Key, body: Mapping[str, Any] | None, **found: Any) -> Plan | None:
         """The pass; `found`: the Observed fields the poller hands in (hang_reports, hang_diagnoses, stall)."""
@@ -349,8 +351,9 @@ class Reconciler:
             log.info("[%s/%s] phase %s -> %s: %s", *key, prev.get("phase"), new.get("phase"), new.get("message", ""))
 
     def _post_events(self, body: Mapping, result: Plan) -> None:
-        for event in result.events:
+        def post(event: Any) -> None:
             self.api.post_event(body, event.type, event.reason, event.message, COMPONENT)
+        post_in_order(post, list(result.events))
 
     def _policy_first(self, key: Key, result: Plan) -> bool:
         """Create the NetworkPolicy the plan asks for (it then holds every pod back) ahead of the pass's writes; True
@@ -383,12 +386,8 @@ class Reconciler:
             while j < len(actions) and actions[i].kind == actions[j].kind == "Pod" \
                     and actions[i].verb == actions[j].verb and actions[i].verb in SIDE_BY_SIDE:
                 j += 1
-            if j - i > 1:
-                # A run of pod creates or deletes side by side (one after the other, N pods waited N round trips)
-                with ThreadPoolExecutor(min(POD_WRITERS, j - i), thread_name_prefix="ddp-pods") as pool:
-                    list(pool.map(lambda action: self._act(namespace, key, body, action), actions[i:j]))
-            else:
-                self._act(namespace, key, body, actions[i])
+            # A run of pod creates or deletes side by side (one after the other, N pods waited N round trips)
+            side_by_side(lambda action: self._act(namespace, key, body, action), actions[i:j], "ddp-pods")
             i = j
 
     def _act(self, namespace: str, key: Key, body: Mapping, action: Any) -> None:

@@ -3,7 +3,7 @@
 The same objects the operator makes for a DDPJob of N nodes (its NetworkPolicy, its headless Service, the rdzv pod
 and N trainer pods, rendered by the operator's own functions, without the owner reference a job that does not exist
 would have collected) are created by a minimal client in the operator's order and with the operator's concurrency
-(`reconciler.POD_WRITERS` creates in flight, each read from the raw response), while no operator runs; "created" is
+(`writers.POD_WRITERS` creates in flight, each read from the raw response), while no operator runs; "created" is
 what it is in scenario a: the watch has seen every pod. What the operator adds (its watches, its passes, its status
 writes) is the difference between the two figures, taken in the same run on the same fake nodes.
 """
@@ -21,7 +21,7 @@ from ddp_operator.netpol import NetworkPolicyConfig, render_network_policy
 from ddp_operator.pod import render_trainer_pod
 from ddp_operator.pod_hash import with_template_hash
 from ddp_operator.rdzv import render_rdzv_pod
-from ddp_operator.reconciler import POD_WRITERS
+from ddp_operator.writers import POD_WRITERS
 from ddp_operator.service import render_service
 from ddp_operator.spec import parse_job
 

@@ -45,9 +45,11 @@ def test_a_service_deleted_before_the_watch_showed_it_is_put_back_at_once():
     memo = type("Memo", (), {"reconciler": r})()
     handlers.on_service(event={"type": "DELETED"}, namespace="ml", name="mnist", uid=uid, memo=copy.copy(memo),
                         **r.indexes)
+    assert r.event_passes.settle()  # the event's pass runs off kopf's worker
     assert _created(r, "Service") == ["mnist", "mnist"]
     handlers.on_service(event={"type": "MODIFIED"}, namespace="ml", name="mnist", uid=uid, memo=copy.copy(memo),
                         **r.indexes)
+    assert r.event_passes.settle()
     assert _created(r, "Service") == ["mnist", "mnist"]  # only a deletion brings a pass
 
 

@@ -161,5 +161,5 @@ def test_requests_in_flight_are_bounded_by_a_pool_of_kept_connections(tmp_path, 
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     kw = Api().client.rest_client.pool_manager.connection_pool_kw
     assert kw["maxsize"] == k8s.CONNECTIONS and kw["block"] is True
-    from ddp_operator.reconciler import POD_WRITERS
+    from ddp_operator.writers import POD_WRITERS
     assert k8s.CONNECTIONS >= 2 * POD_WRITERS  # two passes' pod writers at once, with room for the rest

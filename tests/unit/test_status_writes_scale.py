@@ -41,6 +41,7 @@ def start(clock, nodes: int, per_second: float):
                 pending.pop(0)["status"] = {"phase": "Running", "podIP": "127.0.0.9",
                                             "conditions": [{"type": "Ready", "status": "True"}]}
         r.child_changed(*key)
+        assert r.event_passes.settle()
         r.tick()
     for _ in range(140):  # 70 s more: every batched write made
         clock[0] += 0.5
