@@ -133,6 +133,7 @@ class JobRecord:
     waiting: bool = False                # a pass for a child's event waits to start (Reconciler.child_changed)
     tombstones: dict[str, dict] = field(default_factory=dict)  # pod UID -> the pod as last seen, until a pass saw it
     created: dict[str, Created] = field(default_factory=dict)  # pod name -> created, not yet in the index
+    force_deleted: dict[str, float] = field(default_factory=dict)  # pod UID -> when, while the index shows it
     # The Service and NetworkPolicy this operator created, not yet in the index: kind -> (UID, when).
     children_created: dict[str, tuple[str, float]] = field(default_factory=dict)
     conflicts: dict[str, tuple[str, float]] = field(default_factory=dict)  # child name -> (why, when last checked)
@@ -256,6 +257,25 @@ class JobRegistry:
             return  # the garbage collector removing a deleted job's pods: nothing will read the tombstone
         with self.guard:
             self._records.setdefault(key, JobRecord()).tombstones[pod["metadata"]["uid"]] = kept_pod(pod)
+
+    def force_deleted(self, key: Key, uid: str) -> None:
+        """A pod of the job was force-deleted (gone once the API server answered): passes no longer see it, though the
+        index may show it a while (its deletion waits in kopf's queue for that pod) and would hold its replacement."""
+        with self.guard:
+            self._records.setdefault(key, JobRecord()).force_deleted[uid] = time.monotonic()
+
+    def not_force_deleted(self, key: Key, pods: list[Mapping[str, Any]], memory_seconds: float) -> list:
+        """`pods` (of the index) without those force-deleted; one forgotten once the index drops it, or after
+        `memory_seconds` (a force deletion that left the pod, e.g. one with a finalizer, is seen again)."""
+        with self.guard:
+            record = self._records.setdefault(key, JobRecord())
+            if not record.force_deleted:
+                return pods
+            indexed = {p["metadata"]["uid"] for p in pods}
+            now = time.monotonic()
+            record.force_deleted = {u: t for u, t in record.force_deleted.items()
+                                    if u in indexed and now - t <= memory_seconds}
+            return [p for p in pods if p["metadata"]["uid"] not in record.force_deleted]
 
     def just_created(self, key: Key, kind: str, indexed: bool, memory_seconds: float) -> list[str]:
         """[UID] of the child of `kind` (Service, NetworkPolicy) this operator created within `memory_seconds` while

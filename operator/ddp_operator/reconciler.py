@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from kubernetes.client.exceptions import ApiException
 
@@ -50,6 +50,7 @@ from ddp_operator.spec import SpecError
 from ddp_operator.stall import Finding, PodDiagnosis
 from ddp_operator.status import newer_progress
 from ddp_operator.event_passes import EventPasses
+from ddp_operator.read_cache import ReadCache
 from ddp_operator.ticker import RESYNC_SECONDS, RESYNCS_PER_TICK, DuePasses
 from ddp_operator.writers import post_in_order, side_by_side
 
@@ -83,33 +84,6 @@ class Config:
     kueue: bool = False  # the Kueue integration (kueue.py) is on: Workloads are watched and written
     diagnostics: Tools = Tools()  # the diagnostics tools image (DDPJOB_DIAGNOSTICS_IMAGE): every job carries it
     store_image: str = ""  # --store-image, for every job that names none ("": rdzv_spec.DEFAULT_STORE_IMAGE; jobs.py)
-
-
-class ReadCache:
-    """What a read returned per name, reused for `seconds` (cluster-wide objects, not per job)."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-        self.entries: dict[str, tuple[Any, float]] = {}  # name -> (what was read, when)
-        self._guard = threading.Lock()
-
-    def get(self, name: str, read: Callable[[str], Any]) -> Any:
-        """read(name), or what it returned less than `seconds` ago."""
-        now = time.monotonic()
-        with self._guard:
-            cached = self.entries.get(name)
-        if cached is not None and now - cached[1] < self.seconds:
-            return cached[0]
-        value = read(name)
-        with self._guard:
-            self.entries[name] = (value, now)
-        return value
-
-    def prune(self) -> None:
-        now = time.monotonic()
-        with self._guard:
-            for name in [n for n, (_, at) in self.entries.items() if now - at >= self.seconds]:
-                del self.entries[name]
 
 
 def _now() -> datetime:
@@ -186,7 +160,8 @@ class Reconciler:
 
     # --- observation ------------------------------------------------------------------------------
     def _observe(self, key: Key, uid: str) -> tuple[tuple[PodState, ...], set[str]]:
-        live = [p for p in self.jobs.values("pods_by_job", key) if owned_by(p, uid)]
+        live = self.jobs.not_force_deleted(key, [p for p in self.jobs.values("pods_by_job", key) if owned_by(p, uid)],
+                                           CREATED_MEMORY_SECONDS)
         live_names = {p["metadata"]["name"]: p["metadata"]["uid"] for p in live}
         now = time.monotonic()
         record = self.jobs.record(key)
@@ -389,6 +364,8 @@ class Reconciler:
             # A run of pod creates or deletes side by side (one after the other, N pods waited N round trips)
             side_by_side(lambda action: self._act(namespace, key, body, action), actions[i:j], "ddp-pods")
             i = j
+        if any(a.verb == FORCE_DELETE for a in actions):
+            self.child_changed(*key)  # their replacements next, without waiting for the index to drop them
 
     def _act(self, namespace: str, key: Key, body: Mapping, action: Any) -> None:
         if action.verb == CREATE:
@@ -404,6 +381,7 @@ class Reconciler:
         elif action.verb == FORCE_DELETE:
             log.warning("[%s/%s] force-deleting pod %s (stuck Terminating, or on a NotReady or lost node)", *key, action.name)
             self.api.delete_pod(namespace, action.name, action.uid, force=True)
+            self.jobs.force_deleted(key, action.uid)
         elif action.verb == PATCH:  # a pod's annotation, or a NetworkPolicy put back to what the job needs
             log.info("[%s/%s] patching %s %s: %s", *key, action.kind, action.name, action.body)
             patch = self.api.patch_network_policy if action.kind == "NetworkPolicy" else self.api.patch_pod

@@ -85,3 +85,23 @@ def test_a_pass_posts_many_events_side_by_side_and_a_few_in_order():
     few = many[:writers.EVENTS_IN_ORDER]
     r._post_events(body, SimpleNamespace(events=few))
     assert posted == [e.message for e in few]
+
+
+def test_a_force_deleted_pod_is_replaced_before_the_index_drops_it():
+    """A force deletion is done once the API server answered; the pod's deletion may wait in kopf's queue for that
+    pod for seconds (the node storm's stragglers). The next pass, right after, makes the replacement anyway."""
+    from fake_api import running_job
+    r = fake_reconciler()
+    key, body, _ = running_job(r, "big", nodes=4, progressPeriodSeconds=0)
+    pods = r.indexes["pods_by_job"][key]
+    stuck = next(p for p in pods if p["metadata"]["name"] == "big-1")
+    stuck["metadata"]["deletionTimestamp"] = "2020-01-01T00:00:00Z"  # Terminating for years: force-deleted
+    stuck["metadata"]["deletionGracePeriodSeconds"] = 30
+    stuck.setdefault("spec", {})["nodeName"] = "node-1"
+    old_uid = stuck["metadata"]["uid"]
+    created_before = [n for k, n in r.api.creates if k == "Pod"].count("big-1")
+    r.reconcile(*key)
+    assert "big-1" in r.api.deleted  # force-deleted; the fake's index, like a slow watch, still shows it
+    assert any(p["metadata"]["uid"] == old_uid for p in r.indexes["pods_by_job"][key])
+    assert r.event_passes.settle()
+    assert [n for k, n in r.api.creates if k == "Pod"].count("big-1") == created_before + 1, r.api.creates

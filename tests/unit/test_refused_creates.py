@@ -58,9 +58,11 @@ class QuotaApi:
     def node_ready(self, name):
         return True
 
+    not_ready_since = datetime(2025, 1, 1, tzinfo=timezone.utc)
+
     def node_state(self, name):
         self.node_reads.append(name)
-        return NodeState(ready=False, since=datetime(2025, 1, 1, tzinfo=timezone.utc))
+        return NodeState(ready=False, since=self.not_ready_since)
 
 
 def _setup(**api_kw):
@@ -141,6 +143,8 @@ def test_a_refused_network_policy_holds_back_the_pods():
 
 def test_node_states_are_read_once_per_node_and_cache_period():
     r, body = _setup()
+    # NotReady just now: within nodeLostTimeoutSeconds its pods are not force-deleted (passes would not see them)
+    r.api.not_ready_since = datetime.now(timezone.utc)
     key = ("ml", "mnist")
     r.reconcile(*key)
     for p in r.indexes["pods_by_job"][key]:  # Running on node-2, not Ready: the node controller's mark
