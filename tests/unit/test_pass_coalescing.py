@@ -34,6 +34,17 @@ def _slow_first_pass(monkeypatch, r):
     return gate, started, passes
 
 
+def _two_node_job(monkeypatch):
+    """A 2-node job after its first pass, its next pass held (_slow_first_pass); (r, key, memo, its first pod,
+    (gate, started, passes))."""
+    r = fake_reconciler(job_body(nodes=2))
+    key = ("ml", "mnist")
+    r.reconcile(*key)
+    memo = kopf.Memo(reconciler=r)
+    held = _slow_first_pass(monkeypatch, r)
+    return r, key, memo, r.indexes["pods_by_job"][key][0], held
+
+
 def test_a_burst_of_pod_events_costs_two_passes_not_one_each(monkeypatch):
     r = fake_reconciler(job_body(nodes=8))
     key = ("ml", "mnist")
@@ -58,12 +69,7 @@ def test_a_burst_of_pod_events_costs_two_passes_not_one_each(monkeypatch):
 
 
 def test_the_pass_after_a_burst_sees_the_last_event(monkeypatch):
-    r = fake_reconciler(job_body(nodes=2))
-    key = ("ml", "mnist")
-    r.reconcile(*key)
-    memo = kopf.Memo(reconciler=r)
-    gate, started, passes = _slow_first_pass(monkeypatch, r)
-    pod = r.indexes["pods_by_job"][key][0]
+    r, key, memo, pod, (gate, started, passes) = _two_node_job(monkeypatch)
     first = threading.Thread(target=_event, args=(memo, pod))
     first.start()
     assert started.wait(5)
@@ -100,12 +106,7 @@ def test_a_pod_event_never_holds_that_pods_next_events_behind_its_pass(monkeypat
     """kopf handles one object's events one after the other and indexes each before calling the handler: a handler
     that ran a 1,000-node job's pass itself (seconds) held back the pod's own deletion, so the pass saw the pod still
     there and nothing made it again until the next event (the node storm's 6-8 s stragglers). The handler only asks."""
-    r = fake_reconciler(job_body(nodes=2))
-    key = ("ml", "mnist")
-    r.reconcile(*key)
-    memo = kopf.Memo(reconciler=r)
-    gate, started, passes = _slow_first_pass(monkeypatch, r)
-    pod = r.indexes["pods_by_job"][key][0]
+    r, key, memo, pod, (gate, started, passes) = _two_node_job(monkeypatch)
     t0 = time.monotonic()
     _event(memo, pod)  # in kopf's worker for this pod
     returned = time.monotonic() - t0
