@@ -3,9 +3,8 @@
 kopf handles one object's events one after the other, in that object's worker, and updates its indexes from each
 event before it calls the handler. A pod event's handler used to run the job's pass itself (Reconciler.child_changed),
 so a pod whose event started a pass of a 1,000-node job (seconds) held back that pod's next events, its deletion
-among them, while the pass ran: the pass saw the pod it was handling still in the index, and the next pass that did
-not see it came only with the next event or wake-up. In the node storm of bench-scale-sim 5 of 204 force-deleted
-pods were made again 6-8 s after the others that way. Here a pass asked for runs in a pool of EVENT_WORKERS threads,
+among them, while the pass ran. (This alone did not remove the node storm's late replacements in bench-scale-sim:
+jobs.force_deleted did.) Here a pass asked for runs in a pool of EVENT_WORKERS threads,
 and the handler returns at once; a job has at most one such pass waiting to start (the coalescing of
 Reconciler.child_changed), which reads the indexes when it starts and so sees every event that came before.
 """

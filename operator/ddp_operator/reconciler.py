@@ -36,6 +36,7 @@ from kubernetes.client.exceptions import ApiException
 from ddp_operator import metrics, names
 from ddp_operator.backoff import CreateBackoff
 from ddp_operator.diagnostics import Tools
+from ddp_operator.event_passes import EventPasses
 from ddp_operator.jobs import Created, JobRegistry, Key, kept_pod, owned_by
 from ddp_operator.k8s import ChildConflict, NotLeading, describe_error
 from ddp_operator.kueue import WorkloadState, observe_workload
@@ -46,11 +47,10 @@ from ddp_operator.plan import (
     stuck_pods,
 )
 from ddp_operator.poller import ProgressPoller
+from ddp_operator.read_cache import ReadCache
 from ddp_operator.spec import SpecError
 from ddp_operator.stall import Finding, PodDiagnosis
 from ddp_operator.status import newer_progress
-from ddp_operator.event_passes import EventPasses
-from ddp_operator.read_cache import ReadCache
 from ddp_operator.ticker import RESYNC_SECONDS, RESYNCS_PER_TICK, DuePasses
 from ddp_operator.writers import post_in_order, side_by_side
 

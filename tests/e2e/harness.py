@@ -575,8 +575,8 @@ _NO_LOG = ("previous terminated container", "not found", "waiting to start", "Co
 def pod_logs(k: Kubectl, namespace: str, pod: str, tail: int | None = None, previous: bool = False) -> str:
     """The trainer container's log; `previous`: of the container before its last in-place restart ("" if none).
 
-    A read that failed for another reason (the kubelet slow to answer on a busy machine) is tried again: taken for
-    "no log", it hid a surviving pod's steps and a recovery measured no steps lost at all (steps_lost None)."""
+    A read that failed for another reason (the kubelet slow to answer on a busy machine) is tried again rather than
+    taken for "no log". A dead container the kubelet already removed is "no log": see recovery_after's `before`."""
     args = ["logs", "-n", namespace, pod, "-c", "trainer"] + ([f"--tail={tail}"] if tail else []) + \
         (["--previous"] if previous else [])
     for _ in range(LOG_READS):
