@@ -151,10 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     from ddp_operator.jobs import kept_child, kept_pod, without_managed_fields
     from ddp_operator.reconciler import Config
 
-    # What kopf queues of each object: only what the operator reads (kopf_mends, "kopf holds every object's body")
-    kopf_mends.apply(slimmers={("", "pods"): kept_pod, ("", "services"): kept_child,
-                               (names.NETWORK_POLICY_API_VERSION.split("/")[0], "networkpolicies"): kept_child,
-                               (names.GROUP, names.PLURAL): without_managed_fields})
+    # What kopf queues of each object: only what the operator reads (kopf_mends, "kopf holds every object's body");
+    # the children a restart lists are only indexed: their job's resume pass acts on them (kopf_mends, "every object
+    # listed at the start waits").
+    policies = (names.NETWORK_POLICY_API_VERSION.split("/")[0], "networkpolicies")
+    kopf_mends.apply(slimmers={("", "pods"): kept_pod, ("", "services"): kept_child, policies: kept_child,
+                               (names.GROUP, names.PLURAL): without_managed_fields},
+                     listed_children={("", "pods"), ("", "services"), policies,
+                                      (names.KUEUE_GROUP, names.WORKLOAD_PLURAL)})
 
     config = Config(network_policy=network_policy_config(args), kueue=args.kueue == "true",
                     diagnostics=diagnostics_tools(args), store_image=args.store_image)

@@ -230,3 +230,99 @@ def test_a_listing_holds_what_the_operator_keeps_of_each_pod_not_the_pod(monkeyp
     monkeypatch.setattr(orchestration, "aiotoggles", aiotoggles)
     per_pod = asyncio.run(_bytes_held_per_pod_while_listing(300))
     assert per_pod < 16 * 1024, f"{per_pod:.0f} bytes held per pod listed (the pod's annotation alone is 64 KiB)"
+
+
+# --- the children a restart lists are only indexed ----------------------------------------------------------------
+async def _a_restart(mended: bool, pods: int = 3) -> dict:
+    """kopf's own orchestration, watchers and processor (``process_resource_event`` with a registry of an index and an
+    event handler per kind) lists `pods` pods and one job, whose listing ends only when the test says so. Returns
+    what the handlers saw before and after the operator was indexed, and what the pods' index held."""
+    import functools
+
+    from kopf._core.actions import lifecycles
+    from kopf._core.engines import indexing
+    from kopf._core.reactor import inventory, processing
+
+    registry = kopf.OperatorRegistry()
+    handled: list[tuple[str, object, str]] = []
+    for resource in (PODS, JOBS):
+        kopf.index(resource.group, resource.version, resource.plural, id=f"{resource.plural}_by_name",
+                   registry=registry)(lambda name, **_: {name: True})
+        kopf.on.event(resource.group, resource.version, resource.plural, registry=registry)(
+            lambda name, type, resource, **_: handled.append((resource.plural, type, name)))
+    indexers = indexing.OperatorIndexers()
+    indexers.ensure(registry._indexing.get_all_handlers())
+    settings = kopf.OperatorSettings()
+    processor = functools.partial(processing.process_resource_event, lifecycle=lifecycles.all_at_once,
+                                  registry=registry, settings=settings, indexers=indexers,
+                                  memories=inventory.ResourceMemories(), memobase=kopf.Memo(),
+                                  event_queue=asyncio.Queue())
+    jobs_listed, later = asyncio.Event(), {PODS.plural: asyncio.Queue(), JOBS.plural: asyncio.Queue()}
+
+    async def stream(resource, **_):
+        if resource == PODS:
+            for i in range(pods):
+                yield {"type": None, "object": _pod(i)}
+        else:
+            yield {"type": None, "object": {"metadata": {"name": "job", "namespace": "ml", "uid": "job-uid"}}}
+            await jobs_listed.wait()
+        yield watching.Bookmark.LISTED
+        while True:
+            yield await later[resource.plural].get()
+
+    watching.infinite_watch = stream
+    if mended:
+        kopf_mends.apply(listed_children={("", "pods")})
+    ensemble = orchestration.Ensemble(operator_indexed=aiotoggles.ToggleSet(all),
+                                      operator_paused=aiotoggles.ToggleSet(any), peering_missing=aiotoggles.Toggle())
+    try:
+        await orchestration.spawn_missing_watchers(
+            processor=processor, settings=settings, indexed_resources={PODS, JOBS}, watched_resources={PODS, JOBS},
+            watched_namespaces={None}, ensemble=ensemble)
+        await asyncio.sleep(0.2)
+        seen = {"while listing": list(handled), "pods indexed": sorted(indexers.indices["pods_by_name"])}
+        jobs_listed.set()
+        await asyncio.sleep(0.2)
+        seen["once indexed"] = list(handled)
+        later[PODS.plural].put_nowait({"type": "MODIFIED", "object": _pod(1)})
+        later[PODS.plural].put_nowait({"type": None, "object": _pod(2)})  # a re-listing after a broken watch
+        await asyncio.sleep(0.2)
+        seen["after"] = handled[len(seen["once indexed"]):]
+        return seen
+    finally:
+        await orchestration.terminate_redundancies(remaining_resources=set(), remaining_namespaces=set(),
+                                                   ensemble=ensemble)
+
+
+@pytest.fixture
+def kopfs_own(monkeypatch):
+    monkeypatch.setattr(watching, "infinite_watch", watching.infinite_watch)
+    monkeypatch.setattr(queueing, "watcher", queueing.watcher)
+    monkeypatch.setattr(orchestration, "aiotoggles", aiotoggles)
+
+
+def test_kopf_holds_every_listed_pod_until_the_operator_is_indexed_and_then_handles_it(kopfs_own):
+    """The defect the mend exists for: each listed pod waited (in a task of its own) for the job's listing."""
+    seen = asyncio.run(_a_restart(mended=False))
+    assert seen["while listing"] == [] and seen["pods indexed"] == ["job-0", "job-1", "job-2"]
+    assert sorted(seen["once indexed"]) == [("ddpjobs", None, "job"), *(("pods", None, f"job-{i}") for i in range(3))]
+
+
+def test_a_listed_child_is_indexed_and_let_go_and_its_later_events_are_handled(kopfs_own):
+    seen = asyncio.run(_a_restart(mended=True))
+    assert seen["pods indexed"] == ["job-0", "job-1", "job-2"], "indexed at once, as before"
+    assert seen["while listing"] == []
+    assert seen["once indexed"] == [("ddpjobs", None, "job")], "the job (not a listed child) waited and was handled"
+    assert seen["after"] == [("pods", "MODIFIED", "job-1"), ("pods", None, "job-2")], \
+        "once the operator is indexed, every event is handled, a re-listing's too"
+
+
+def test_the_listed_children_mend_is_installed_once(kopfs_own):
+    original = queueing.watcher
+    kopf_mends.apply(listed_children={("", "pods")})
+    kopf_mends.apply(listed_children={("", "services")})
+    outer = queueing.watcher
+    assert outer.__wrapped__.__wrapped__ is original  # not nested
+    assert outer.__wrapped__._ddpjob_listed_kinds == {("", "services")}
+    kopf_mends.apply()
+    assert queueing.watcher is outer  # nothing given: the kinds before stay
