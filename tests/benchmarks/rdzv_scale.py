@@ -211,7 +211,7 @@ class _Worker:
         self.agents: dict[int, dict[str, Any]] = {}
 
     def make(self, port: int, run_id: str, backend: str, nodes: tuple[int, int], specs: list[tuple[int, str | None]],
-             take_over: bool) -> None:
+             take_over: bool, keep_alive_s: int = KEEP_ALIVE_S) -> None:
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
         from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
@@ -224,7 +224,7 @@ class _Worker:
             params = RendezvousParameters(
                 backend=backend, endpoint=f"127.0.0.1:{port}", run_id=run_id, min_nodes=nodes[0],
                 max_nodes=nodes[1], local_addr=f"agent-{aid}", is_host="0", join_timeout="600",
-                last_call_timeout="10", keep_alive_interval=str(KEEP_ALIVE_S),
+                last_call_timeout="10", keep_alive_interval=str(keep_alive_s),
                 keep_alive_max_attempt=str(KEEP_ALIVE_ATTEMPTS))
             before = len(self.stores)
             if backend == "c10d":
@@ -412,7 +412,8 @@ class Store:
         self.proc.wait(10)
 
 
-def one_run(run: str, n: int, workers: Workers, store: Store, idle_s: float) -> dict[str, Any]:
+def one_run(run: str, n: int, workers: Workers, store: Store, idle_s: float,
+            keep_alive_s: int = KEEP_ALIVE_S) -> dict[str, Any]:
     """One group of N on the shared store (a run id of its own): formed, trained, one member lost, re-formed; closed
     at the end (a spare still waiting ends with it), its agents dropped."""
     backend, scenario = run.split(":")
@@ -423,8 +424,8 @@ def one_run(run: str, n: int, workers: Workers, store: Store, idle_s: float) -> 
     pods = scenario in ("take_over", "spare")
     try:
         specs = [[(aid, str(aid) if pods else None) for aid in part] for part in workers.split(agents)]
-        workers.call("make", [(port, run_id, backend, (n, n), s, pods) for s in specs])
-        timeout = 60 + n / 4
+        workers.call("make", [(port, run_id, backend, (n, n), s, pods, keep_alive_s) for s in specs])
+        timeout = 60 + n / 4 + KEEP_ALIVE_ATTEMPTS * keep_alive_s
 
         def state_bytes() -> int:
             return len(base64.b64decode(store.client.get(f"torch.rendezvous.{run_id}")))
@@ -461,7 +462,7 @@ def one_run(run: str, n: int, workers: Workers, store: Store, idle_s: float) -> 
         workers.one(victim, "silence", (victim,))
         if scenario != "spare":
             workers.one(newcomer, "make", (port, run_id, backend, (n, n), [(newcomer, str(victim) if pods else None)],
-                                           pods))
+                                           pods, keep_alive_s))
         joining = survivors + ([newcomer] if scenario != "spare" else [])
         workers.call("join", [(p,) for p in workers.split(joining)])
         members = survivors + [newcomer]
@@ -590,6 +591,8 @@ def main() -> int:
                    "round from expiry for 60 s)")
     p.add_argument("--store", choices=STORES, default="ddp_store", help="the store server: the rdzv pod's "
                    "(store/ddp_store, the default) or torch's own TCPStore server (the comparison)")
+    p.add_argument("--keep-alive", type=int, default=KEEP_ALIVE_S, help="keep-alive interval in seconds (default "
+                   f"{KEEP_ALIVE_S}, the operator's default; x{KEEP_ALIVE_ATTEMPTS} is the expiry)")
     p.add_argument("--quick", action="store_true", help=f"N={QUICK_AGENTS}, runs {QUICK_RUNS} (smoke test)")
     results.add_record_arg(p)
     a = p.parse_args()
@@ -603,7 +606,7 @@ def main() -> int:
         for n in agents:
             for run in runs:
                 started = time.time()
-                by_run[run][str(n)] = r = one_run(run, n, workers, store, idle)
+                by_run[run][str(n)] = r = one_run(run, n, workers, store, idle, a.keep_alive)
                 print(f"{run} N={n}: {figures(r)} ({time.time() - started:.1f} s, load {os.getloadavg()[0]:.1f})",
                       file=sys.stderr, flush=True)
             peak_rss[str(n)] = store.peak_rss_mib()  # after every run up to N agents
@@ -611,7 +614,7 @@ def main() -> int:
         workers.close()
         store.close()
     result = {"agents": agents, "procs": a.procs, "store": a.store, "store_peak_rss_mib_by_agents": peak_rss,
-              "keep_alive": [KEEP_ALIVE_S, KEEP_ALIVE_ATTEMPTS],
+              "keep_alive": [a.keep_alive, KEEP_ALIVE_ATTEMPTS],
               "launch_poll_s": LAUNCH_POLL_S, **summarize(by_run, agents), "runs": by_run,
               "loadavg_1m": round(os.getloadavg()[0], 2)}
     # torch's server is the comparison, recorded beside (docs/bench/rdzv_scale_torch_store.json)
