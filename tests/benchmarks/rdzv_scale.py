@@ -31,7 +31,8 @@ Runs (handler:scenario):
 Counted per phase: store operations by kind through a counting proxy around every agent's client (get, set,
 compare_set, add, check, wait, multi_get, ...) and compare_set calls that lost the race (``cas_lost``), the store
 server's CPU seconds (/proc/<pid>/stat) and its peak resident memory (VmHWM), the state's size in bytes (the pickled state torch writes, read back at the
-end of the phase). ``slopes`` gives d log(y) / d log(N) between the two largest N: 1 is linear, 2 quadratic.
+end of the phase), and for ``ddpjob-c10d`` the state writes that took (``state_writes``: its version key's
+growth, rule 11). ``slopes`` gives d log(y) / d log(N) between the two largest N: 1 is linear, 2 quadratic.
 
 Outcomes judged (``goals_missed``): every member of a round got a rank, ranks 0..N-1 each exactly once, all in one
 round, no survivor left behind, the newcomer (replacement or spare) in the re-formed round, the spare not given a
@@ -65,8 +66,8 @@ QUICK_RUNS = ["c10d:replace", "ddpjob-c10d:take_over", "ddpjob-c10d:spare"]
 KEEP_ALIVE_S, KEEP_ALIVE_ATTEMPTS = 1, 3  # the operator's defaults (crd.DEFAULTS)
 LAUNCH_POLL_S = 0.1  # ddp_trainer.launch's join-loop turn (DDPJOB_RDZV_POLL_SECONDS' default)
 FIGURES = ("form_s", "reform_s", "ops_per_agent_form", "ops_per_agent_reform", "bytes_per_agent_reform",
-           "store_cpu_s_reform", "state_bytes", "cas_lost_per_agent_reform", "idle_ops_per_agent_per_s",
-           "idle_bytes_per_agent_per_s", "idle_store_cpu_s_per_s")
+           "store_cpu_s_reform", "state_bytes", "cas_lost_per_agent_reform", "state_writes_reform",
+           "idle_ops_per_agent_per_s", "idle_bytes_per_agent_per_s", "idle_store_cpu_s_per_s")
 
 
 # --- the store ----------------------------------------------------------------------------------------------------
@@ -430,28 +431,35 @@ def one_run(run: str, n: int, workers: Workers, store: Store, idle_s: float,
         def state_bytes() -> int:
             return len(base64.b64decode(store.client.get(f"torch.rendezvous.{run_id}")))
 
+        def version() -> int:  # state writes that took: ddpjob-c10d's rule 11 counts them (torch's handler does not)
+            return int(store.client.add(f"torch.rendezvous.{run_id}/version", 0))
+
+        def writes(before: int, after: int) -> int | None:
+            return None if backend == "c10d" else after - before
+
         cpu = store.cpu
         out: dict[str, Any] = {"agents": len(agents), "nodes": n, "procs": procs}
-        c0, s0, t0 = workers.counters(), cpu(), time.time()
+        c0, s0, v0, t0 = workers.counters(), cpu(), version(), time.time()
         workers.call("join", [(p,) for p in workers.split(agents)])
         got = _gather(workers, agents, t0 + timeout, enough=n)
-        c1, s1 = workers.counters(), cpu()
+        c1, s1, v1 = workers.counters(), cpu(), version()
         # with N+1 agents for N places, whichever is left without a rank is the spare (rule 2 decides who)
         unranked = [aid for aid in agents if not (got[aid] and "rank" in got[aid])]
         training = [aid for aid in agents if aid not in unranked] if spare and len(unranked) == 1 else agents[:n]
         form = round_facts(got, training, n)
         done = [r["t"] for r in got.values() if r and "rank" in r]
         out["form"] = {**form, **_delta(c1, c0), "s": round(max(done) - t0, 3) if form["ranked"] == n else None,
-                       "store_cpu_s": round(s1 - s0, 3), "state_bytes": state_bytes()}
+                       "store_cpu_s": round(s1 - s0, 3), "state_bytes": state_bytes(), "state_writes": writes(v0, v1)}
         if spare:
             out["form"]["spares_waiting"] = len(unranked)
         if form["ranked"] != n:
             return out
 
         time.sleep(idle_s)  # training: heartbeats only
-        c2, s2 = workers.counters(), cpu()
+        c2, s2, v2 = workers.counters(), cpu(), version()
         idle = _delta(c2, c1)
-        out["idle"] = {"s": idle_s, "ops_per_agent_per_s": round(idle["ops_total"] / len(agents) / idle_s, 2),
+        out["idle"] = {"s": idle_s, "state_writes": writes(v1, v2),
+                       "ops_per_agent_per_s": round(idle["ops_total"] / len(agents) / idle_s, 2),
                        "bytes_per_agent_per_s": round(idle["bytes"] / len(agents) / idle_s),
                        "store_cpu_s_per_s": round((s2 - s1) / idle_s, 3), "ops": idle["ops"]}
 
@@ -467,11 +475,11 @@ def one_run(run: str, n: int, workers: Workers, store: Store, idle_s: float,
         workers.call("join", [(p,) for p in workers.split(joining)])
         members = survivors + [newcomer]
         got = _gather(workers, members, t1 + timeout)
-        c3, s3 = workers.counters(), cpu()
+        c3, s3, v3 = workers.counters(), cpu(), version()
         reform = round_facts(got, members, n, newcomer)
         done = [r["t"] for r in got.values() if r and "rank" in r]
         out["reform"] = {**reform, **_delta(c3, c2), "s": round(max(done) - t1, 3) if reform["ranked"] == n else None,
-                         "store_cpu_s": round(s3 - s2, 3), "state_bytes": state_bytes(),
+                         "store_cpu_s": round(s3 - s2, 3), "state_bytes": state_bytes(), "state_writes": writes(v2, v3),
                          "after_form_round": bool(reform["rounds"] and form["rounds"] and reform["rounds"][0] > form["rounds"][0])}
         return out
     finally:
@@ -505,6 +513,7 @@ def figures(r: dict[str, Any]) -> dict[str, Any]:
         "store_cpu_s_reform": reform.get("store_cpu_s"),
         "state_bytes": reform.get("state_bytes", form.get("state_bytes")),
         "cas_lost_per_agent_reform": round(reform["cas_lost"] / agents, 2) if "cas_lost" in reform else None,
+        "state_writes_reform": reform.get("state_writes"),
         "idle_ops_per_agent_per_s": idle.get("ops_per_agent_per_s"),
         "idle_bytes_per_agent_per_s": idle.get("bytes_per_agent_per_s"),
         "idle_store_cpu_s_per_s": idle.get("store_cpu_s_per_s"),
@@ -527,6 +536,7 @@ def summarize(runs: dict[str, dict[str, Any]], agents: list[int]) -> dict[str, A
         "store_cpu_s_by_agents": table["store_cpu_s_reform"],
         "state_bytes_by_agents": table["state_bytes"],
         "cas_lost_per_agent_by_agents": table["cas_lost_per_agent_reform"],
+        "state_writes_reform_by_agents": table["state_writes_reform"],
     }
     if len(agents) >= 2:
         lo, hi = sorted(agents)[-2:]
