@@ -628,7 +628,10 @@ def main() -> int:
               "launch_poll_s": LAUNCH_POLL_S, **summarize(by_run, agents), "runs": by_run,
               "loadavg_1m": round(os.getloadavg()[0], 2)}
     # torch's server is the comparison, recorded beside (docs/bench/rdzv_scale_torch_store.json)
+    # a keep-alive other than the operator's default is recorded beside too (docs/bench/rdzv_scale_keep_alive_4s.json)
     name = "rdzv_scale" if a.store == "ddp_store" else "rdzv_scale_torch_store"
+    if a.keep_alive != KEEP_ALIVE_S:
+        name += f"_keep_alive_{a.keep_alive}s"
     return results.emit_judged(name, result, goals_missed(result), mode="quick" if a.quick else "full",
                                record=a.record)
 
