@@ -596,7 +596,8 @@ def main() -> int:
     p.add_argument("--agents", default=None, help=f"comma-separated N (default {FULL_AGENTS}, --quick {QUICK_AGENTS})")
     p.add_argument("--runs", default=None, help=f"comma-separated handler:scenario (default {RUNS})")
     p.add_argument("--procs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes for the agents")
-    p.add_argument("--idle", type=float, default=None, help="seconds of training between the rounds (default 3, quick "
+    p.add_argument("--idle", type=float, default=None, help="seconds of training between the rounds (default 3 or two "
+                   "keep-alive intervals, quick "
                    "1.5; more than a keep-alive interval: rule 5 keeps an agent that has not sent a heartbeat in its "
                    "round from expiry for 60 s)")
     p.add_argument("--store", choices=STORES, default="ddp_store", help="the store server: the rdzv pod's "
@@ -608,7 +609,8 @@ def main() -> int:
     a = p.parse_args()
     agents = [int(x) for x in a.agents.split(",")] if a.agents else (QUICK_AGENTS if a.quick else FULL_AGENTS)
     runs = a.runs.split(",") if a.runs else (QUICK_RUNS if a.quick else RUNS)
-    idle = a.idle if a.idle is not None else (1.5 if a.quick else 3.0)
+    # training lasts longer than a keep-alive interval: rule 5 keeps an agent lost before its first heartbeat in a round
+    idle = a.idle if a.idle is not None else (1.5 if a.quick else max(3.0, 2.0 * a.keep_alive))
     by_run: dict[str, dict[str, Any]] = {run: {} for run in runs}
     store, workers = Store(a.store), Workers(a.procs)
     peak_rss: dict[str, float] = {}
