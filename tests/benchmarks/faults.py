@@ -273,7 +273,9 @@ def measure(evs: list[h.Event], injected_at: float, succeeded: bool) -> dict:
     rows, total, since = [], 0, float("-inf")
     for r in restores:
         restored = r.int("step", 0) if r.event == "resume" else 0
-        lost = h.steps_lost(steps, restored, r.time, since=since)
+        first = next((t for t, step in steps if t >= r.time and step > restored), float("inf"))
+        held = h.held_steps(evs, max(since, injected_at), first)
+        lost = h.steps_lost(steps, restored, r.time, since=since, held=held)
         rows.append({"pod": r.pod, "at_s": round(r.time - injected_at, 2), "source": r.fields.get("source", "fresh"),
                      "step": restored, "steps_lost": lost})
         total = None if total is None or lost is None else total + lost

@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 for _path in (REPO, REPO / "trainer"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
-from ddp_trainer.testing import StepsLostError, steps_lost  # noqa: E402  the one definition of steps lost
+from ddp_trainer.testing import StepsLostError, held_steps, steps_lost  # noqa: E402  the one definition of steps lost
 from ddp_trainer.testing import forked_workers, parent_pid  # noqa: E402
 from hack import cluster as embedded  # noqa: E402,F401  hack/cluster.py (h.embedded: the benchmarks use it)
 from tests import tools  # noqa: E402
@@ -707,7 +707,7 @@ def recovery_after(k: Kubectl, namespace: str, name: str, killed_at: float, step
         if step is None:
             return None
         lost = steps_lost(((e.time, e.int("step")) for e in evs if e.event == "step"), resumed, restart.time,
-                          since=since)
+                          since=since, held=held_steps(evs, killed_at, step.time))
         source = restart.fields.get("source", "fresh")
         return Recovery(round(step.time - killed_at, 2), resumed, source, lost, restart.time)
     # a negative steps lost is a bug to report at once, not a "not yet"

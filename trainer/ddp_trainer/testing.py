@@ -17,7 +17,7 @@ from .testing_cluster import REPO_TRAINER_DIR, ClusterTimeout, Event, LocalClust
 from .testing_processes import (
     descendants, forked_workers, free_port, local_rank, parent_pid, pidns_available, process_name,
 )
-from .testing_recovery import StepsLostError, recovery_after_kill, restore_after, steps_lost
+from .testing_recovery import StepsLostError, held_steps, recovery_after_kill, restore_after, steps_lost
 
 __all__ = [
     "REPO_TRAINER_DIR",
@@ -26,6 +26,7 @@ __all__ = [
     "Event",
     "forked_workers",
     "free_port",
+    "held_steps",
     "local_rank",
     "LocalCluster",
     "Node",

@@ -15,7 +15,7 @@ class StepsLostError(AssertionError):
 
 
 def steps_lost(completed: Iterable[tuple[float, int]], restored_step: int, restored_at: float, *,
-               since: float = float("-inf")) -> int | None:
+               since: float = float("-inf"), held: Iterable[int] = ()) -> int | None:
     """Steps lost by one recovery: the one definition every benchmark and test uses.
 
     ``completed`` are (log time, step) of the ``event=step`` lines the trainer writes once per completed
@@ -26,9 +26,14 @@ def steps_lost(completed: Iterable[tuple[float, int]], restored_step: int, resto
     a survivor finished just after the kill counts as lost work -- minus the restored step. The step
     line is written before the step's snapshot or checkpoint, so a restore can never be ahead of the
     lines: a negative value is a bug and raises :class:`StepsLostError` instead of being clamped.
-    ``None`` when no step line was logged in the window (nothing to measure from).
+    ``held`` are the steps the ranks held themselves when the group restored (``event=rank_restored``'s
+    ``held``, :func:`held_steps`): each was completed before the restore by the rank that held it, and
+    a local rank other than 0 writes no step line, so the step it completed alone (its peers failed in
+    that step's later collectives) is known only from there. ``None`` when no step line was logged in
+    the window and nothing was held (nothing to measure from).
     """
     before = [step for t, step in completed if since <= t < restored_at]
+    before += [step for step in held if step >= 0]
     if not before:
         return None
     lost = max(before) - restored_step
@@ -37,6 +42,21 @@ def steps_lost(completed: Iterable[tuple[float, int]], restored_step: int, resto
             f"restored step {restored_step} is ahead of the highest completed step {max(before)}: a bug"
         )
     return lost
+
+
+def held_steps(events: Iterable[Any], after: float, until: float) -> list[int]:
+    """The steps the ranks held when they restored (``held`` of the ``event=rank_restored`` lines logged in
+    ``[after, until]``: from the kill to the first step after the restore, which no rank completes before every
+    rank logged its line), for :func:`steps_lost`. Lines without a whole ``held`` are skipped."""
+    out = []
+    for e in events:
+        fields = e.fields
+        if fields.get("event") == "rank_restored" and after <= e.time <= until:
+            try:
+                out.append(int(fields["held"]))
+            except (KeyError, ValueError):
+                continue
+    return out
 
 
 def restore_after(cluster: LocalCluster, after: float, *, timeout: float) -> Event:
@@ -61,7 +81,8 @@ def recovery_after_kill(
         name="step",
     )
     steps = cluster.events("step")
-    lost = steps_lost(((e.time, e.int("step")) for e in steps), restored, resume.time, since=since)
+    lost = steps_lost(((e.time, e.int("step")) for e in steps), restored, resume.time, since=since,
+                      held=held_steps(cluster.events("rank_restored"), killed_at, first.time))
     sessions = [e for e in cluster.events("session") if killed_at <= e.time <= resume.time]
     joined = sessions[-1].time if sessions else resume.time
     return {
