@@ -158,3 +158,11 @@ def test_operator_kill_takes_the_one_incident_into_goodput_once(goodput, wrong):
     assert len(got) == 1 and wrong in got[0], got
     survived, why = faults.verdict(True, {"violations": got}, 0)
     assert not survived and why == got
+
+
+def test_a_pod_the_killed_operator_never_recorded_may_be_named_missing_by_its_successor():
+    missing = {"lastRecovery": {"fault": "NodeMissing"}}
+    assert "'NodeMissing'" in faults.wrong_fault("operator_kill", missing)  # it had recorded the pod: NodeFailed only
+    assert faults.wrong_fault("operator_kill", missing, unseen=True) is None
+    assert faults.wrong_fault("operator_kill", {"lastRecovery": {"fault": "NodeFailed"}}, unseen=True) is None
+    assert "'Unknown'" in faults.wrong_fault("operator_kill", {"lastRecovery": {"fault": "Unknown"}}, unseen=True)
