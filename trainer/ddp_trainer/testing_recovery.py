@@ -80,10 +80,11 @@ def recovery_after_kill(
         what="first resumed step",
         name="step",
     )
-    steps = cluster.events("step")
+    evs = cluster.events()  # every node's log read once for the steps, the restores' held steps and the sessions
+    steps = [e for e in evs if e.name == "step"]
     lost = steps_lost(((e.time, e.int("step")) for e in steps), restored, resume.time, since=since,
-                      held=held_steps(cluster.events("rank_restored"), killed_at, first.time))
-    sessions = [e for e in cluster.events("session") if killed_at <= e.time <= resume.time]
+                      held=held_steps(evs, killed_at, first.time))
+    sessions = [e for e in evs if e.name == "session" and killed_at <= e.time <= resume.time]
     joined = sessions[-1].time if sessions else resume.time
     return {
         "recovery_s": round(first.time - killed_at, 3),
