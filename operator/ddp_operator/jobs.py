@@ -132,6 +132,9 @@ class JobRecord:
     probing: bool = False                # a progress poll is in the pool
     waiting: bool = False                # a pass for a child's event waits to start (Reconciler.child_changed)
     tombstones: dict[str, dict] = field(default_factory=dict)  # pod UID -> the pod as last seen, until a pass saw it
+    # Pod UID -> the pod as the last pass of this process saw it in the index (Reconciler._observe): one that leaves
+    # the index before its DELETED event reaches on_pod was deleted in sight, not while the operator was away.
+    seen: dict[str, dict] = field(default_factory=dict)
     created: dict[str, Created] = field(default_factory=dict)  # pod name -> created, not yet in the index
     force_deleted: dict[str, float] = field(default_factory=dict)  # pod UID -> when, while the index shows it
     # The Service and NetworkPolicy this operator created, not yet in the index: kind -> (UID, when).

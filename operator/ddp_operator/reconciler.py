@@ -160,12 +160,19 @@ class Reconciler:
 
     # --- observation ------------------------------------------------------------------------------
     def _observe(self, key: Key, uid: str) -> tuple[tuple[PodState, ...], set[str]]:
-        live = self.jobs.not_force_deleted(key, [p for p in self.jobs.values("pods_by_job", key) if owned_by(p, uid)],
-                                           CREATED_MEMORY_SECONDS)
+        indexed = self.jobs.values("pods_by_job", key)
+        live = self.jobs.not_force_deleted(key, [p for p in indexed if owned_by(p, uid)], CREATED_MEMORY_SECONDS)
         live_names = {p["metadata"]["name"]: p["metadata"]["uid"] for p in live}
         now = time.monotonic()
         record = self.jobs.record(key)
         with self.jobs.guard:
+            # kopf drops a deleted pod from the index before on_pod keeps its tombstone: a pass in between must not
+            # take a pod this process saw for one that vanished unseen (plan.vanished, NodeMissing).
+            in_index = {p["metadata"]["uid"] for p in indexed}
+            for u, last in record.seen.items():
+                if u not in in_index:
+                    record.tombstones.setdefault(u, last)
+            record.seen = {p["metadata"]["uid"]: p for p in live}
             tombstones = dict(record.tombstones)
             created = record.created
             for name, c in list(created.items()):

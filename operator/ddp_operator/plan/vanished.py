@@ -54,7 +54,9 @@ def end_recorded(ctx: Pass, name: str) -> bool:
     of that name ended since it started (recorded, then deleted, its replacement not created yet)."""
     if ctx.recovery_start is None:
         return False
-    since = [a for a in ctx.attempts if (parse_time(a.get("time")) or ctx.now) >= ctx.recovery_start]
+    # Attempt times are whole seconds (status.py): an attempt of this very pass is earlier than the exact start.
+    start = ctx.recovery_start.replace(microsecond=0)
+    since = [a for a in ctx.attempts if (parse_time(a.get("time")) or ctx.now) >= start]
     if len(since) >= names.ATTEMPTS_HISTORY:
         return True  # the bounded history may have dropped it: never count a pod twice
     return any(a.get("pod") == name and not a.get("restartCount") for a in since)
