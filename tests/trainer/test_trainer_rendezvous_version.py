@@ -9,6 +9,7 @@ about 100 times while the group formed and no round completed (docs/scale.md).""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -92,3 +93,46 @@ def test_vouch_lines_round_trip_and_garbage_is_ignored():
     assert rendezvous_version.parse_vouch(b"3 1.000") == (3, 1.0, set())
     for raw in ("", b"", "x 1", "1 nan", "-1 2.0", "1", None, 3):
         assert rendezvous_version.parse_vouch(raw) is None, raw
+
+
+
+def test_an_agent_waiting_for_its_round_reads_no_state_while_others_write_and_reads_it_when_the_round_completes(
+        store_port):
+    """Rule 12: an agent placed for the next round (in the wait list) looks at that round's key while the state changes
+    under it, and reads the state when the round opens: every member ranked once. Before rule 12 it read the whole state
+    at its next look after each write."""
+    agents = [_agent(store_port, "quiet", i, str(i)) for i in range(N)]
+    handlers = [h for h, _, _ in agents]
+    assert sorted(_next_round(handlers).values()) == list(range(N))
+    time.sleep(1.5 * KEEP_ALIVE_S)  # every agent heard of the round (rule 5)
+    first, writer, others = handlers[0], handlers[2], [h for h in handlers if h is not handlers[0]]
+    versioned = first._op_executor.versioned
+    out: dict = {}
+    leaving = threading.Thread(target=lambda: out.setdefault(first, first.next_rendezvous().rank), daemon=True)
+    leaving.start()  # it leaves the round and waits in the wait list for the next
+    try:
+        deadline = time.monotonic() + 10
+        while first._this_node not in _fresh(writer).wait_list:
+            assert time.monotonic() < deadline, "the leaving agent was never placed in the wait list"
+            time.sleep(0.05)
+        time.sleep(0.5)  # its own write's read is behind it
+        reads0, looks0 = versioned.full_reads, versioned.quiet_looks
+        for _ in range(WRITES):  # the state changes under it, round R+1 still waiting: new versions
+            writer._state_holder.mark_dirty()
+            assert writer._state_holder.sync() is True
+            time.sleep(0.4)  # two of its poll intervals at 16 nodes (rule 6: 0.2 s)
+        reads, looks = versioned.full_reads - reads0, versioned.quiet_looks - looks0
+        # a read once the state it holds is old enough that someone in it may have expired (3 s), not one per write
+        assert reads <= WRITES // 4 and looks >= WRITES, f"{reads} reads of the state and {looks} looks at {WRITES} writes"
+
+        ranks = _next_round(others)  # the others join: the round completes, and the waiting agent learns its rank
+        leaving.join(30)
+        ranks.update(out)
+        assert sorted(ranks.values()) == list(range(N)) and set(ranks) == set(handlers), ranks
+        assert versioned.full_reads > reads0, "it read the state once the round completed"
+    finally:
+        for h in handlers:
+            h._stop_heartbeats()
+
+
+WRITES = 8
