@@ -141,7 +141,7 @@ bench-node-loss: ## a kind worker stopped and frozen under a training job (docs/
 bench-rdzv-scale: ## the c10d rendezvous with 8-512 agents on loopback, torch's handler vs ddpjob-c10d, against the rdzv pod's store (docs/bench/rdzv_scale.json; --store torch: torch's own server)
 	$(PY) tests/benchmarks/rdzv_scale.py --record
 
-bench-scale-sim: ## the control plane at 10-1,000 nodes with kwok: one job, deletions, hang polls, node loss, 100x32 and 1,000x1 jobs, a restart (docs/bench/scale_sim.json)
+bench-scale-sim: ## the control plane at 10-1,000 nodes with kwok: one job, deletions, hang polls, node loss, 100x32, 1,000x1 and 100x36 jobs, a restart with 10,000 pods (docs/bench/scale_sim.json)
 	hack/build-binaries.sh kwok
 	$(PY) tests/benchmarks/scale_sim.py --record
 

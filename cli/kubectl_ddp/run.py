@@ -227,9 +227,9 @@ def follow(kube: Kube, name: str, console: Any, out: TextIO = sys.stdout) -> int
                 since = (float(p["time"]), float(p["step"]))
             for line in announcements(seen, status):
                 console.print(Text(line, style="bold yellow"))
-            line = view.progress_line(job, view.eta_seconds(p, since))
-            if live:
-                live.update(Text(line, style="bold"))
+            line = view.progress_line(job, view.eta_seconds(p, since), console.width if live else None)
+            if live:  # one row: a live line that wraps leaves its second row behind on some terminals
+                live.update(Text(line, style="bold", no_wrap=True, overflow="ellipsis"))
             elif seen.get("line") != line:
                 console.print(line)
             seen["line"] = line

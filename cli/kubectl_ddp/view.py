@@ -82,28 +82,38 @@ def eta_seconds(p: Mapping[str, Any], since: tuple[float, float] | None) -> floa
     return max(0.0, total - step) * (t - since[0]) / (step - since[1])
 
 
-def progress_line(job: Mapping[str, Any], eta: float | None = None) -> str:
-    """One line: phase, nodes, step/epoch, loss, samples/s, ETA."""
+# What a narrow terminal's progress line leaves out first (run's live line): the least needed to follow a run.
+_DROPPED_FIRST = ("samples/s", "epoch", "nodes")
+
+
+def progress_line(job: Mapping[str, Any], eta: float | None = None, width: int | None = None) -> str:
+    """One line: phase, nodes, step/epoch, loss, samples/s, ETA. Within `width` columns where given: samples/s, then
+    the epoch, then the nodes are left out until it fits (an 80-column terminal keeps the step, the loss and the ETA
+    on one row instead of wrapping the live line)."""
     status = _map(job.get("status"))
     p = progress(job)
-    parts = [phase(job)]
+    parts = [("phase", phase(job))]
     if isinstance(status.get("nodesReady"), str):
-        parts.append(f"nodes {status['nodesReady']}")
+        parts.append(("nodes", f"nodes {status['nodesReady']}"))
     if _num(p.get("step")) is not None:
         total = total_steps(p)
-        parts.append(f"step {int(p['step'])}" + (f"/{total}" if total else ""))
+        parts.append(("step", f"step {int(p['step'])}" + (f"/{total}" if total else "")))
     if _num(p.get("epoch")) is not None:
-        parts.append(f"epoch {int(p['epoch'])}")
+        parts.append(("epoch", f"epoch {int(p['epoch'])}"))
     if _num(p.get("loss")) is not None:
-        parts.append(f"loss {number(p['loss'])}")
+        parts.append(("loss", f"loss {number(p['loss'])}"))
     if _num(p.get("samplesPerSecond")) is not None:
-        parts.append(f"{number(p['samplesPerSecond'], 3)} samples/s")
+        parts.append(("samples/s", f"{number(p['samplesPerSecond'], 3)} samples/s"))
     if eta is not None and not finished(job):
-        parts.append(f"ETA {duration(eta)}")
+        parts.append(("eta", f"ETA {duration(eta)}"))
     restarts = status.get("restarts")
     if isinstance(restarts, int) and restarts:
-        parts.append(f"restarts {restarts}")
-    return " · ".join(parts)
+        parts.append(("restarts", f"restarts {restarts}"))
+    for drop in _DROPPED_FIRST:
+        if width is None or len(" · ".join(text for _, text in parts)) <= width:
+            break
+        parts = [(kind, text) for kind, text in parts if kind != drop]
+    return " · ".join(text for _, text in parts)
 
 
 def recovery_line(recovery: Any) -> str | None:

@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", default="10,100,1000", help="the sizes N of scenario a (comma-separated)")
     p.add_argument("--deletes", type=int, default=20, help="pods deleted one after the other (scenario b)")
-    p.add_argument("--many", default="100x32,1000x1", help="scenario f's rounds: JOBSxNODES, comma-separated")
+    p.add_argument("--many", default="100x32,1000x1,100x36", help="scenario f's rounds: JOBSxNODES, comma-separated "
+                   "(the last brings the cluster past 10,000 pods for the restart, scenario d)")
     p.add_argument("--quick", action="store_true", help="N=100, 5 deletes, nothing else (smoke test)")
     p.add_argument("--kubeconfig", default="", help="another cluster than the embedded one (its API server's audit "
                                                     "log in --audit-log)")

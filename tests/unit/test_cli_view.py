@@ -31,6 +31,12 @@ def test_the_progress_line_and_its_eta():
     assert eta == 40.0
     assert view.progress_line(job, eta) == ("Running · nodes 2/2 · step 120/200 · epoch 3 · loss 0.08123 · "
                                             "2,210 samples/s · ETA 40s · restarts 1")
+    # an 80-column terminal: samples/s goes first, so the live line keeps the ETA on one row; then the epoch, the nodes
+    assert view.progress_line(job, eta, 82) == \
+        "Running · nodes 2/2 · step 120/200 · epoch 3 · loss 0.08123 · ETA 40s · restarts 1"
+    assert view.progress_line(job, eta, 80) == "Running · nodes 2/2 · step 120/200 · loss 0.08123 · ETA 40s · restarts 1"
+    assert view.progress_line(job, eta, 60) == "Running · step 120/200 · loss 0.08123 · ETA 40s · restarts 1"
+    assert len(view.progress_line(job, eta, 20)) > 20  # what is left is kept whole: the console's ellipsis cuts it
     assert view.eta_seconds(view.progress(job), None) is None
     assert view.eta_seconds(view.progress(job), (1000.0, 120.0)) is None  # the step has not moved yet
     no_total = _job({"phase": "Running", "progress": {"step": 5, "time": 1.0}})
