@@ -120,8 +120,7 @@ This backend is the c10d handler with these rules added:
    apply): an agent asking for a round announces itself in one small store operation, and whoever writes the state
    places every announced agent as its own writes would (rules 1, 2, 4, 8); rule 5's record is a key of the round's.
 
-11. A look reads the state only when its version moved; heartbeats are vouched for in a key (``rendezvous_version``).
-12. An agent waiting for its round to complete or open looks at that round's key, not the state (``rendezvous_version``).
+11-12. The state is read only when its version moved and concerns the agent (``rendezvous_version``).
 
 Everything else (heartbeats, admitting a redundant agent when a participant drops out, closing at the end) is
 torch's. A redundant agent still ends when a participant closes the rendezvous at the end of the training: torch raises
