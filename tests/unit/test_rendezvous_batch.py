@@ -16,6 +16,7 @@ import pytest
 
 from ddp_trainer import rendezvous_batch as rb
 from ddp_trainer import rendezvous_rules as rr
+from ddp_trainer import rendezvous_take_over as rt
 
 NOW = 1_800_000_000.0
 Node = types.SimpleNamespace  # what announcement() reads of torch's _NodeDesc
@@ -134,7 +135,7 @@ def test_one_write_re_forms_the_group_with_the_lost_agents_replacement(dr):
     assert set(state.participants) == (set(nodes) - {lost}) | {newcomer}
     assert sorted(state.participants.values()) == list(range(n)), "every agent ranked once"
     assert not state.wait_list and not state.redundancy_list
-    assert rr.taken_over(state, lost) and lost not in state.last_heartbeats
+    assert rt.taken_over(state, lost) and lost not in state.last_heartbeats
     assert state.last_heartbeats[newcomer] == datetime.fromtimestamp(NOW, timezone.utc)  # its announcement's time
     assert newcomer in getattr(state, rr._BEATS), "its heartbeat key is judged (rule 7)"
     assert getattr(state, rr._READ) == set(), "nobody has heard of the new round yet (rule 5)"

@@ -153,11 +153,11 @@ from . import env as envmod, rendezvous_batch, rendezvous_version, torch_version
 # The rules' decisions and state writes; every name stays importable from here (torchrun's entry point, the
 # operator's contract test and the unit tests use ddp_trainer.rendezvous).
 from .rendezvous_rules import (  # noqa: F401
-    BACKEND, GONE_KEPT, SPARE_RELEASED, _COMPLETED, _GONE, _LAST, _ORDER, _POD, _READ, TakenOver, _completed_at, _heard,
-    _not_taken_over, _priority, _priority_key, _remember, _round_complete, _round_completed, _say_released, _Size,
-    _spare_aware, POLL_BASE_S, poll_interval, take_over, taken_over, wanted_nodes, Beats, _beating, admit_waiting,
-    backing_off, batched,
+    BACKEND, GONE_KEPT, SPARE_RELEASED, _COMPLETED, _GONE, _LAST, _ORDER, _POD, _READ, _completed_at, _heard,
+    _priority, _priority_key, _remember, _round_complete, _round_completed, _say_released, _Size,
+    _spare_aware, POLL_BASE_S, poll_interval, wanted_nodes, Beats, _beating, admit_waiting, backing_off, batched,
 )
+from .rendezvous_take_over import TakenOver, _not_taken_over, take_over, taken_over  # noqa: F401 (rule 4)
 
 log = logging.getLogger(__name__)
 

@@ -45,9 +45,8 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
 from urllib.parse import quote, unquote
 
-from .rendezvous_rules import (
-    BACKEND, _BEATS, _READ, _completed_at, _remember, admit_waiting, batched, poll_interval, take_over, taken_over,
-)
+from .rendezvous_rules import BACKEND, _BEATS, _READ, _completed_at, _remember, admit_waiting, batched, poll_interval
+from .rendezvous_take_over import PodRecords, take_over, taken_over
 
 log = logging.getLogger(f"{__package__}.rendezvous")
 
@@ -169,6 +168,7 @@ def fold(state: Any, settings: Any, announced: list[Announcement], now: float, *
     expiry_s = (settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds()
     placed = []
     keyed = set(getattr(state, _BEATS, set()))
+    records = PodRecords(state)  # rule 4's, indexed once for every take-over of this write
     for node, a in wanted(state, announced, now, expiry_s):
         if not _wants(state, node, a, now, expiry_s):  # an earlier one's take-over or round change decided it
             continue
@@ -185,7 +185,7 @@ def fold(state: Any, settings: Any, announced: list[Announcement], now: float, *
         state.last_heartbeats[node] = datetime.fromtimestamp(min(a.t, now), timezone.utc)
         keyed.add(node)  # its heartbeat key exists: it made it before announcing (rule 7)
         if a.pod is not None:
-            take_over(state, node, a.pod, settings)  # rule 4, as in its own write
+            take_over(state, node, a.pod, settings, records)  # rule 4, as in its own write
         placed.append(node)
     if placed:
         setattr(state, _BEATS, {n for n in keyed if n in state.last_heartbeats})

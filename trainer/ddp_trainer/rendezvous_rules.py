@@ -1,9 +1,9 @@
 """The rules of the ``ddpjob-c10d`` rendezvous backend (numbered in ``ddp_trainer.rendezvous``'s docstring) as
 decisions and writes on torch's shared rendezvous state: who may join and where it waits (rules 1 and 2), the group
-size that follows the job (rule 3), the take-over of a recreated pod's predecessor (rule 4), the round-start
-records (rule 5), how often a waiting agent reads the state (rule 6), heartbeats in keys of their own (rule 7),
-re-forms in few writes (rule 8) and the back-off of a write that lost the race (rule 9). ``ddp_trainer.rendezvous`` wires them into torch's operation executor and handler; torch's own
-classes are imported only where a rule needs them (torch is imported lazily).
+size that follows the job (rule 3), the round-start records (rule 5), how often a waiting agent reads the state (rule 6), heartbeats in keys of their own (rule 7),
+re-forms in few writes (rule 8) and the back-off of a write that lost the race (rule 9); rule 4, the take-over of a
+recreated pod's predecessor, is ``rendezvous_take_over``. ``ddp_trainer.rendezvous`` wires them into torch's operation
+executor and handler; torch's own classes are imported only where a rule needs them (torch is imported lazily).
 """
 
 from __future__ import annotations
@@ -165,39 +165,6 @@ def _priority_key(state: Any) -> Callable[[Any], tuple[float, str]]:
     return lambda node: (order.get(node, math.inf), repr(node))
 
 
-def take_over(state: Any, me: Any, pod: str, settings: Any) -> list[Any]:
-    """Rule 4, in the state write of an agent that enters the rendezvous or sends a heartbeat: record that ``me`` runs
-    in ``pod`` and take every other agent recorded for that pod out of the rendezvous (as torch's heartbeat expiry
-    takes out a dead one: the lists, the heartbeats, and a complete round left without participants is over),
-    whether or not its heartbeats expired already. Returns the agents taken out."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
-
-    # An agent stays recorded after its heartbeats expired: a frozen node's agent (a paused VM, a node cut off
-    # longer than the keep-alive expiry) is forgotten by torch, and woken after its pod was recreated elsewhere it
-    # would join as a newcomer and take its replacement's place. Recorded here, it is taken out like a dead one.
-    # One record per pod, so the map stays as small as the job.
-    pods = dict(getattr(state, _POD, {}))
-    gone = [n for n, p in pods.items() if p == pod and n != me]
-    left_participants = False
-    for node in gone:
-        del pods[node]
-        state.last_heartbeats.pop(node, None)
-        if node in state.participants:
-            del state.participants[node]
-            left_participants = True
-        state.wait_list.discard(node)
-        state.redundancy_list.discard(node)
-    pods[me] = pod
-    setattr(state, _POD, pods)
-    if gone:
-        setattr(state, _GONE, [*getattr(state, _GONE, []), *gone][-GONE_KEPT:])
-        log.warning("%s: the agent of pod %s took its predecessor's place: %s", BACKEND, pod,
-                    ", ".join(str(n) for n in gone))
-    if left_participants:
-        dr._remove_participant_epilogue(state, settings)
-    return gone
-
-
 def _round_completed(state: Any) -> None:
     """Rule 5, in the state write that completes a round: when, and that no participant heard of it yet."""
     setattr(state, _COMPLETED, (state.round, time.time()))
@@ -237,34 +204,6 @@ def poll_interval(nodes: int, base: float = POLL_BASE_S, jitter: float = 0.0) ->
     within ``base``. A ``base`` above the cap is kept."""
     interval = min(base * max(1.0, nodes / POLL_NODES_PER_BASE), max(POLL_MAX_S, base))
     return interval * (1.0 - POLL_JITTER * jitter)
-
-
-class TakenOver(RuntimeError):
-    """This agent was taken out of the rendezvous by a newer agent of its pod (rule 4)."""
-
-    def __init__(self, node: Any, pod: str) -> None:
-        super().__init__(f"{BACKEND}: agent {node} was replaced by a newer agent of pod {pod} (its pod was recreated "
-                         f"or its container restarted); this one stops")
-
-
-def taken_over(state: Any, node: Any) -> bool:
-    """Rule 4: whether a newer agent of ``node``'s pod took it out of the rendezvous."""
-    return node in getattr(state, _GONE, ())
-
-
-def _not_taken_over(op: Callable[[Any, float], Any], joining: bool, pod: str) -> Callable[[Any, float], Any]:
-    """Rule 4 for the agent taken out: its join fails (it must not take the place back); its other operations
-    (heartbeats, leaving) have nothing left to do."""
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action
-
-    def checked(ctx: Any, deadline: float) -> Any:
-        if not taken_over(ctx.state, ctx.node):
-            return op(ctx, deadline)
-        if joining:
-            raise TakenOver(ctx.node, pod)
-        return _Action.FINISH
-
-    return checked
 
 
 class Beats:
