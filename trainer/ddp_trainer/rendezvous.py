@@ -154,7 +154,7 @@ from . import env as envmod, rendezvous_batch, rendezvous_version, torch_version
 # operator's contract test and the unit tests use ddp_trainer.rendezvous).
 from .rendezvous_rules import (  # noqa: F401
     BACKEND, GONE_KEPT, SPARE_RELEASED, _COMPLETED, _GONE, _LAST, _ORDER, _POD, _READ, _completed_at, _heard,
-    _priority, _priority_key, _remember, _round_complete, _round_completed, _say_released, _Size,
+    _priority, _priority_key, _remember, _round_complete, _round_completed, _say_released, _Size, expiry,
     _spare_aware, POLL_BASE_S, poll_interval, wanted_nodes, Beats, _beating, admit_waiting, backing_off, batched,
 )
 from .rendezvous_take_over import TakenOver, _not_taken_over, take_over, taken_over  # noqa: F401 (rule 4)
@@ -189,7 +189,7 @@ def _guard_expiry(holder: Any, me: Any, beats: Beats | None = None) -> bool:
 
     def guarded() -> None:
         settings = holder._settings
-        expired = datetime.now(timezone.utc) - settings.keep_alive_interval * settings.keep_alive_max_attempt
+        expired = datetime.now(timezone.utc) - expiry(settings)
         if beats is not None:  # rule 7, before torch's sanitizer judges
             beats.overlay(holder._state, expired)
         beats_now = holder._state.last_heartbeats

@@ -45,7 +45,9 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
 from urllib.parse import quote, unquote
 
-from .rendezvous_rules import BACKEND, _BEATS, _READ, _completed_at, _remember, admit_waiting, batched, poll_interval
+from .rendezvous_rules import (
+    BACKEND, _BEATS, _READ, _completed_at, _remember, admit_waiting, batched, expiry, is_refresher, poll_interval,
+)
 from .rendezvous_take_over import PodRecords, take_over, taken_over
 
 log = logging.getLogger(f"{__package__}.rendezvous")
@@ -165,7 +167,7 @@ def fold(state: Any, settings: Any, announced: list[Announcement], now: float, *
     rendezvous, and nothing for stale announcements (older than the keep-alive expiry) or agents taken out."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _remove_participant_epilogue
 
-    expiry_s = (settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds()
+    expiry_s = expiry(settings).total_seconds()
     placed = []
     keyed = set(getattr(state, _BEATS, set()))
     records = PodRecords(state)  # rule 4's, indexed once for every take-over of this write
@@ -328,7 +330,7 @@ class Helping:
             holder._last_sync_time = -1
             return self._sync()
         raw = self._call("compare_set", self._joining, "", "")  # the value, never a wait (the key may not exist)
-        expiry_s = (settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds()
+        expiry_s = expiry(settings).total_seconds()
         folded = self._fold(parse(raw, 4 * settings.max_nodes + 64, time.time() - expiry_s)) if raw else []
         self._keys_over(holder._state, None)  # rule 11: a new version's readers judge by its heartbeats, not the keys
         has_set = self._sync()
@@ -343,7 +345,7 @@ class Helping:
 
     def _fold(self, announced: list[Announcement]) -> list[Any]:
         state, settings, now = self._holder._state, self._executor._settings, time.time()
-        expiry_s = (settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds()
+        expiry_s = expiry(settings).total_seconds()
         todo = wanted(state, announced, now, expiry_s)
         if not todo:
             return []
@@ -371,7 +373,7 @@ class Helping:
         if now - self._refreshed < self._executor._settings.keep_alive_interval.total_seconds() or state.closed:
             return False
         self._refreshed = now
-        return next(iter(state.last_heartbeats), None) == me
+        return is_refresher(state, me)
 
     def refresh(self, state: Any, me: Any) -> bool:
         """Write the state with every listed agent's heartbeat from its key (rule 7) where that is newer. Heartbeats are

@@ -1,10 +1,10 @@
 """The rules of the ``ddpjob-c10d`` rendezvous backend (numbered in ``ddp_trainer.rendezvous``'s docstring) as
 decisions and writes on torch's shared rendezvous state: who may join and where it waits (rules 1 and 2), the group
-size that follows the job (rule 3), the round-start records (rule 5), how often a waiting agent reads the state (rule 6), heartbeats in keys of their own (rule 7),
-re-forms in few writes (rule 8) and the back-off of a write that lost the race (rule 9); rule 4, the take-over of a
-recreated pod's predecessor, is ``rendezvous_take_over``. ``ddp_trainer.rendezvous`` wires them into torch's operation
-executor and handler; torch's own classes are imported only where a rule needs them (torch is imported lazily).
-"""
+size that follows the job (rule 3), the round-start records (rule 5), how often a waiting agent reads the state
+(rule 6), heartbeats in keys of their own (rule 7), re-forms in few writes (rule 8) and the back-off of a write that
+lost the race (rule 9); rule 4, the take-over of a recreated pod's predecessor, is ``rendezvous_take_over``.
+``ddp_trainer.rendezvous`` wires them into torch's operation executor and handler; torch's own classes are imported
+only where a rule needs them (torch is imported lazily)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import math
 import random
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
 BACKEND = "ddpjob-c10d"
@@ -298,6 +298,17 @@ def _beating(op: Callable[[Any, float], Any], beats: Beats, joining: bool,
 # Rule 8 applies to rounds of more than this many nodes: a small job's writes are a few KB, and its rendezvous stays
 # torch's, step for step.
 BATCH_ABOVE_NODES = 8
+
+
+def expiry(settings: Any) -> timedelta:
+    """How long a silent agent stays in the rendezvous: torch's keep-alive interval times its attempts."""
+    return settings.keep_alive_interval * settings.keep_alive_max_attempt
+
+
+def is_refresher(state: Any, me: Any) -> bool:
+    """Whether ``me`` is the state's refresher (rule 10): the agent of its first heartbeat entry, the oldest (every
+    agent sees the same order, and looking is O(1))."""
+    return next(iter(state.last_heartbeats), None) == me
 
 
 def batched(settings: Any) -> bool:

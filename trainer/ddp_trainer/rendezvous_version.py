@@ -32,8 +32,8 @@ through the clients, no round within the run's time): the agents' CPU, not the s
 Rule 12, **a waiting agent looks only at what concerns it**. An agent that waits for something only another agent's
 write brings does not read the state at each new version: a participant of a round not complete yet waits for the
 round to complete, and an agent in the wait list of a complete round waits for the next round to open. A write that
-took sets ``<state key>/round/<round>`` (the round exists) and, with the round complete, ``<state key>/complete/<round>``.
-The waiting agent looks at the one key it waits for (``check``, a few bytes) every ``QUIET_LOOK_S`` (its poll interval
+took sets ``<state key>/round/<round>`` (the round exists) and, with the round complete,
+``<state key>/complete/<round>``. The waiting agent looks at the one key it waits for (``check``, a few bytes) every ``QUIET_LOOK_S`` (its poll interval
 where shorter) and reads the state once that key exists. Before, every waiting agent read the whole state at its next
 look after each write: at 512 agents a re-form took 16 writes and six reads of the 50 KB state per agent. It reads as
 before where it must decide on the state: the refresher (rule 10), a participant once the round's last call passed
@@ -63,7 +63,7 @@ import weakref
 from datetime import datetime, timezone
 from typing import Any
 
-from .rendezvous_rules import BACKEND, _BEATS, _unheard, batched
+from .rendezvous_rules import BACKEND, _BEATS, _unheard, batched, expiry, is_refresher
 
 # The refresher leaves out of its vouch the agents whose heartbeat key is older than this many keep-alive intervals
 # (a heartbeat is due every interval; a late one may be a dying agent's), at most VOUCH_LEFT_OUT_MAX of them (the
@@ -357,12 +357,11 @@ class Versioned:
             waited_for = f"{self._round_key}/{state.round + 1}"
         else:
             return False
-        if next(iter(state.last_heartbeats), None) == me:
+        if is_refresher(state, me):
             return False  # the refresher (rule 10) reads and vouches as before
         if self._quiet_for is not state:  # once per state held: it does not change while the agent is quiet
             oldest = min(state.last_heartbeats.values(), default=None)
-            expiry = settings.keep_alive_interval * settings.keep_alive_max_attempt
-            self._quiet_for, self._quiet_until = state, None if oldest is None else oldest + expiry
+            self._quiet_for, self._quiet_until = state, None if oldest is None else oldest + expiry(settings)
         if self._quiet_until is None or datetime.now(self._quiet_until.tzinfo) >= self._quiet_until:
             return False  # someone may have expired (a lost participant, the refresher): judged on a read, as before
         self.quiet_looks += 1
