@@ -323,7 +323,7 @@ class ProgressPoller:
             world = stall.expected_world_size(job.spec.nodes, job.spec.nproc_per_node)
             finding = self._confirmed(key, body, trainers, diagnoses, names.REASON_PG_NEVER_FORMED,
                                       lambda ds: stall.startup_finding(ds, world))
-            restarted = dataclasses.replace(w, started=time.monotonic())
+            restarted = dataclasses.replace(w, init_since=time.monotonic())
             timeout = policy.process_group_timeout_seconds
         elif stall.silent_hang_due(w, policy.hang_timeout_seconds, now):
             finding = self._confirmed(key, body, trainers, diagnoses, names.REASON_HANG, stall.hang_finding)

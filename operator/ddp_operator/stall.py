@@ -8,7 +8,8 @@ CPU time. `valid_diagnosis` turns one answer into a `Diagnosis` (every field che
 the job's own pods). The shell (poller.py) keeps a `StallWatch` per job and asks:
 
 - `startup_due`: the incarnation (its running trainer pods) has not formed its process group (a worker still in
-  `init`) within failurePolicy.processGroupTimeoutSeconds. `startup_finding` then says why in one line: the ranks
+  `init`) within failurePolicy.processGroupTimeoutSeconds of a worker first seen in `init` (a slow import or data
+  load before init_process_group on a busy node is not the group failing to form). `startup_finding` then says why in one line: the ranks
   that never joined and where their workers are, ranks claimed twice, a claimed world size that is not the job's.
   Its `signature` (the missing and duplicate ranks, the world sizes) is equal for the same fault after a restart.
 - `silent_hang_due`: the group formed, no pod ever reported progress (a plain script), and no worker's stack digest
@@ -177,11 +178,12 @@ def valid_diagnosis(answer: Any) -> tuple[Diagnosis | None, tuple[str, ...]]:
 @dataclass(frozen=True)
 class StallWatch:
     """What the poller keeps of a job between probes: the incarnation (its running trainer pods' UIDs) and since
-    when it runs (`started`, monotonic seconds), whether its process group formed and whether any pod reported
+    when a worker of it waits in init_process_group (`init_since`, monotonic seconds of the probe that first saw
+    one; None before), whether its process group formed and whether any pod reported
     progress (both sticky), and for the silent-hang clock the stacks and CPU time last seen to move and since when."""
 
     incarnation: tuple[str, ...]
-    started: float
+    init_since: float | None
     formed: bool
     reporting: bool
     fingerprint: tuple | None
@@ -223,27 +225,31 @@ def watch(prev: StallWatch | None, incarnation: tuple[str, ...], diagnoses: Sequ
     fingerprint = _fingerprint(diagnoses)
     # A training step reported is as good a proof as a collective seen: the sidecars need not be asked again.
     is_formed = formed(diagnoses) is True or reporting
+    in_init = formed(diagnoses) is False
     if prev is None or prev.incarnation != incarnation:
-        return StallWatch(incarnation, now, is_formed, reporting, fingerprint, now, cpu)
+        return StallWatch(incarnation, now if in_init else None, is_formed, reporting, fingerprint, now, cpu)
     reporting = prev.reporting or reporting
     is_formed = is_formed or reporting
     if all(d.diagnosis is None for d in diagnoses):
-        return StallWatch(incarnation, prev.started, prev.formed or reporting, reporting, prev.fingerprint, prev.since,
-                          prev.cpu)
+        return StallWatch(incarnation, prev.init_since, prev.formed or reporting, reporting, prev.fingerprint,
+                          prev.since, prev.cpu)
+    init_since = prev.init_since if prev.init_since is not None else (now if in_init else None)
     if not prev.formed and is_formed:
-        return StallWatch(incarnation, prev.started, True, reporting, fingerprint, now, cpu)
+        return StallWatch(incarnation, init_since, True, reporting, fingerprint, now, cpu)
     elapsed = max(now - prev.since, 0.0)
     moved = fingerprint != prev.fingerprint or (cpu is not None and prev.cpu is not None and
                                                 cpu - prev.cpu > CPU_MOVE_CORES * elapsed) or \
         (cpu is not None and prev.cpu is None)
     if moved:
-        return StallWatch(incarnation, prev.started, prev.formed, reporting, fingerprint, now, cpu)
-    return StallWatch(incarnation, prev.started, prev.formed, reporting, prev.fingerprint, prev.since, prev.cpu)
+        return StallWatch(incarnation, init_since, prev.formed, reporting, fingerprint, now, cpu)
+    return StallWatch(incarnation, init_since, prev.formed, reporting, prev.fingerprint, prev.since, prev.cpu)
 
 
 def startup_due(w: StallWatch | None, timeout: int, now: float) -> bool:
-    """The incarnation's process group did not form within `timeout` seconds (0: off) of its start."""
-    return w is not None and not w.formed and timeout > 0 and now - w.started >= timeout
+    """The incarnation's process group did not form within `timeout` seconds (0: off) of a worker first seen waiting
+    in init_process_group."""
+    return (w is not None and not w.formed and w.init_since is not None and timeout > 0
+            and now - w.init_since >= timeout)
 
 
 def silent_hang_due(w: StallWatch | None, hang_timeout: int, now: float) -> bool:

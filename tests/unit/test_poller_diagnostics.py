@@ -82,7 +82,7 @@ def test_a_due_startup_deadline_hands_a_pass_the_never_formed_finding_after_the_
     w = obj.stall_watch
     assert w is not None and not w.formed and r.found == []  # not due yet: nothing handed in, nothing logged
     assert all(s.paths == [names.DIAGNOSTICS_PATH] for s in servers)
-    obj.stall_watch = dataclasses.replace(w, started=time.monotonic() - 11)
+    obj.stall_watch = dataclasses.replace(w, init_since=time.monotonic() - 11)
     obj.progress_at = obj.diagnosed_at = time.monotonic()  # polled a moment ago: the deadline alone makes it due
     assert r.poller.due(key) is not None
     r.poller.poll(key)
@@ -129,7 +129,7 @@ def test_the_polls_keep_the_stall_pace_whatever_progress_period_seconds_says(por
     assert not _asked_at(r, key, obj, 0)
     assert _asked_at(r, key, obj, 5.1)  # not formed: every 5 s (300/10, at most 5), not every 600 s
     # the start-up deadline makes a poll due the moment it is up, whatever the pace
-    obj.stall_watch = dataclasses.replace(obj.stall_watch, started=time.monotonic() - 300)
+    obj.stall_watch = dataclasses.replace(obj.stall_watch, init_since=time.monotonic() - 300)
     assert _asked_at(r, key, obj, 0)
     # once formed (and a formed group's hang rule off) the job is polled at progressPeriodSeconds again
     pod0.answer = _answer(_worker(41, 0, 0, "running", frame="forward (model.py:3)"))

@@ -63,15 +63,19 @@ INC = ("uid-0", "uid-1")
 
 def test_workers_still_in_their_own_code_before_init_have_not_formed_the_group():
     """Every rank loading its data before init_process_group looks like ranks training between collectives: only a
-    collective seen proves the group formed, so the start-up clock keeps running and catches the rank that never
-    comes once the others wait in init."""
+    collective seen proves the group formed. The start-up clock starts once a rank waits in init (a slow import or
+    data load on a busy node is not the group failing to form) and catches the rank that never comes."""
     loading = [pod(0, worker(0, phase="running", user="load (train.py:5)")),
                pod(1, worker(1, phase="running", user="wait_for_data (train.py:12)"))]
     w = stall.watch(None, INC, loading, reporting=False, now=100.0)
-    assert not w.formed and stall.formed(loading) is None
+    assert not w.formed and stall.formed(loading) is None and w.init_since is None
+    assert not stall.startup_due(stall.watch(w, INC, loading, reporting=False, now=1000.0), 300, 10 ** 6)
     waiting = [pod(0, worker(0)), pod(1, worker(1, phase="running", user="wait_for_data (train.py:12)"))]
     w = stall.watch(w, INC, waiting, reporting=False, now=150.0)
-    assert not w.formed and stall.startup_due(w, 300, 400.0)
+    assert not w.formed and w.init_since == 150.0
+    assert not stall.startup_due(w, 300, 449.0) and stall.startup_due(w, 300, 450.0)
+    # the clock stays with the first rank seen in init, whatever the later probes see
+    assert stall.watch(w, INC, loading, reporting=False, now=200.0).init_since == 150.0
     assert "global rank 1 of 2 never joined" in stall.startup_finding(waiting, 2).message
     training = [pod(0, worker(0, phase="collective")), pod(1, worker(1, phase="running"))]
     assert stall.watch(w, INC, training, reporting=False, now=160.0).formed
@@ -98,7 +102,7 @@ def test_startup_is_due_only_while_not_formed_past_the_timeout():
     assert not stall.startup_due(None, 300, 10 ** 6)
     # a new incarnation (pods replaced) starts the clock again
     again = stall.watch(w, ("uid-0", "uid-2"), starting, reporting=False, now=500.0)
-    assert again.started == 500.0 and not stall.startup_due(again, 300, 700.0)
+    assert again.init_since == 500.0 and not stall.startup_due(again, 300, 700.0)
     # once formed, it stays formed in this incarnation
     up = [pod(0, worker(0, phase="collective")), pod(1, worker(1, phase="collective"))]
     w = stall.watch(w, INC, up, reporting=False, now=200.0)
