@@ -295,8 +295,10 @@ class Reconciler:
         with self.jobs.guard:
             for u in seen_tombstones:
                 record.tombstones.pop(u, None)
-            record.of(uid).phase = result.status.get("phase", names.PHASE_PENDING)
-        metrics.set_phases(self.jobs.phases())
+            obj, phase = record.of(uid), result.status.get("phase", names.PHASE_PENDING)
+            moved, obj.phase = obj.phase != phase, phase
+        if moved:  # counted over every job: not on each of a thousand jobs' passes when nothing moved
+            metrics.set_phases(self.jobs.phases())
         if result.counted_restarts:
             metrics.RESTARTS.inc(result.counted_restarts)
         if result.status.get("disruptions", 0) > int(prev.get("disruptions") or 0):

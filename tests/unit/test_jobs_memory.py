@@ -210,3 +210,41 @@ def test_a_jobs_events_lose_only_the_servers_field_bookkeeping():
     assert "managedFields" not in slim["metadata"] and "managedFields" in body["metadata"]  # a copy, not an edit
     assert slim["metadata"]["annotations"] == body["metadata"]["annotations"]  # kopf's own state stays
     assert slim["spec"] == body["spec"] and kept_job(slim) == kept_job(body)
+
+
+def test_the_indexes_are_filled_on_kopfs_event_loop_never_through_its_thread_pool():
+    """kopf hands a sync handler to its thread pool and back, for every object a restart lists: the operator's index
+    functions are registered to run on kopf's event loop. Here kopf's own indexing, with a thread pool that refuses
+    every task, fills each index exactly as the plain function says."""
+    import asyncio
+    import concurrent.futures
+    import logging
+
+    from kopf._cogs.structs import references
+    from kopf._core.actions import loggers
+    from kopf._core.engines import indexing
+
+    class Refusing(concurrent.futures.ThreadPoolExecutor):
+        def submit(self, *args, **kwargs):
+            raise AssertionError("an index handler was handed to kopf's thread pool")
+
+    settings = kopf.OperatorSettings()
+    settings.execution.executor = Refusing(max_workers=1)
+    registry = kopf.get_default_registry()
+    p = PODS[0]
+    resource = references.Resource(group="", version="v1", plural="pods", namespaced=True)
+    pod_handlers = [h for h in registry._indexing.get_all_handlers() if h.id == "pods_by_job"]
+    assert len(pod_handlers) == 1
+
+    async def index() -> dict:
+        indexers = indexing.OperatorIndexers()
+        indexers.ensure(registry._indexing.get_all_handlers())
+        body = kopf.Body(p)
+        await indexing.index_resource(registry=registry, indexers=indexers, settings=settings, resource=resource,
+                                      raw_event={"type": None, "object": p}, body=body, memo=kopf.Memo(),
+                                      memory=indexing.IndexingMemory(),
+                                      logger=loggers.TerseObjectLogger(body=body, settings=settings))
+        return {k: list(v) for k, v in indexers.indices["pods_by_job"].items()}
+
+    logging.getLogger("kopf").setLevel(logging.CRITICAL)
+    assert asyncio.run(index()) == {("ml", "mnist"): [_indexed(p)]}
