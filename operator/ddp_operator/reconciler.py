@@ -295,8 +295,10 @@ class Reconciler:
         with self.jobs.guard:
             for u in seen_tombstones:
                 record.tombstones.pop(u, None)
-            obj, phase = record.of(uid), result.status.get("phase", names.PHASE_PENDING)
-            moved, obj.phase = obj.phase != phase, phase
+            obj = record.of(uid)
+            phase = result.status.get("phase", names.PHASE_PENDING)
+            moved = obj.phase != phase
+            obj.phase = phase
         if moved:  # counted over every job: not on each of a thousand jobs' passes when nothing moved
             metrics.set_phases(self.jobs.phases())
         if result.counted_restarts:

@@ -9,9 +9,10 @@ the job's own pods). The shell (poller.py) keeps a `StallWatch` per job and asks
 
 - `startup_due`: the incarnation (its running trainer pods) has not formed its process group (a worker still in
   `init`) within failurePolicy.processGroupTimeoutSeconds of a worker first seen in `init` (a slow import or data
-  load before init_process_group on a busy node is not the group failing to form). `startup_finding` then says why in one line: the ranks
-  that never joined and where their workers are, ranks claimed twice, a claimed world size that is not the job's.
-  Its `signature` (the missing and duplicate ranks, the world sizes) is equal for the same fault after a restart.
+  load before init_process_group on a busy node is not the group failing to form). `startup_finding` then says why
+  in one line: the ranks that never joined and where their workers are, ranks claimed twice, a claimed world size
+  that is not the job's. Its `signature` (the missing and duplicate ranks, the world sizes) is equal for the same
+  fault after a restart.
 - `silent_hang_due`: the group formed, no pod ever reported progress (a plain script), and no worker's stack digest
   nor the workers' CPU time moved for failurePolicy.hangTimeoutSeconds. `hang_finding` names the stuck pods: those
   whose workers are outside the collective the others wait in, else the highest index.
@@ -179,8 +180,8 @@ def valid_diagnosis(answer: Any) -> tuple[Diagnosis | None, tuple[str, ...]]:
 class StallWatch:
     """What the poller keeps of a job between probes: the incarnation (its running trainer pods' UIDs) and since
     when a worker of it waits in init_process_group (`init_since`, monotonic seconds of the probe that first saw
-    one; None before), whether its process group formed and whether any pod reported
-    progress (both sticky), and for the silent-hang clock the stacks and CPU time last seen to move and since when."""
+    one; None before), whether its process group formed and whether any pod reported progress (both sticky), and
+    for the silent-hang clock the stacks and CPU time last seen to move and since when."""
 
     incarnation: tuple[str, ...]
     init_since: float | None
@@ -224,8 +225,9 @@ def watch(prev: StallWatch | None, incarnation: tuple[str, ...], diagnoses: Sequ
     cpu = _cpu_total(diagnoses)
     fingerprint = _fingerprint(diagnoses)
     # A training step reported is as good a proof as a collective seen: the sidecars need not be asked again.
-    is_formed = formed(diagnoses) is True or reporting
-    in_init = formed(diagnoses) is False
+    seen = formed(diagnoses)
+    is_formed = seen is True or reporting
+    in_init = seen is False
     if prev is None or prev.incarnation != incarnation:
         return StallWatch(incarnation, now if in_init else None, is_formed, reporting, fingerprint, now, cpu)
     reporting = prev.reporting or reporting

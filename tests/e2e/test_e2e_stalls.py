@@ -11,7 +11,8 @@ what each rank is doing; nothing is reported by the scripts themselves.
 - `waits`: rank 1 waits before init for a file nobody writes: "global rank 1 of 2 never joined", its frame the
   user's `wait_for_data`; failed the same way after the second diagnosis.
 - `blocks`: a slow but healthy start (a sleep before init, a long first step: neither may trigger anything; the
-  deadline counts from the first rank waiting in init_process_group, not from the pods running), then after some steps rank 1 blocks in its own code while rank 0 waits in the all-reduce.
+  deadline counts from the first rank waiting in init_process_group, not from the pods running), then after some
+  steps rank 1 blocks in its own code while rank 0 waits in the all-reduce.
   The hang rule for scripts that report no progress (stacks and CPU time standing still for hangTimeoutSeconds)
   replaces rank 1's pod (attempt reason Hang, its frame `stuck_on_io` in status.diagnosis), and the script resumes
   from its own checkpoint and succeeds.
