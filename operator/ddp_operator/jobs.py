@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -192,6 +193,8 @@ class JobRegistry:
         self.guard = threading.Lock()
         self.indexes: dict[str, Any] | None = None
         self._records: dict[Key, JobRecord] = {}
+        self.woken = threading.Event()  # set by a wake-up earlier than the ticker waits for: it looks again
+        self._wait_end = math.inf  # what the ticker waits for (wait_for_wakeup); inf while it looks
 
     # --- kopf's indexes ---------------------------------------------------------------------------
     def bind(self, kwargs: Mapping[str, Any]) -> None:
@@ -307,6 +310,22 @@ class JobRegistry:
             record = self._records.setdefault(key, JobRecord())
             if record.wakeup is None or due < record.wakeup:
                 record.wakeup = due
+                if due < self._wait_end:
+                    self.woken.set()
+
+    def next_wakeup(self) -> float | None:
+        """The earliest wake-up asked for (time.monotonic()), or None. From here on, until the ticker waits again
+        (`wait_for_wakeup`), any wake-up asked for ends that wait at once."""
+        with self.guard:
+            self._wait_end = math.inf
+            self.woken.clear()
+            return min((r.wakeup for r in self._records.values() if r.wakeup is not None), default=None)
+
+    def wait_for_wakeup(self, until: float, now: float) -> None:
+        """Wait until `until` (time.monotonic()), or until a wake-up earlier than that is asked for."""
+        with self.guard:
+            self._wait_end = until
+        self.woken.wait(until - now)
 
     def take_due(self, now: float) -> list[Key]:
         """The jobs whose wake-up is due, each wake-up taken."""

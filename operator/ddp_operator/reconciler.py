@@ -51,7 +51,7 @@ from ddp_operator.read_cache import ReadCache
 from ddp_operator.spec import SpecError
 from ddp_operator.stall import Finding, PodDiagnosis
 from ddp_operator.status import newer_progress
-from ddp_operator.ticker import RESYNC_SECONDS, RESYNCS_PER_TICK, DuePasses
+from ddp_operator.ticker import RESYNC_SECONDS, RESYNCS_PER_TICK, DuePasses, run_ticker
 from ddp_operator.writers import post_in_order, side_by_side
 
 log = logging.getLogger("ddp_operator")
@@ -62,6 +62,7 @@ STATUS_COALESCE_MAX_SECONDS = 30.0
 SIDE_BY_SIDE = (CREATE, DELETE, FORCE_DELETE)  # verbs whose runs of pod writes a pass sends side by side
 CREATED_MEMORY_SECONDS = 30.0
 TICK_SECONDS = 1.0
+WAKE_MARGIN_SECONDS = 0.05  # a pass asked for at a due time runs this much after it (clocks read a moment apart)
 RETRY_SECONDS = 5.0
 SWEEP_SECONDS = 10.0
 NODE_CACHE_SECONDS = 5.0  # a node's state read for the node-loss rule is reused (one read per node, not per pod)
@@ -146,14 +147,11 @@ class Reconciler:
         self.due.run(sorted(keys), wait_for_them=wait)
 
     def run_ticker(self) -> None:
-        while not self._stop.wait(TICK_SECONDS):
-            try:
-                self.tick(wait=False)
-            except Exception:
-                log.exception("ticker pass failed")
+        run_ticker(self._stop, self.jobs, self.tick, self.due, TICK_SECONDS)
 
     def stop(self) -> None:
         self._stop.set()
+        self.jobs.woken.set()  # the ticker's wait ends
         self.poller.stop()
         self.due.stop()
         self.event_passes.stop()
@@ -309,7 +307,7 @@ class Reconciler:
             metrics.RECOVERY.observe(result.recovery_seconds)
             log.info("[%s/%s] recovered in %.1fs", *key, result.recovery_seconds)
         if result.requeue_after is not None:
-            self.jobs.wake(key, result.requeue_after + 0.5)
+            self.jobs.wake(key, result.requeue_after + WAKE_MARGIN_SECONDS)
         return result
 
     def _write_status(self, key: Key, uid: str, prev: Mapping, new: Mapping, force: bool = False) -> None:

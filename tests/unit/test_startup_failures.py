@@ -289,6 +289,27 @@ def test_pods_on_a_node_notready_past_the_timeout_are_lost_and_recreated():
     assert _acts(gone) == [(CREATE, "mnist-1")]
 
 
+def test_a_lost_node_gets_one_event_naming_its_pods_not_one_per_pod():
+    """A storm of 50 lost nodes under a 1,000-node job posted 201 Events, one per pod, ahead of the force deletions
+    (1.1 s of the storm's recovery) and into `kubectl describe`. Now one per node, naming its pods."""
+    nodes = 12
+    job = make_job(nodes=nodes)
+    pods = [trainer(i) for i in range(nodes)]
+    status = plan(job, _created(job), observed(rdzv(), *pods), NOW).status
+    on_a = [trainer(i, node="node-a", ready=False) for i in range(10)]
+    on_b = [trainer(i, node="node-b", ready=False) for i in (10, 11)]
+    dead = {n: NodeState(ready=False, since=later(0)) for n in ("node-a", "node-b")}
+    lost = plan(job, status, observed(rdzv(), *on_a, *on_b, nodes=dead), later(60))
+    assert len([a for a in _acts(lost) if a[0] == FORCE_DELETE]) == 12
+    events = sorted(e.message for e in lost.events if e.reason == names.REASON_NODE_LOST and "force-deleted" in e.message)
+    assert len(events) == 2, events
+    assert events[0].startswith("node node-a has been NotReady since") and events[0].endswith(
+        "pods mnist-0, mnist-1, mnist-2, mnist-3, mnist-4, mnist-5, mnist-6, mnist-7 and 2 more force-deleted, "
+        "to be recreated")
+    assert events[1].startswith("node node-b has been NotReady since") and "pods mnist-10, mnist-11 force" in events[1]
+    assert len(lost.status["attempts"]) == 12  # every pod's attempt is recorded, as before
+
+
 def test_node_loss_counts_when_disruptions_count():
     job, status = _running(failurePolicy={"countDisruptions": True})
     obs = observed(rdzv(), trainer(0), _on_dead_node(1), nodes={"node-2": NodeState(ready=False, since=later(0))})

@@ -78,3 +78,73 @@ def test_the_resync_takes_a_few_of_the_oldest_jobs_per_tick(monkeypatch):
     monkeypatch.setattr(rmod.time, "monotonic", lambda: 10_000.0)
     r.tick()
     assert ran == keys[:ticker.RESYNCS_PER_TICK]
+
+
+class _Clock:
+    """time.monotonic and the ticker's waits: a wait moves the clock instead of sleeping; `until` s in, it stops."""
+
+    def __init__(self, until: float):
+        self.now, self.waits, self._end = 1_000.0, [], 1_000.0 + until
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wait(self, timeout: float) -> bool:
+        self.waits.append(round(timeout, 3))
+        self.now += timeout
+        return self.is_set()
+
+    def is_set(self) -> bool:  # as the stop event
+        return self.now >= self._end
+
+    def set(self) -> None:  # as the wake-up event
+        pass
+
+    clear = set
+
+    def wait_for_wakeup(self, until: float, now: float) -> None:  # as the JobRegistry's wait
+        self.wait(until - now)
+
+
+def test_a_wake_up_runs_at_its_time_not_at_the_next_tick(monkeypatch):
+    """A pass asked for 0.25 s from now (a node-loss timeout, a hang deadline) ran at the next tick, up to a second
+    later: on average half a second added to every timed rule. The ticker now waits for the earliest wake-up."""
+    from ddp_operator import reconciler as rmod
+    from ddp_operator.jobs import JobRegistry
+    clock = _Clock(until=2.5)
+    monkeypatch.setattr(rmod.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr("ddp_operator.jobs.time.monotonic", clock.monotonic)
+    r = rmod.Reconciler.__new__(rmod.Reconciler)
+    r.jobs, r._stop = JobRegistry(), clock
+    r.jobs.woken = clock
+    r.jobs.wait_for_wakeup = clock.wait_for_wakeup
+    ran, ticks = [], []
+    r.due = type("D", (), {"run": lambda self, ks, wait_for_them: ran.extend((k, clock.now) for k in ks)})()
+    r.tick = lambda wait=True: ticks.append(clock.now)
+    r.jobs.wake(("ns", "lost-node"), 0.25)
+    r.run_ticker()
+    assert ran == [(("ns", "lost-node"), 1_000.25)]
+    assert ticks == [1_001.0, 1_002.0]  # the ticks keep their second
+    assert clock.waits == [0.25, 0.75, 1.0, 1.0]
+
+
+def test_an_earlier_wake_up_ends_the_tickers_wait_and_a_later_one_does_not():
+    from ddp_operator.jobs import JobRegistry
+    jobs = JobRegistry()
+    assert jobs.next_wakeup() is None
+    ended = threading.Event()
+
+    def waiter():
+        now = time.monotonic()
+        jobs.wait_for_wakeup(now + 30, now)
+        ended.set()
+
+    threading.Thread(target=waiter, daemon=True).start()
+    deadline = time.monotonic() + 10
+    while jobs._wait_end == float("inf") and time.monotonic() < deadline:  # the waiter is in its wait
+        time.sleep(0.01)
+    jobs.wake(("ns", "later"), 60)  # after the wait's end: the ticker has no reason to look again
+    assert not ended.wait(0.3)
+    jobs.wake(("ns", "sooner"), 1)
+    assert ended.wait(5)
+    assert jobs.next_wakeup() == jobs.get(("ns", "sooner")).wakeup

@@ -100,7 +100,8 @@ def node_lost(ctx: Pass) -> None:
     timeout = ctx.job.spec.failure_policy.node_lost_timeout_seconds
     if not timeout or not ctx.observed.nodes:
         return
-    pods = []
+    pods: list[PodState] = []
+    lost: dict[str, tuple[str, list[str]]] = {}  # node -> (its message, its pods force-deleted for the first time)
     for p in ctx.observed.pods:
         node = ctx.observed.nodes.get(p.node) if p.node else None
         if (p not in node_lost_candidates((p,)) or p.group != ctx.group or node is None or node.ready
@@ -116,8 +117,16 @@ def node_lost(ctx: Pass) -> None:
         message = f"node {p.node} {state} (spec.failurePolicy.nodeLostTimeoutSeconds={timeout})"
         ctx.actions.append(Action(FORCE_DELETE, "Pod", p.name, uid=p.uid))
         if not ctx.recorded(p):  # a repeated pass (the DELETED event not seen yet) posts nothing again
-            ctx.extra_events.append(Event("Warning", names.REASON_NODE_LOST,
-                                          f"pod {p.name}: {message}; force-deleted, to be recreated"))
+            lost.setdefault(p.node, (message, []))[1].append(p.name)
         pods.append(replace(p, phase="Failed", deleting=True, disruption=names.REASON_NODE_LOST,
                             reason=names.REASON_NODE_LOST, message=message))
     ctx.observed = replace(ctx.observed, pods=tuple(pods))
+    for message, lost_pods in lost.values():  # one Event a node: 50 lost nodes are 50 Events, not one per pod
+        ctx.extra_events.append(Event("Warning", names.REASON_NODE_LOST,
+                                      f"{message}: {_named(lost_pods)} force-deleted, to be recreated"))
+
+
+def _named(pods: list[str], shown: int = 8) -> str:
+    """'pod a', 'pods a, b', or the first `shown` and how many more (an Event's message stays short)."""
+    more = f" and {len(pods) - shown} more" if len(pods) > shown else ""
+    return f"pod{'s' if len(pods) > 1 else ''} {', '.join(pods[:shown])}{more}"
