@@ -54,7 +54,7 @@ from tests.benchmarks import results  # noqa: E402
 from tests.benchmarks.api_writes import AuditCursor  # noqa: E402
 from tests.benchmarks.sim_baseline import create_as_the_operator, job_objects  # noqa: E402
 from tests.benchmarks.sim_support import (  # noqa: E402
-    PodWatch, SilentServers, SimOperator, kwok_raced, operator_writes, wait_until,
+    PodWatch, SilentServers, SimOperator, kwok_raced, operator_writes, timed_listing, wait_until,
 )
 from tests.e2e import harness as h  # noqa: E402
 from tests.support.kube import Kubectl, create_test_namespace  # noqa: E402
@@ -380,6 +380,8 @@ def restart(sim: Sim, ns: str) -> dict:
     total = sum(w.count() for w in sim.watches.values())
     before = {ns_: {n: u[-1] for n, u in w.uids_by_name().items()} for ns_, w in sim.watches.items()}
     peak_before = sim.op.peak_rss_mib()
+    listing = timed_listing(sim.core)  # the control plane's part of what follows
+    h.log(f"listing every labelled pod before the kill: {listing}")
     sim.op.kill()
     w = sim.watches[ns]
     probe = f"{JOB}-1"
@@ -396,7 +398,7 @@ def restart(sim: Sim, ns: str) -> dict:
     restarted_peak = round(sim.op.stat()[2], 1)
     h.log(f"restart with {total} pods: first correct pass {t1 - t0:.1f} s after the start; recreated {recreated[:5]}; "
           f"peak RSS {peak_before} MiB before the kill, {restarted_peak} MiB after the restart")
-    return {"pods": total, "first_pass_s": round(t1 - t0, 2), "recreated": recreated[:20],
+    return {"pods": total, "first_pass_s": round(t1 - t0, 2), "recreated": recreated[:20], "listing_before": listing,
             "operator_rss_mib_max_before": peak_before, "restarted_rss_mib_max": restarted_peak}
 
 

@@ -1,8 +1,9 @@
 """What tests/benchmarks/scale_sim.py observes, apart from its scenarios: every pod of a namespace as a watch sees it
 (`PodWatch`), the operator it runs as a host process and what /proc says of it (`SimOperator`), the operator's API
 writes in the audit log (`operator_writes`, over api_writes.AuditCursor), and loopback servers that accept and never answer
-(`SilentServers`, the slow probes of the hang scenario), and the pods kwok deleted under the operator's replacements
-(`kwok_raced`).
+(`SilentServers`, the slow probes of the hang scenario), the pods kwok deleted under the operator's replacements
+(`kwok_raced`), and how long the API server takes to list every labelled pod as a restarted operator does
+(`timed_listing`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,28 @@ from tests.support.processes import OperatorProcess
 from tests.support.suite import SIM_NS_PREFIX
 
 LABEL_JOB, LABEL_ROLE, LABEL_INDEX = "ddp.dev/job-name", "ddp.dev/role", "ddp.dev/node-index"
+
+
+def timed_listing(api: kclient.CoreV1Api, page: int = 100) -> dict:
+    """List every labelled pod of every namespace a page at a time, as a restarted operator's watch does: the seconds
+    spent waiting for the API server's pages (`server_s`), decoding them (`decode_s`), the pods and the bytes. Taken
+    just before the restart scenario's kill, it tells the control plane's share of the restart from the operator's."""
+    server = decode = 0.0
+    pods = size = 0
+    token = None
+    while True:
+        t0 = time.monotonic()
+        resp = api.list_pod_for_all_namespaces(label_selector=LABEL_JOB, limit=page, _continue=token,
+                                               _preload_content=False)
+        data = resp.data
+        t1 = time.monotonic()
+        listing = json.loads(data)
+        decode += time.monotonic() - t1
+        server += t1 - t0
+        pods, size = pods + len(listing.get("items") or []), size + len(data)
+        token = (listing.get("metadata") or {}).get("continue")
+        if not token:
+            return {"server_s": round(server, 1), "decode_s": round(decode, 1), "pods": pods, "mb": round(size / 1e6)}
 
 
 class PodWatch(threading.Thread):
