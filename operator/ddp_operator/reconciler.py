@@ -271,8 +271,8 @@ class Reconciler:
             return result
         pods, seen_tombstones = self._observe(key, uid)
         node_ready = {p.node: self.api.node_ready(p.node) for p in stuck_pods(job, pods, now)}
-        lost = [p.node for p in node_lost_candidates(pods)] if job.spec.failure_policy.node_lost_timeout_seconds else []
-        nodes = self.nodes.get_many(lost, self.api.node_state) if lost else {}
+        nodes = ({p.node: self.nodes.get(p.node, self.api.node_state) for p in node_lost_candidates(pods)}
+                 if job.spec.failure_policy.node_lost_timeout_seconds else {})
         conflicts, refusals = self.backoff.observed(key)
         observed = Observed(pods=pods, service_exists=self._service_exists(key), node_ready=node_ready,
                             **self._network_policy(key, uid), conflicts=conflicts, refusals=refusals, nodes=nodes,
