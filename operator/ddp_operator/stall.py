@@ -30,6 +30,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ddp_operator import names
 from ddp_operator.report import real, shown
+from ddp_operator.status import listed
 
 # Bounds of what one answer may hold (more workers than any node runs; a frame is one line).
 MAX_WORKERS = 64
@@ -271,13 +272,12 @@ def _where(w: Worker) -> str:
 
 
 def _pods(names_: Iterable[str]) -> str:
-    listed = sorted(set(names_))
-    return ("pod " if len(listed) == 1 else "pods ") + ", ".join(listed[:8]) + (
-        f" and {len(listed) - 8} more" if len(listed) > 8 else "")
+    pods = sorted(set(names_))
+    return ("pod " if len(pods) == 1 else "pods ") + listed(pods, 8)
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:
-    return ", ".join(str(r) for r in ranks[:8]) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return listed([str(r) for r in ranks], 8)
 
 
 def _times(n: int) -> str:

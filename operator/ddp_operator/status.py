@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from ddp_operator import names
 from ddp_operator.observed import PodState, format_time, parse_time
@@ -152,13 +152,18 @@ def _number(value: Any) -> bool:
     return real(value) is not None
 
 
+def listed(items: Sequence[str], shown: int) -> str:
+    """'a, b, c', or the first `shown` of `items` and how many more: a message stays short however many there are."""
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
+
+
 def invalid_report_event(pod: str, fields: Iterable[str], source: str) -> Event:
     """The Warning Event for a report with invalid fields (they were dropped, the rest used)."""
     fields = list(fields)
-    listed = ", ".join(fields[:10]) + (f" and {len(fields) - 10} more" if len(fields) > 10 else "")
     return Event("Warning", names.REASON_INVALID_REPORT,
-                 f"pod {pod}: the trainer's {source} has invalid field(s) {listed}: ignored (docs/contract.md "
-                 "says what each may hold)")
+                 f"pod {pod}: the trainer's {source} has invalid field(s) {listed(fields, 10)}: ignored "
+                 "(docs/contract.md says what each may hold)")
 
 
 def newer_progress(stored: Mapping[str, Any] | None, report: Mapping[str, Any] | None) -> Mapping[str, Any] | None:

@@ -26,7 +26,7 @@ from ddp_operator.observed import PodState, format_time
 from ddp_operator.plan.state import Pass
 from ddp_operator.plan.types import FORCE_DELETE, Action
 from ddp_operator.spec import Job
-from ddp_operator.status import Event
+from ddp_operator.status import Event, listed
 
 
 def stuck_pods(job: Job, pods: tuple[PodState, ...], now: datetime) -> list[PodState]:
@@ -126,7 +126,6 @@ def node_lost(ctx: Pass) -> None:
                                       f"{message}: {_named(lost_pods)} force-deleted, to be recreated"))
 
 
-def _named(pods: list[str], shown: int = 8) -> str:
-    """'pod a', 'pods a, b', or the first `shown` and how many more (an Event's message stays short)."""
-    more = f" and {len(pods) - shown} more" if len(pods) > shown else ""
-    return f"pod{'s' if len(pods) > 1 else ''} {', '.join(pods[:shown])}{more}"
+def _named(pods: list[str]) -> str:
+    """'pod a', 'pods a, b', or the first 8 and how many more (an Event's message stays short)."""
+    return f"pod{'s' if len(pods) > 1 else ''} {listed(pods, 8)}"
