@@ -13,6 +13,8 @@
 #                               then stop, keeping the cluster and the engine: `make test` prepares stage 4 while
 #                               stage 3 runs
 #   KIND_DELETE=1 hack/kind-e2e.sh   delete the cluster afterwards even when the run found it (a prepared one)
+#   KIND_FRESH=1 hack/kind-e2e.sh    a cluster of that name found at the start is deleted first, never reused
+#                               (`make test`'s: one left by a killed run is not trusted)
 #   KIND_RECORD=1 hack/kind-e2e.sh --node-loss   also record docs/bench/node_loss.json (make bench-node-loss)
 # Every stage's duration is printed at the end (also after a failure); the exit code is non-zero on any failure.
 # Works offline: without a Docker engine that answers, it starts the private one of hack/docker.py (root;
@@ -148,7 +150,13 @@ trap cleanup EXIT
 
 mkdir -p "$(dirname "$KCFG")" /var/tmp/ddpjob-shared  # the workers' shared directory (hack/kind-config.yaml)
 if "$KIND" get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
-  REUSED=1
+  if [[ -n ${KIND_FRESH:-} ]]; then
+    # make test's own cluster, left by a run that was killed before its cleanup (its nodes hold GiBs of images)
+    log "deleting kind cluster $CLUSTER, left by an earlier run (KIND_FRESH)"
+    "$KIND" delete cluster --name "$CLUSTER"
+  else
+    REUSED=1
+  fi
 fi
 # Disk: a new cluster holds the trainer image (5+ GB, unpacked) on each worker, besides the node image and the
 # nodes' own files. Say so now, with what to free, rather than minutes later from inside an image import.

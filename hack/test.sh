@@ -135,7 +135,7 @@ prepare_kind() { # (set -e does not hold in a function called with ||: every ste
   hack/install-deps.sh --docker || return
   python3 hack/docker.py status >/dev/null 2>&1 || touch "$TMP/engine-started"
   # Its images go into the nodes once step 3a is over (the release tests' registry holds GiBs until then).
-  KIND_CLUSTER_NAME=$KIND_NAME KIND_PREPARE=1 KIND_IMAGES_AFTER=$TMP/3a-done hack/kind-e2e.sh --node-loss
+  KIND_CLUSTER_NAME=$KIND_NAME KIND_FRESH=1 KIND_PREPARE=1 KIND_IMAGES_AFTER=$TMP/3a-done hack/kind-e2e.sh --node-loss
 }
 background later prepare_kind
 pid_later=$BG_PID
