@@ -15,7 +15,7 @@ import uuid
 
 import kopf
 
-from ddp_operator import __version__, job_metrics, kopf_mends, leader, metrics, names, probes
+from ddp_operator import __version__, job_metrics, kopf_mends, leader, memory, metrics, names, probes
 from ddp_operator.diagnostics import DEFAULT_TOOLS_IMAGE, Tools
 from ddp_operator.rdzv_spec import DEFAULT_STORE_IMAGE, valid_image
 from ddp_operator.netpol import NetworkPolicyConfig, parse_labels
@@ -141,6 +141,9 @@ def job_bodies(memo: kopf.Memo, tries: int = 3) -> list:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if "MALLOC_ARENA_MAX" not in os.environ:  # the user's own setting wins (glibc reads it at start)
+        memory.limit_arenas()  # before any thread starts (memory.py)
+    memory.start_trimming(threading.Event())
     kopf.configure(verbose=args.verbose,
                    log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL)
     log = logging.getLogger("ddp_operator")
