@@ -13,7 +13,6 @@ stay pure).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import math
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from ddp_operator import metrics, names
 from ddp_operator.diagnostics import Tools
+from ddp_operator.jsondoc import copied
 from ddp_operator.kueue import kept_queue, observe_workload
 from ddp_operator.pod import render_trainer_pod
 from ddp_operator.rdzv import render_rdzv_pod
@@ -58,12 +58,12 @@ _JOB_DROPPED_METADATA = ("managedFields", "annotations")
 def kept_pod(pod: Mapping[str, Any]) -> dict:
     """A private copy of what the operator reads of a pod (tests/unit/test_jobs_memory.py holds it to that)."""
     meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
-    kept_meta = {k: copy.deepcopy(meta[k]) for k in _POD_METADATA if k in meta}
+    kept_meta = {k: copied(meta[k]) for k in _POD_METADATA if k in meta}
     annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k in _POD_ANNOTATIONS}
     if annotations:
         kept_meta["annotations"] = annotations
     return {"metadata": kept_meta, "spec": {k: spec[k] for k in _POD_SPEC if k in spec},
-            "status": {k: copy.deepcopy(status[k]) for k in _POD_STATUS if k in status}}
+            "status": {k: copied(status[k]) for k in _POD_STATUS if k in status}}
 
 
 _CHILD_METADATA = ("name", "namespace", "uid", "resourceVersion", "labels", "ownerReferences", "deletionTimestamp")
@@ -73,9 +73,9 @@ def kept_child(obj: Mapping[str, Any]) -> dict:
     """What the operator reads of a job's Service or NetworkPolicy: who it is and who owns it; of a NetworkPolicy also
     its spec, which a pass compares with the one the job needs (netpol.drifted)."""
     meta = obj.get("metadata") or {}
-    spec = {"spec": copy.deepcopy(obj["spec"])} if obj.get("kind") == "NetworkPolicy" and "spec" in obj else {}
+    spec = {"spec": copied(obj["spec"])} if obj.get("kind") == "NetworkPolicy" and "spec" in obj else {}
     return {**{k: obj[k] for k in ("apiVersion", "kind") if k in obj},
-            "metadata": {k: copy.deepcopy(meta[k]) for k in _CHILD_METADATA if k in meta}, **spec}
+            "metadata": {k: copied(meta[k]) for k in _CHILD_METADATA if k in meta}, **spec}
 
 
 def without_managed_fields(body: Mapping[str, Any]) -> dict:
@@ -87,8 +87,8 @@ def without_managed_fields(body: Mapping[str, Any]) -> dict:
 
 def kept_job(body: Mapping[str, Any]) -> dict:
     """A private copy of a DDPJob without what the shell never reads of it (_JOB_DROPPED_METADATA)."""
-    kept = {k: copy.deepcopy(v) for k, v in body.items() if k != "metadata"}
-    kept["metadata"] = {k: copy.deepcopy(v) for k, v in (body.get("metadata") or {}).items()
+    kept = {k: copied(v) for k, v in body.items() if k != "metadata"}
+    kept["metadata"] = {k: copied(v) for k, v in (body.get("metadata") or {}).items()
                         if k not in _JOB_DROPPED_METADATA}
     return kept
 
@@ -245,7 +245,7 @@ class JobRegistry:
             obj = self._records.setdefault(key, JobRecord()).of(body["metadata"]["uid"])
             parsed = obj.parsed
         if parsed is None or parsed[0] != source:
-            parsed = (copy.deepcopy(source), _parse(key, body, self.tools, self.store_image))
+            parsed = (copied(source), _parse(key, body, self.tools, self.store_image))
             with self.guard:
                 obj.parsed = parsed
         if not isinstance(parsed[1], Job):

@@ -282,8 +282,10 @@ def observe_node(node: Mapping[str, Any] | None) -> NodeState:
     and Unknown (the node controller's mark for a kubelet that stopped reporting) are both NotReady."""
     if node is None:
         return NodeState(ready=False, gone=True)
-    for cond in (node.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == "Ready":
+    status = node.get("status") if isinstance(node, Mapping) else None
+    conditions = status.get("conditions") if isinstance(status, Mapping) else None
+    for cond in conditions if isinstance(conditions, list) else []:
+        if isinstance(cond, Mapping) and cond.get("type") == "Ready":
             since = cond.get("lastTransitionTime")
             return NodeState(ready=cond.get("status") == "True",
                              since=since if isinstance(since, datetime) else parse_time(since))

@@ -27,8 +27,13 @@ def _api(result):
     return api
 
 
+def _raw(obj):
+    """What a read with _preload_content=False answers: the response, its body in .data."""
+    return SimpleNamespace(data=json.dumps(obj).encode())
+
+
 def _node(ready):
-    return SimpleNamespace(status=SimpleNamespace(conditions=[SimpleNamespace(type="Ready", status=ready)]))
+    return _raw({"status": {"conditions": [{"type": "Ready", "status": ready}]}})
 
 
 def test_ready_not_ready_and_missing():
@@ -141,8 +146,9 @@ def test_409_on_a_foreign_object_is_a_conflict_naming_it(kind, refs):
 def test_node_state_carries_since_when():
     from datetime import datetime, timezone
     since = datetime(2025, 1, 1, tzinfo=timezone.utc)
-    node = SimpleNamespace(status=SimpleNamespace(conditions=[
-        SimpleNamespace(type="Ready", status="Unknown", last_transition_time=since)]))
+    node = _raw({"status": {"conditions": [{"type": "MemoryPressure", "status": "False"},
+                                           {"type": "Ready", "status": "Unknown",
+                                            "lastTransitionTime": "2025-01-01T00:00:00Z"}]}})
     state = _api(node).node_state("n")
     assert state.ready is False and state.since == since and not state.gone
     assert _api(ApiException(status=404, reason="Not Found")).node_state("n").gone

@@ -59,6 +59,13 @@ def test_node_readiness_and_since_when():
                                                           "lastTransitionTime": since}]}})
         assert node == NodeState(ready=ready, since=NOW)
     assert observe_node(None) == NodeState(ready=False, gone=True)
+    # A node whose status is not what the API server's schema says (a hostile or broken apiserver proxy, an
+    # aggregated API): not Ready, since unknown; nothing raised.
+    for bad in ({}, {"status": None}, {"status": []}, {"status": {"conditions": "Ready"}},
+                {"status": {"conditions": [None, "Ready", 7]}}, {"status": {"conditions": [
+                    {"type": "Ready", "status": "True", "lastTransitionTime": "yesterday"}]}}, []):
+        state = observe_node(bad)
+        assert not state.gone and state.since is None, bad
 
 
 # --- pods that cannot start -------------------------------------------------------------------------------------
