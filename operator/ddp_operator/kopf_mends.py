@@ -38,7 +38,7 @@ handler run): nothing waits for it. Once the operator is indexed, kopf processes
 after a broken watch included.
 
 **kopf decodes the API server's JSON with the standard library** (kopf 1.45): every watch event's line and every
-page of a listing. A restarted operator's event loop spent about a fifth of its time there at 10,000 pods. The mend
+page of a listing. A restarted operator's event loop spent 16 of its 51 busy seconds there at 10,113 pods. The mend
 has kopf's watch stream and aiohttp's ``ClientResponse.json`` (kopf's listings and reads; kopf is aiohttp's only
 user here) decode with ``jsondoc.loads``: orjson where installed, the same values either way.
 """

@@ -1,8 +1,8 @@
 """The operator's memory given back to the system: glibc's allocator, told how the operator uses it.
 
 The operator decodes many large JSON documents (every pod event, every listing page) on many threads: kopf's event
-loop and executor, the pod writers, the progress probes, the due passes. glibc gives each thread that allocates
-while another holds the lock an arena of its own, up to 8 per core (512 on a 64-core node), and a freed chunk goes
+loop and executor, the pod writers, the progress probes, the due passes. glibc gives each new thread that
+allocates an arena of its own, up to 8 per core (512 on a 64-core node), and a freed chunk goes
 back to the arena it came from: memory freed on one thread is not reused by another, and an arena's free space
 inside its heap is not returned to the system. The resident memory then grows with the threads and the bursts seen,
 not with what the operator keeps.
