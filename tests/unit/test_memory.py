@@ -59,11 +59,42 @@ def test_the_arena_cap_holds_the_threads_to_two_heaps_where_glibc_gives_them_mor
     assert heaps(cap=True) == 2
 
 
+# A thread's arena filled with 4 KiB chunks (about 160 MiB), a chunk allocated above them, then the rest freed: the
+# heap's top cannot shrink past that chunk, so the freed pages stay resident until trimmed. VmRSS in MiB before and
+# after memory.trim().
+TRIM_PROBE = textwrap.dedent("""
+    import sys, threading
+    sys.path.insert(0, {operator!r})
+    from ddp_operator import memory
+    def rss():
+        return next(int(line.split()[1]) // 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
+    kept = []
+    def work():
+        held = [bytes(4096) for _ in range(40000)]
+        kept.append(bytes(4096))
+        del held
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    before = rss()
+    assert memory.trim()
+    print(before, rss())
+""")
+
+
 @needs_glibc
-def test_trim_gives_free_pages_back_and_the_trimmer_stops_when_told():
+def test_trim_gives_a_threads_freed_pages_back_to_the_system():
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE.format(operator=str(OPERATOR))],
+                         env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60, check=True)
+    before, after = map(int, out.stdout.split()[-2:])
+    assert before > 120, (before, after)  # freed, but still resident
+    assert after < before - 100, (before, after)
+
+
+@needs_glibc
+def test_the_trimmer_stops_when_told():
     import threading
 
-    assert isinstance(memory.trim(), bool)
     stop = threading.Event()
     thread = memory.start_trimming(stop, every=0.01)
     assert thread is not None and thread.daemon
