@@ -59,6 +59,12 @@ def _json(response: Any) -> dict:
     return jsondoc.loads(response.data)
 
 
+def _read_out(response: Any) -> None:
+    """Read a write's raw answer (`_preload_content=False`) to its end, which gives its connection back to the pool,
+    and drop it: the client would build models of the deleted or patched pod (about 1.2 ms of a pod), for nothing."""
+    response.data  # noqa: B018 (read for its effect)
+
+
 class NotLeading(Exception):
     """This replica may not write: its leadership (leader.py) is not known to hold now."""
 
@@ -182,7 +188,8 @@ class Api:
         elif grace_seconds is not None:
             body["gracePeriodSeconds"] = grace_seconds
         try:
-            self.core.delete_namespaced_pod(name, namespace, body=body, _request_timeout=t)
+            _read_out(self.core.delete_namespaced_pod(name, namespace, body=body, _request_timeout=t,
+                                                      _preload_content=False))
         except ApiException as e:
             if e.status not in (404, 409):
                 raise
@@ -192,8 +199,8 @@ class Api:
         t = self._write("patch", "Pod")
         body = {**patch, "metadata": {**(patch.get("metadata") or {}), **({"uid": uid} if uid else {})}}
         try:
-            self.core.patch_namespaced_pod(name, namespace, body, _content_type=MERGE_PATCH,
-                                           _request_timeout=t)
+            _read_out(self.core.patch_namespaced_pod(name, namespace, body, _content_type=MERGE_PATCH,
+                                                     _request_timeout=t, _preload_content=False))
         except ApiException as e:
             if e.status not in (404, 409):  # gone, or a newer pod of that name: the next pass sees it
                 raise
@@ -203,8 +210,8 @@ class Api:
         t = self._write("patch", "NetworkPolicy")
         body = {**patch, "metadata": {**(patch.get("metadata") or {}), **({"uid": uid} if uid else {})}}
         try:
-            self.networking.patch_namespaced_network_policy(name, namespace, body, _content_type=MERGE_PATCH,
-                                                            _request_timeout=t)
+            _read_out(self.networking.patch_namespaced_network_policy(
+                name, namespace, body, _content_type=MERGE_PATCH, _request_timeout=t, _preload_content=False))
         except ApiException as e:
             if e.status not in (404, 409):  # gone, or a newer policy of that name: the next pass sees it
                 raise
@@ -226,9 +233,11 @@ class Api:
         t = self._write("replace" if replace else "create", "ConfigMap")
         try:
             if replace:
-                self.core.replace_namespaced_config_map(meta["name"], meta["namespace"], body, _request_timeout=t)
+                _read_out(self.core.replace_namespaced_config_map(meta["name"], meta["namespace"], body,
+                                                                  _request_timeout=t, _preload_content=False))
             else:
-                self.core.create_namespaced_config_map(meta["namespace"], body, _request_timeout=t)
+                _read_out(self.core.create_namespaced_config_map(meta["namespace"], body, _request_timeout=t,
+                                                                 _preload_content=False))
             return True
         except ApiException as e:
             if e.status in (404, 409):
@@ -239,7 +248,8 @@ class Api:
         t = self._write("delete", "NetworkPolicy")
         body = {"preconditions": {"uid": uid}} if uid else {}
         try:
-            self.networking.delete_namespaced_network_policy(name, namespace, body=body, _request_timeout=t)
+            _read_out(self.networking.delete_namespaced_network_policy(name, namespace, body=body, _request_timeout=t,
+                                                                       _preload_content=False))
         except ApiException as e:
             if e.status not in (404, 409):
                 raise
@@ -348,7 +358,8 @@ class Api:
             "count": 1,
         }
         try:
-            self.core.create_namespaced_event(meta["namespace"], event, _request_timeout=t)
+            _read_out(self.core.create_namespaced_event(meta["namespace"], event, _request_timeout=t,
+                                                        _preload_content=False))
         except ApiException as e:  # Events are best effort
             log.warning("could not post event %s for %s/%s: %s", reason, meta["namespace"], meta["name"], e.reason)
 
