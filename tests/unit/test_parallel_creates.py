@@ -105,3 +105,63 @@ def test_a_force_deleted_pod_is_replaced_before_the_index_drops_it():
     assert any(p["metadata"]["uid"] == old_uid for p in r.indexes["pods_by_job"][key])
     assert r.event_passes.settle()
     assert [n for k, n in r.api.creates if k == "Pod"].count("big-1") == created_before + 1, r.api.creates
+
+
+def _stuck(r, key, names_):
+    """Pods of the job Terminating for years on node-1: the stuck rule force-deletes them."""
+    for p in r.indexes["pods_by_job"][key]:
+        if p["metadata"]["name"] in names_:
+            p["metadata"]["deletionTimestamp"] = "2020-01-01T00:00:00Z"
+            p["metadata"]["deletionGracePeriodSeconds"] = 30
+            p.setdefault("spec", {})["nodeName"] = "node-1"
+
+
+def test_a_force_deleted_pods_replacement_follows_its_own_deletion_in_the_same_pass():
+    """The node storm: a pass force-deleted 203 pods 32 at a time and the next pass created their replacements,
+    1.0 s after the last deletion (the pass over a 1,000-pod job) and none beside the deletions. Now each replacement
+    is created in the pass that deletes its pod, right after that pod's deletion is answered; a pod whose deletion
+    failed is not replaced in that pass."""
+    from kubernetes.client.exceptions import ApiException
+
+    from fake_api import running_job
+    r = fake_reconciler()
+    key, body, _ = running_job(r, "big", nodes=16, progressPeriodSeconds=0)
+    lost = {f"big-{i}" for i in range(1, 9)}
+    _stuck(r, key, lost)
+    log = []
+    real_create = r.api.create
+
+    def delete(namespace, name, uid, force=False, grace_seconds=None):
+        time.sleep(0.02)  # one round trip to the API server
+        if name == "big-8":
+            raise ApiException(status=500, reason="etcd timeout")
+        log.append(("delete", name, force, time.monotonic()))
+
+    def create(body_):
+        time.sleep(0.02)
+        log.append(("create", body_["metadata"]["name"], None, time.monotonic()))
+        return real_create(body_)
+    r.api.delete_pod, r.api.create = delete, create
+    started = time.monotonic()
+    try:
+        r.reconcile(*key)
+    except ApiException:
+        pass  # the failed deletion fails the pass once every write of its run ended
+    took = time.monotonic() - started
+    deleted = {n: t for verb, n, force, t in log if verb == "delete"}
+    created = {n: t for verb, n, _, t in log if verb == "create"}
+    assert set(deleted) == lost - {"big-8"} and all(f for v, _, f, _ in log if v == "delete")
+    assert set(created) == lost - {"big-8"}, log  # in the same pass; not big-8, whose deletion failed
+    assert all(created[n] > deleted[n] for n in created)  # each after its own pod's deletion
+    assert took < 16 * 0.02 / 2, f"{took:.2f} s for 8 deletions and 7 creates of 20 ms: one at a time"
+
+
+def test_replacements_are_paired_only_with_their_own_pods_force_deletion():
+    from ddp_operator.plan import CREATE, DELETE, FORCE_DELETE, Action
+    actions = [Action(FORCE_DELETE, "Pod", "a-1", uid="u1"), Action(DELETE, "Pod", "a-2", uid="u2"),
+               Action(CREATE, "Service", "a-1", {}), Action(CREATE, "Pod", "a-1", {}),
+               Action(CREATE, "Pod", "a-2", {}), Action(CREATE, "Pod", "a-3", {})]
+    rest, followers = writers.replacements_paired(actions)
+    assert list(followers) == ["a-1"] and followers["a-1"] is actions[3]
+    assert rest == [actions[0], actions[1], actions[2], actions[4], actions[5]]
+    assert writers.replacements_paired(rest[1:]) == (rest[1:], {})
