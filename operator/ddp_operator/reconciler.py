@@ -365,12 +365,11 @@ class Reconciler:
     def _execute(self, namespace: str, key: Key, body: Mapping, result: Plan) -> None:
         self.backoff.forget_stale(key, {a.name for a in result.actions if a.verb == CREATE})
         actions, followers = replacements_paired(result.actions)
-        freed: list = []  # the replacements of the pods whose force deletion was answered
 
         def act(action: Any) -> None:
             self._act(namespace, key, body, action)
-            if action.verb == FORCE_DELETE and action.name in followers:
-                freed.append(followers.pop(action.name))
+            if action.name in followers and action.verb == FORCE_DELETE:
+                self._act(namespace, key, body, followers[action.name])  # its name is free once that is answered
 
         i = 0
         while i < len(actions):
@@ -379,11 +378,7 @@ class Reconciler:
                     and actions[i].verb == actions[j].verb and actions[i].verb in SIDE_BY_SIDE:
                 j += 1
             # A run of pod creates or deletes side by side (one after the other, N pods waited N round trips)
-            try:
-                side_by_side(act, actions[i:j], "ddp-pods")
-            finally:  # a run of deletions is followed at once by its freed pods' replacements, side by side
-                created, freed[:] = list(freed), []
-                side_by_side(lambda action: self._act(namespace, key, body, action), created, "ddp-pods")
+            side_by_side(act, actions[i:j], "ddp-pods")
             i = j
         if any(a.verb == FORCE_DELETE for a in actions):
             self.child_changed(*key)  # their replacements next, without waiting for the index to drop them

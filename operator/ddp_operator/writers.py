@@ -3,12 +3,9 @@
 One write after the other cost a round trip each: a pass that created 1,000 pods waited 1,000 round trips, and a node
 storm's pass that posted an Event per lost pod (206) held the job's force deletions back 3.4 s. Here they go out
 POD_WRITERS at a time (the API client keeps k8s.CONNECTIONS connections for them). A pass's few Events keep their
-order (`kubectl describe` reads them as the story of the pass); past EVENTS_IN_ORDER they go side by side too. The
-pods a pass force-deletes and replaces are created in that pass, as one run right after the run of deletions, each
-whose deletion was answered: a node storm's 203 replacements waited for the next pass, 1.0 s after the last deletion.
-Created beside the deletions instead, each right after its own, the storm's 404 writes took 7.8 s where the two runs
-took 5.1 s (deletions 3.0 s, creates 2.1 s): the new pods' scheduling and kwok's status writes came into the window
-and competed with the deletions for the simulation's two cores (docs/scale.md).
+order (`kubectl describe` reads them as the story of the pass); past EVENTS_IN_ORDER they go side by side too. A pod
+that a pass force-deletes and replaces is created right after its own deletion is answered, beside the others'
+deletions (a node storm's 203 replacements waited for the last of 203 deletions, then for the next pass: 1.0 s).
 """
 
 from __future__ import annotations
@@ -43,8 +40,9 @@ def post_in_order(post: Callable[[Any], None], events: list) -> None:
 
 
 def replacements_paired(actions: Any) -> tuple[list, dict[str, Any]]:
-    """The pass's actions less the creates of pods it force-deletes, and those creates by pod name: the shell sends
-    each once its pod's force deletion was answered (plan/nodes.py), never before."""
+    """The pass's actions less the creates of pods it force-deletes, and those creates by pod name: each follows its
+    pod's force deletion in the same worker, so that a node storm's replacements go out beside its deletions
+    instead of after the last of them (plan/nodes.py)."""
     forced = {a.name for a in actions if a.verb == FORCE_DELETE and a.kind == "Pod"}
     followers = {a.name: a for a in actions if a.verb == CREATE and a.kind == "Pod" and a.name in forced}
     return [a for a in actions if not (a.verb == CREATE and a.kind == "Pod" and a.name in followers)], followers

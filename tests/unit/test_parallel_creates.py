@@ -118,9 +118,9 @@ def _stuck(r, key, names_):
 
 def test_a_force_deleted_pods_replacement_follows_its_own_deletion_in_the_same_pass():
     """The node storm: a pass force-deleted 203 pods 32 at a time and the next pass created their replacements,
-    1.0 s after the last deletion (the pass over a 1,000-pod job). Now each replacement is created in the pass that
-    deletes its pod, after that pod's deletion was answered, side by side right after the run of deletions; a pod
-    whose deletion failed is not replaced in that pass."""
+    1.0 s after the last deletion (the pass over a 1,000-pod job) and none beside the deletions. Now each replacement
+    is created in the pass that deletes its pod, right after that pod's deletion is answered; a pod whose deletion
+    failed is not replaced in that pass."""
     from kubernetes.client.exceptions import ApiException
 
     from fake_api import running_job
