@@ -52,7 +52,7 @@ from ddp_operator.spec import SpecError
 from ddp_operator.stall import Finding, PodDiagnosis
 from ddp_operator.status import newer_progress
 from ddp_operator.ticker import RESYNC_SECONDS, RESYNCS_PER_TICK, DuePasses, run_ticker
-from ddp_operator.writers import post_in_order, replacements_paired, side_by_side
+from ddp_operator.writers import post_in_order, side_by_side
 
 log = logging.getLogger("ddp_operator")
 
@@ -364,21 +364,14 @@ class Reconciler:
 
     def _execute(self, namespace: str, key: Key, body: Mapping, result: Plan) -> None:
         self.backoff.forget_stale(key, {a.name for a in result.actions if a.verb == CREATE})
-        actions, followers = replacements_paired(result.actions)
-
-        def act(action: Any) -> None:
-            self._act(namespace, key, body, action)
-            if action.name in followers and action.verb == FORCE_DELETE:
-                self._act(namespace, key, body, followers[action.name])  # its name is free once that is answered
-
-        i = 0
+        actions, i = list(result.actions), 0
         while i < len(actions):
             j = i + 1
             while j < len(actions) and actions[i].kind == actions[j].kind == "Pod" \
                     and actions[i].verb == actions[j].verb and actions[i].verb in SIDE_BY_SIDE:
                 j += 1
             # A run of pod creates or deletes side by side (one after the other, N pods waited N round trips)
-            side_by_side(act, actions[i:j], "ddp-pods")
+            side_by_side(lambda action: self._act(namespace, key, body, action), actions[i:j], "ddp-pods")
             i = j
         if any(a.verb == FORCE_DELETE for a in actions):
             self.child_changed(*key)  # their replacements next, without waiting for the index to drop them

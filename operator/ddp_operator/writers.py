@@ -3,17 +3,13 @@
 One write after the other cost a round trip each: a pass that created 1,000 pods waited 1,000 round trips, and a node
 storm's pass that posted an Event per lost pod (206) held the job's force deletions back 3.4 s. Here they go out
 POD_WRITERS at a time (the API client keeps k8s.CONNECTIONS connections for them). A pass's few Events keep their
-order (`kubectl describe` reads them as the story of the pass); past EVENTS_IN_ORDER they go side by side too. A pod
-that a pass force-deletes and replaces is created right after its own deletion is answered, beside the others'
-deletions (a node storm's 203 replacements waited for the last of 203 deletions, then for the next pass: 1.0 s).
+order (`kubectl describe` reads them as the story of the pass); past EVENTS_IN_ORDER they go side by side too.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
-
-from ddp_operator.plan.types import CREATE, FORCE_DELETE
 
 # A pass's pod creates (or deletes) in flight at once: with 8 the API server's latency, not its CPU, bounded one job
 POD_WRITERS = 32  # of 1,000 pods at 48 creates/s on the kwok simulation; 78/s with 32 (docs/scale.md)
@@ -37,12 +33,3 @@ def post_in_order(post: Callable[[Any], None], events: list) -> None:
         return
     for event in events:
         post(event)
-
-
-def replacements_paired(actions: Any) -> tuple[list, dict[str, Any]]:
-    """The pass's actions less the creates of pods it force-deletes, and those creates by pod name: each follows its
-    pod's force deletion in the same worker, so that a node storm's replacements go out beside its deletions
-    instead of after the last of them (plan/nodes.py)."""
-    forced = {a.name for a in actions if a.verb == FORCE_DELETE and a.kind == "Pod"}
-    followers = {a.name: a for a in actions if a.verb == CREATE and a.kind == "Pod" and a.name in forced}
-    return [a for a in actions if not (a.verb == CREATE and a.kind == "Pod" and a.name in followers)], followers

@@ -280,8 +280,7 @@ def test_pods_on_a_node_notready_past_the_timeout_are_lost_and_recreated():
     early = plan(job, status, obs, later(30))
     assert early.actions == () and early.requeue_after == 30
     lost = plan(job, status, obs, later(60))
-    # replaced in the same pass: the shell creates mnist-1 again once its force deletion is answered
-    assert _acts(lost) == [(CREATE, "mnist-1"), (FORCE_DELETE, "mnist-1")]
+    assert _acts(lost) == [(FORCE_DELETE, "mnist-1")]
     assert lost.status["disruptions"] == 1 and lost.status["restarts"] == 0
     attempt = lost.status["attempts"][-1]
     assert attempt["pod"] == "mnist-1" and attempt["reason"] == names.REASON_NODE_LOST and attempt["disruption"]
@@ -290,7 +289,7 @@ def test_pods_on_a_node_notready_past_the_timeout_are_lost_and_recreated():
     assert (names.REASON_NODE_LOST, "Warning") in [(e.reason, e.type) for e in lost.events]
     # The DELETED event is late: the same pod seen again is force-deleted again, quietly, and not recorded twice.
     again = plan(job, lost.status, obs, later(61))
-    assert _acts(again) == [(CREATE, "mnist-1"), (FORCE_DELETE, "mnist-1")] and again.events == ()
+    assert _acts(again) == [(FORCE_DELETE, "mnist-1")] and again.events == ()
     assert again.status["disruptions"] == 1 and len(again.status["attempts"]) == 1
     # Gone: recreated under the same name (the scheduler places it once a node is Ready).
     gone = plan(job, again.status, observed(rdzv(), trainer(0), gone=[_on_dead_node(1)]), later(62))

@@ -40,8 +40,7 @@ def test_a_hung_pod_the_kubelet_cannot_kill_is_force_deleted_on_a_ready_node_and
     assert early.status["phase"] == names.PHASE_RESTARTING
 
     due = plan(job, early.status, observed(rdzv(), trainer(0), stuck, node_ready=ready), later(31 + TIMEOUT))
-    # force-deleted and replaced in the same pass: the shell creates the replacement once the deletion is answered
-    assert _acts(due) == [(CREATE, "mnist-1"), (FORCE_DELETE, "mnist-1")]
+    assert _acts(due) == [(FORCE_DELETE, "mnist-1")]
     [event] = _force_events(due)
     assert event.type == "Warning" and "mnist-1" in event.message and "node-2" in event.message
     assert f"stuckTerminatingTimeoutSeconds={TIMEOUT}" in event.message
@@ -52,7 +51,7 @@ def test_a_hung_pod_the_kubelet_cannot_kill_is_force_deleted_on_a_ready_node_and
 
     # a repeated pass (the DELETED event not seen yet) deletes again but posts and records nothing new
     again = plan(job, due.status, observed(rdzv(), trainer(0), stuck, node_ready=ready), later(32 + TIMEOUT))
-    assert _acts(again) == [(CREATE, "mnist-1"), (FORCE_DELETE, "mnist-1")] and _force_events(again) == []
+    assert _acts(again) == [(FORCE_DELETE, "mnist-1")] and _force_events(again) == []
     assert again.status["attempts"] == due.status["attempts"]
 
     # gone: replaced under the same name; running again is a recovery from the Hang incident
@@ -69,7 +68,7 @@ def test_a_pod_stuck_terminating_that_nobody_recorded_is_recorded_as_force_delet
     stuck = trainer(1, deleting_since=later(0), node="node-2")
     for node_ready in ({"node-2": True}, {"node-2": None}, {}):
         p = plan(job, status, observed(rdzv(), trainer(0), stuck, node_ready=node_ready), later(TIMEOUT))
-        assert _acts(p) == [(CREATE, "mnist-1"), (FORCE_DELETE, "mnist-1")], node_ready
+        assert _acts(p) == [(FORCE_DELETE, "mnist-1")], node_ready
         attempt = p.status["attempts"][-1]
         assert (attempt["pod"], attempt["reason"]) == ("mnist-1", names.REASON_FORCE_DELETED), attempt
         assert p.status["phase"] == names.PHASE_RESTARTING

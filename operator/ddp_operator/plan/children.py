@@ -75,8 +75,7 @@ def create_missing(ctx: Pass) -> None:
         ctx.start_time = ctx.now
     if policy_missing(ctx):
         return
-    # A pod force-deleted in this pass frees its name: its replacement follows its deletion (the shell pairs them).
-    occupied = {p.name for p in ctx.live if p.name not in ctx.force_deleted}
+    occupied = {p.name for p in ctx.live}
     avoid = [a["node"] for a in avoided_nodes(ctx.attempts, ctx.now)]
     # Only a missing child is rendered (a template copy each): a pass over a whole job of N pods renders none.
     if rdzv_pod_name(job) not in occupied:

@@ -58,7 +58,6 @@ def stuck(ctx: Pass) -> None:
             pods.append(p)
             continue
         ctx.actions.append(Action(FORCE_DELETE, "Pod", p.name, uid=p.uid))
-        ctx.force_deleted.add(p.name)
         node = {True: "Ready node", False: "NotReady node"}.get(ctx.observed.node_ready.get(p.node), "node")
         message = (f"still Terminating on {node} {p.node} {timeout} s after its grace period "
                    f"(spec.failurePolicy.stuckTerminatingTimeoutSeconds={timeout}): {_FORCE_DELETED}")
@@ -117,7 +116,6 @@ def node_lost(ctx: Pass) -> None:
         state = "no longer exists" if node.gone else f"has been NotReady since {format_time(node.since)}"
         message = f"node {p.node} {state} (spec.failurePolicy.nodeLostTimeoutSeconds={timeout})"
         ctx.actions.append(Action(FORCE_DELETE, "Pod", p.name, uid=p.uid))
-        ctx.force_deleted.add(p.name)
         if not ctx.recorded(p):  # a repeated pass (the DELETED event not seen yet) posts nothing again
             lost.setdefault(p.node, (message, []))[1].append(p.name)
         pods.append(replace(p, phase="Failed", deleting=True, disruption=names.REASON_NODE_LOST,

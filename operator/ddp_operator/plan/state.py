@@ -46,9 +46,6 @@ class Pass:
         self.message = prev.message
         self.progress = prev.progress
         self.actions: list[Action] = []
-        # Pods this pass force-deletes (plan/nodes.py): their names are free for a replacement in this same pass,
-        # which the shell creates as soon as its pod's deletion is answered.
-        self.force_deleted: set[str] = set()
         self.extra_events: list[Event] = []
         self.requeue: list[float] = []
         self.counted = 0
