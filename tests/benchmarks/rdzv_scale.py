@@ -13,7 +13,10 @@ it: torch's ``c10d`` handler (``create_backend`` + ``dynamic_rendezvous.create_h
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` as the operator sets them, keep-alives 1 s x 3 (the operator's defaults), and
 for ours the join loop's 0.1 s turn of ``ddp_trainer.launch``. The agents live as threads in ``--procs`` worker
 processes (the GIL: one process of 512 agents measures Python, not the rendezvous; every agent's CPU is in the JSON
-as ``agents_cpu_s`` next to the wall time so a reader sees when the machine, not the protocol, was the limit).
+as ``agents_cpu_s`` next to the wall time so a reader sees when the machine, not the protocol, was the limit, and
+of it ``agents_gc_s``, the garbage collector's: a worker's one heap holds hundreds of agents' states, which a real
+agent, alone in its process, does not carry. ``--agent-gc`` paces each worker's collector per agent, as if each had
+its own process; its record is kept beside the default one).
 
 Each run forms one group of N (``form``: every agent returned from its first ``next_rendezvous()``), lets it train
 (``idle``: heartbeats only), then loses one member without leaving (its keep-alive timer stopped, as a SIGKILLed
@@ -179,10 +182,37 @@ def _counting_store_class():
     return Counting
 
 
+class _GcClock:
+    """Seconds this process spent in Python's garbage collector (gc.callbacks), and, with ``per_agent``, its thresholds
+    scaled to the agents living here: a worker holds hundreds of agents' states in one heap, where each real agent has a
+    process of its own, so its young generation fills hundreds of times faster and each full collection walks every
+    agent's objects (docs/scale.md). Scaled, a young collection comes once per 700 allocations of each agent, as it
+    would in its own process."""
+
+    def __init__(self, per_agent: bool) -> None:
+        import gc
+
+        self.per_agent, self.seconds, self._started = per_agent, 0.0, 0.0
+        self._default = gc.get_threshold()
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, _info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+
+    def agents(self, n: int) -> None:
+        import gc
+
+        if self.per_agent:
+            gc.set_threshold(self._default[0] * max(1, n), *self._default[1:])
+
+
 class _Worker:
     """The agents of one worker process, driven by the orchestrator's commands."""
 
-    def __init__(self) -> None:
+    def __init__(self, agent_gc: bool = False) -> None:
         from datetime import timedelta
 
         from torch.distributed import TCPStore
@@ -210,6 +240,7 @@ class _Worker:
 
         dr._delay = delay
         self.agents: dict[int, dict[str, Any]] = {}
+        self.gc = _GcClock(agent_gc)
 
     def make(self, port: int, run_id: str, backend: str, nodes: tuple[int, int], specs: list[tuple[int, str | None]],
              take_over: bool, keep_alive_s: int = KEEP_ALIVE_S) -> None:
@@ -235,6 +266,7 @@ class _Worker:
                 os.environ.pop(envmod.POD_INDEX, None) if pod is None else os.environ.update({envmod.POD_INDEX: pod})
                 handler = rendezvous.create_handler(params)
             self.agents[aid] = {"handler": handler, "store": self.stores[before], "thread": None, "result": None}
+        self.gc.agents(len(self.agents))
 
     def join(self, ids: list[int]) -> None:
         for aid in ids:
@@ -266,7 +298,7 @@ class _Worker:
             for op, n in store.ops.items():
                 ops[op] = ops.get(op, 0) + n
         return {"ops": ops, "cas_lost": sum(s.cas_lost for s in self.stores), "bytes": sum(s.bytes for s in self.stores),
-                "cpu_s": cpu_seconds()}
+                "cpu_s": cpu_seconds(), "gc_s": self.gc.seconds}
 
     def drop(self) -> None:
         """End a run: its rendezvous closed (a spare waiting in it ends at its next read), every heartbeat stopped."""
@@ -280,9 +312,9 @@ class _Worker:
         self.agents.clear()
 
 
-def _serve(conn: Any) -> None:
+def _serve(conn: Any, agent_gc: bool = False) -> None:
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as the operator sets it
-    worker = _Worker()
+    worker = _Worker(agent_gc)
     while True:
         command, args = conn.recv()
         if command == "stop":
@@ -296,12 +328,12 @@ def _serve(conn: Any) -> None:
 class Workers:
     """``procs`` worker processes; agent ``aid`` lives in worker ``aid % procs``."""
 
-    def __init__(self, procs: int) -> None:
+    def __init__(self, procs: int, agent_gc: bool = False) -> None:
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for _ in range(procs):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+            proc = ctx.Process(target=_serve, args=(child, agent_gc), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -337,13 +369,14 @@ class Workers:
 
     def counters(self) -> dict[str, Any]:
         ops: dict[str, int] = {}
-        total = {"cas_lost": 0, "bytes": 0, "cpu_s": 0.0}
+        total = {"cas_lost": 0, "bytes": 0, "cpu_s": 0.0, "gc_s": 0.0}
         for c in self.call("counters"):
             for op, n in c["ops"].items():
                 ops[op] = ops.get(op, 0) + n
             total["cas_lost"] += c["cas_lost"]
             total["bytes"] += c["bytes"]
             total["cpu_s"] += c["cpu_s"]
+            total["gc_s"] += c["gc_s"]
         return {"ops": ops, **total}
 
     def close(self) -> None:
@@ -382,7 +415,8 @@ def _delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     ops = {op: n - before["ops"].get(op, 0) for op, n in after["ops"].items() if n - before["ops"].get(op, 0)}
     return {"ops": ops, "ops_total": sum(ops.values()), "cas_lost": after["cas_lost"] - before["cas_lost"],
             "bytes": after["bytes"] - before["bytes"],
-            "agents_cpu_s": round(after["cpu_s"] - before["cpu_s"], 2)}
+            "agents_cpu_s": round(after["cpu_s"] - before["cpu_s"], 2),
+            "agents_gc_s": round(after["gc_s"] - before["gc_s"], 2)}
 
 
 class Store:
@@ -604,6 +638,8 @@ def main() -> int:
                    "(store/ddp_store, the default) or torch's own TCPStore server (the comparison)")
     p.add_argument("--keep-alive", type=int, default=KEEP_ALIVE_S, help="keep-alive interval in seconds (default "
                    f"{KEEP_ALIVE_S}, the operator's default; x{KEEP_ALIVE_ATTEMPTS} is the expiry)")
+    p.add_argument("--agent-gc", action="store_true", help="the workers' garbage collector paced per agent, as if each "
+                   "agent had a process of its own (_GcClock); recorded beside (rdzv_scale_agent_gc)")
     p.add_argument("--quick", action="store_true", help=f"N={QUICK_AGENTS}, runs {QUICK_RUNS} (smoke test)")
     results.add_record_arg(p)
     a = p.parse_args()
@@ -612,7 +648,7 @@ def main() -> int:
     # training lasts longer than a keep-alive interval: rule 5 keeps an agent lost before its first heartbeat in a round
     idle = a.idle if a.idle is not None else (1.5 if a.quick else max(3.0, 2.0 * a.keep_alive))
     by_run: dict[str, dict[str, Any]] = {run: {} for run in runs}
-    store, workers = Store(a.store), Workers(a.procs)
+    store, workers = Store(a.store), Workers(a.procs, a.agent_gc)
     peak_rss: dict[str, float] = {}
     try:
         for n in agents:
@@ -625,7 +661,8 @@ def main() -> int:
     finally:
         workers.close()
         store.close()
-    result = {"agents": agents, "procs": a.procs, "store": a.store, "store_peak_rss_mib_by_agents": peak_rss,
+    result = {"agents": agents, "procs": a.procs, "agent_gc": a.agent_gc, "store": a.store,
+              "store_peak_rss_mib_by_agents": peak_rss,
               "keep_alive": [a.keep_alive, KEEP_ALIVE_ATTEMPTS],
               "launch_poll_s": LAUNCH_POLL_S, **summarize(by_run, agents), "runs": by_run,
               "loadavg_1m": round(os.getloadavg()[0], 2)}
@@ -634,6 +671,8 @@ def main() -> int:
     name = "rdzv_scale" if a.store == "ddp_store" else "rdzv_scale_torch_store"
     if a.keep_alive != KEEP_ALIVE_S:
         name += f"_keep_alive_{a.keep_alive}s"
+    if a.agent_gc:
+        name += "_agent_gc"
     return results.emit_judged(name, result, goals_missed(result), mode="quick" if a.quick else "full",
                                record=a.record)
 
