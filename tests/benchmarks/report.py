@@ -402,6 +402,10 @@ ROWS: list[tuple[str, str, Callable[[Doc], str], str, str]] = [
      "cannot send every heartbeat within the 3 s expiry)",
      "rdzv_scale_keep_alive_4s", rdzv_scale, "≤ 5 s at 512 agents; store ops per agent per round O(1)",
      "rdzv_scale.py --agents 256,512 --keep-alive 4"),
+    ("the same, each worker's garbage collector paced per agent (`--agent-gc`): a worker holds 256 agents in one heap, "
+     "where a real agent has a process of its own",
+     "rdzv_scale_keep_alive_4s_agent_gc", rdzv_scale, "≤ 5 s at 512 agents; store ops per agent per round O(1)",
+     "rdzv_scale.py --agents 256,512 --keep-alive 4 --agent-gc"),
     ("the largest real job here (1 process per pod, digits): two trainer pods killed at once, then the store pod",
      "largest_job", largest_job, "survived, ≤ 1 step lost, bitwise", "make bench-largest-job"),
     ("DDPJobs at once, control plane only", "scale", scale, "200 in ≤ 30 s, ≤ 200 MiB", "make bench-scale"),

@@ -90,4 +90,9 @@ def test_rdzv_scale_quick():
     for key in ("form_s_by_agents", "reform_s_by_agents", "store_ops_per_agent_by_agents", "state_bytes_by_agents"):
         assert set(result[key]) == {"8", "32"}, (key, result[key])
         assert all(set(by_run) == set(result["runs"]) for by_run in result[key].values()), (key, result[key])
+    # the workers' garbage collector is timed in every phase (docs/scale.md: most of the agents' CPU at 512)
+    assert result["agent_gc"] is False
+    for by_n in result["runs"].values():
+        for run in by_n.values():
+            assert all(run[phase]["agents_gc_s"] >= 0 for phase in ("form", "reform")), run
     assert result["goals_missed"] == [], result["goals_missed"]
