@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import gc
 import math
 import multiprocessing as mp
 import os
@@ -190,8 +191,6 @@ class _GcClock:
     would in its own process."""
 
     def __init__(self, per_agent: bool) -> None:
-        import gc
-
         self.per_agent, self.seconds, self._started = per_agent, 0.0, 0.0
         self._default = gc.get_threshold()
         gc.callbacks.append(self._tick)
@@ -203,8 +202,6 @@ class _GcClock:
             self.seconds += time.perf_counter() - self._started
 
     def agents(self, n: int) -> None:
-        import gc
-
         if self.per_agent:
             gc.set_threshold(self._default[0] * max(1, n), *self._default[1:])
 
@@ -639,7 +636,7 @@ def main() -> int:
     p.add_argument("--keep-alive", type=int, default=KEEP_ALIVE_S, help="keep-alive interval in seconds (default "
                    f"{KEEP_ALIVE_S}, the operator's default; x{KEEP_ALIVE_ATTEMPTS} is the expiry)")
     p.add_argument("--agent-gc", action="store_true", help="the workers' garbage collector paced per agent, as if each "
-                   "agent had a process of its own (_GcClock); recorded beside (rdzv_scale_agent_gc)")
+                   "agent had a process of its own (_GcClock); recorded beside (the name ends in _agent_gc)")
     p.add_argument("--quick", action="store_true", help=f"N={QUICK_AGENTS}, runs {QUICK_RUNS} (smoke test)")
     results.add_record_arg(p)
     a = p.parse_args()
