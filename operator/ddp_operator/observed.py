@@ -22,6 +22,8 @@ from ddp_operator.report import valid_report
 # torchrun's failure summary: "  exitcode  : 3 (pid: 812)" (an exit code, or minus a signal number: a few digits)
 _WORKER_EXIT = re.compile(r"exitcode\s*:\s*(-?\d{1,9})(?!\d)")
 _INDEX = re.compile(r"[0-9]{1,9}")
+# A kubelet waiting reason (ContainerCreating, PodInitializing, ...): one CamelCase word, else not shown.
+_WAITING_REASON = re.compile(r"[A-Za-z][A-Za-z0-9]{0,63}")
 MESSAGE_TAIL = 512
 # A trainer's termination message (the kubelet keeps at most 4096 bytes: the log's tail) is kept whole, so that the
 # failing worker's traceback above torchrun's summary can be read (failure_class.py).
@@ -87,6 +89,9 @@ class PodState:
     nodes_annotation: str | None = None
     # The fields of the termination-log report that were invalid and dropped (status.valid_report).
     report_invalid: tuple[str, ...] = ()
+    # The main container's waiting reason while it waits without a startup error (ContainerCreating,
+    # PodInitializing; a reason that is not one word is dropped), else "": the startup timeout names it.
+    waiting: str = ""
 
     @property
     def terminal(self) -> bool:
@@ -264,7 +269,13 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
         nodes_annotation=nodes_annotation if isinstance(nodes_annotation, str) and len(nodes_annotation) <= 16
         else None,
         report_invalid=report_invalid,
+        waiting=_waiting_reason(state),
     )
+
+
+def _waiting_reason(state: Mapping[str, Any]) -> str:
+    reason = (state.get("waiting") or {}).get("reason") if isinstance(state.get("waiting"), Mapping) else None
+    return reason if isinstance(reason, str) and _WAITING_REASON.fullmatch(reason) else ""
 
 
 # --- nodes (the node-loss rule) -------------------------------------------------------------------

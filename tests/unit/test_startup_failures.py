@@ -227,6 +227,28 @@ def test_children_that_cannot_be_created_time_out_too():
     assert _acts(p) == [(DELETE, "mnist-0"), (DELETE, "mnist-1")]  # the refused store pod is not tried again
 
 
+def test_startup_timeout_before_the_kubelet_reports_names_where_the_pods_stand():
+    # The kubelet posts ErrImagePull only after its first retry: a timeout due before that still says where
+    # the first pod stands (its container's waiting reason, or that it has no node), never a bare figure.
+    job = make_job(failurePolicy={"startupTimeoutSeconds": 15})
+    creating = observed(rdzv(), _waiting(trainer(0, phase="Pending"), "ContainerCreating", ""),
+                        _waiting(trainer(1, phase="Pending"), "ContainerCreating", ""))
+    failed = plan(job, _created(job), creating, later(15))
+    assert failed.status["reason"] == names.REASON_STARTUP_TIMEOUT
+    assert failed.status["message"].endswith(
+        "startupTimeoutSeconds=15: pod mnist-0 is waiting in ContainerCreating, with no error reported by the "
+        "kubelet yet (and 1 more pod not running)"), failed.status["message"]
+    # Unscheduled (no node, no Unschedulable verdict yet); a waiting reason that is not one word is not shown.
+    hostile = _waiting(trainer(0, phase="Pending", node=""), "Creating\n<b>now</b>", "")
+    assert observe_pod(hostile).waiting == ""
+    p = plan(job, _created(job), observed(rdzv(phase="Pending"), hostile, trainer(1)), later(15))
+    assert "pod mnist-0 is not scheduled to a node yet, with no error reported by the kubelet yet (and 1 more pod " \
+        "not running)" in p.status["message"], p.status["message"]
+    # Only the store pod is not running: it is named.
+    store = plan(job, _created(job), observed(rdzv(phase="Pending"), trainer(0), trainer(1)), later(15))
+    assert "0/2" not in store.status["message"] and "pod mnist-rdzv is " in store.status["message"]
+
+
 def test_startup_timeout_zero_never_fails_and_running_pods_reset_the_clock():
     never = make_job(failurePolicy={"startupTimeoutSeconds": 0})
     p = plan(never, _created(never), observed(rdzv(), trainer(0, phase="Pending"), trainer(1, phase="Pending")),

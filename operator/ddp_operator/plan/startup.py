@@ -119,6 +119,22 @@ def image_pull_failure(ctx: Pass, blocked_pods: list[PodState]) -> None:
     ctx.last_failure = last_failure({"pod": pod.name, "node": pod.node, "time": ctx.now_s}, failure, "none")
 
 
+def not_started(ctx: Pass) -> list[str]:
+    """Where the first pod that is not running stands when nothing says why (the kubelet posts a pull error
+    only after its first retry, often seconds after the pull failed): its container's waiting reason, or that
+    it has no node yet. Trainers first, then the store pod; [] when every pod runs or none exists."""
+    pods = sorted((p for p in ctx.live if not p.running and not p.deleting and p.group == ctx.group
+                   and (ctx.current(p) or p.role == names.ROLE_RDZV)),
+                  key=lambda p: (p.role == names.ROLE_RDZV, p.name))
+    if not pods:
+        return []
+    first = pods[0]
+    where = f"waiting in {first.waiting}" if first.waiting else "not scheduled to a node yet" if not first.node \
+        else f"{first.phase} on node {first.node}"
+    more = f" (and {len(pods) - 1} more pod{'s' if len(pods) > 2 else ''} not running)" if len(pods) > 1 else ""
+    return [f"pod {first.name} is {where}, with no error reported by the kubelet yet{more}"]
+
+
 def startup_timeout(ctx: Pass) -> bool:
     """Track since when the job cannot train (fewer than minNodes trainers or no store pod running); True if
     that lasted failurePolicy.startupTimeoutSeconds and the job failed."""
@@ -142,6 +158,8 @@ def startup_timeout(ctx: Pass) -> bool:
     waiting = blocked(ctx, unschedulable=True)
     if not why and waiting:
         why = [f"{waiting[0].startup_error[0]}: pod {waiting[0].name}, {waiting[0].startup_error[1]}"]
+    if not why:
+        why = not_started(ctx)
     ctx.actions = [a for a in ctx.actions if a.verb != CREATE]  # nothing more is started for a failed job
     ctx.finish(names.PHASE_FAILED, names.REASON_STARTUP_TIMEOUT,
                f"{trainers}/{job.spec.nodes} training pods (at least {job.spec.min_nodes} needed) and "
