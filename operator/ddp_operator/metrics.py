@@ -15,6 +15,9 @@ RECOVERY = Histogram("ddpjob_recovery_seconds",
 RECONCILES = Counter("ddpjob_reconcile_total", "Reconcile passes, by result.", ["result"])
 RECONCILE_SECONDS = Histogram("ddpjob_reconcile_seconds", "Duration of a reconcile pass.",
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+RECONCILE_STAGE_SECONDS = Histogram("ddpjob_reconcile_stage_seconds",
+                                    "Duration of one stage of a reconcile pass (pass_clock.STAGES).", ["stage"],
+                                    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
 API_WRITES = Counter("ddpjob_api_writes_total", "Kubernetes API writes by the operator.", ["verb", "kind"])
 PROGRESS_POLL_SECONDS = Histogram("ddpjob_progress_poll_seconds",
                                   "Duration of one job's progress poll (every trainer pod and sidecar asked).",

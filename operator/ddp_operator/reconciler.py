@@ -14,7 +14,7 @@ schedule (backoff.py) while the rest of the pass goes on. The plan holds every p
 NetworkPolicy exists: a pass creates a missing policy first and plans again on the outcome, so a fresh job still
 gets its policy and its pods in one pass (one status write), and a refused or foreign policy is reported at once.
 Node states for the node-loss rule are read for the pods plan.node_lost_candidates names, each node at most once
-per NODE_CACHE_SECONDS.
+per NODE_CACHE_SECONDS, the ones not cached side by side. Each pass's stages are timed (pass_clock.py).
 
 One job cannot stall the others: the ticker that serves every job's wake-ups (deadlines, TTL, force-deletes) never
 waits on a pod, and an error in one job's pass is logged and re-armed for that job alone. What is kept per job lives
@@ -46,6 +46,7 @@ from ddp_operator.plan import (
     CREATE, DELETE, DELETE_JOB, FORCE_DELETE, PATCH, PATCH_STATUS, Observed, Plan, invalid, node_lost_candidates, plan,
     stuck_pods,
 )
+from ddp_operator.pass_clock import PassClock
 from ddp_operator.poller import ProgressPoller
 from ddp_operator.read_cache import ReadCache
 from ddp_operator.spec import SpecError
@@ -269,10 +270,13 @@ class Reconciler:
             self._write_status(key, uid, prev, result.status, force=True)
             self._post_events(body, result)
             return result
+        clock = PassClock()
         pods, seen_tombstones = self._observe(key, uid)
+        clock.lap("observe", len(pods))
         node_ready = {p.node: self.api.node_ready(p.node) for p in stuck_pods(job, pods, now)}
-        nodes = ({p.node: self.nodes.get(p.node, self.api.node_state) for p in node_lost_candidates(pods)}
-                 if job.spec.failure_policy.node_lost_timeout_seconds else {})
+        lost = [p.node for p in node_lost_candidates(pods)] if job.spec.failure_policy.node_lost_timeout_seconds else []
+        nodes = self.nodes.get_many(lost, self.api.node_state) if lost else {}
+        clock.lap("nodes", len(nodes) + len(node_ready))
         conflicts, refusals = self.backoff.observed(key)
         observed = Observed(pods=pods, service_exists=self._service_exists(key), node_ready=node_ready,
                             **self._network_policy(key, uid), conflicts=conflicts, refusals=refusals, nodes=nodes,
@@ -283,13 +287,18 @@ class Reconciler:
             conflicts, refusals = self.backoff.observed(key)
             observed = replace(observed, **self._network_policy(key, uid), conflicts=conflicts, refusals=refusals)
             result = plan(job, prev, observed, now, self.config.network_policy)
+        clock.lap("plan")
         # Status first: a failure is on record (by pod UID) before the pod is deleted, so a crash between
         # the two never counts it twice.
         # A pass with Events is never coalesced: the next pass would post them again from the same old status.
         self._write_status(key, uid, prev, result.status, force=bool(result.events))
+        clock.lap("status")
         # Events before the actions: a refused create fails the pass, and the status that carried them is written.
         self._post_events(body, result)
+        clock.lap("events", len(result.events))
         self._execute(job.namespace, key, body, result)
+        clock.lap("writes", len(result.actions))
+        clock.report(*key)
         with self.jobs.guard:
             for u in seen_tombstones:
                 record.tombstones.pop(u, None)
