@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Iterable
-
-from ddp_operator.writers import side_by_side
+from typing import Any, Callable
 
 
 class ReadCache:
@@ -35,27 +33,3 @@ class ReadCache:
         with self._guard:
             for name in [n for n, (_, at) in self.entries.items() if now - at >= self.seconds]:
                 del self.entries[name]
-
-    def get_many(self, names: Iterable[str], read: Callable[[str], Any]) -> dict[str, Any]:
-        """get() for each distinct name; the ones not cached are read side by side (a node storm's pass reads its 50
-        lost nodes in about one round trip's time, not 50). The first failed read is raised once every read ended."""
-        now = time.monotonic()
-        found: dict[str, Any] = {}
-        with self._guard:
-            for name in dict.fromkeys(names):
-                cached = self.entries.get(name)
-                if cached is not None and now - cached[1] < self.seconds:
-                    found[name] = cached[0]
-                else:
-                    found[name] = _MISSING
-        missing = [name for name, value in found.items() if value is _MISSING]
-
-        def fetch(name: str) -> None:
-            found[name] = value = read(name)
-            with self._guard:
-                self.entries[name] = (value, now)
-        side_by_side(fetch, missing, "ddp-reads")
-        return found
-
-
-_MISSING = object()
