@@ -25,6 +25,7 @@ from ddp_operator import metrics, names
 from ddp_operator.diagnostics import Tools
 from ddp_operator.jsondoc import copied
 from ddp_operator.kueue import kept_queue, observe_workload
+from ddp_operator.observed import PodState, observe_pod
 from ddp_operator.pod import render_trainer_pod
 from ddp_operator.rdzv import render_rdzv_pod
 from ddp_operator.rdzv_spec import DEFAULT_STORE_IMAGE
@@ -136,6 +137,9 @@ class JobRecord:
     # Pod UID -> the pod as the last pass of this process saw it in the index (Reconciler._observe): one that leaves
     # the index before its DELETED event reaches on_pod was deleted in sight, not while the operator was away.
     seen: dict[str, dict] = field(default_factory=dict)
+    # Pod UID -> (the resourceVersion a pass observed, its PodState): the next pass observes again only the pods that
+    # changed (one of a 1,000-node job's starting passes cost 13-58 ms observing every pod).
+    states: dict[str, tuple[str, PodState]] = field(default_factory=dict)
     created: dict[str, Created] = field(default_factory=dict)  # pod name -> created, not yet in the index
     force_deleted: dict[str, float] = field(default_factory=dict)  # pod UID -> when, while the index shows it
     # The Service and NetworkPolicy this operator created, not yet in the index: kind -> (UID, when).
@@ -146,6 +150,20 @@ class JobRecord:
 
     def of(self, uid: str) -> JobObject:
         return self.objects.setdefault(uid, JobObject())
+
+    def observe(self, pods: list[dict]) -> tuple[PodState, ...]:
+        """observe_pod of each pod, again only for the pods whose resourceVersion moved since the last pass (every
+        change of an object moves it; a pod without one is always observed again); called by the job's passes
+        only, under its lock."""
+        kept, self.states, states = self.states, {}, []
+        for p in pods:
+            meta = p["metadata"]
+            version, known = meta.get("resourceVersion"), kept.get(meta.get("uid"))
+            state = known[1] if version and known and known[0] == version else observe_pod(p)
+            if version:
+                self.states[meta.get("uid")] = (version, state)
+            states.append(state)
+        return tuple(states)
 
 
 def _parse_source(body: Mapping[str, Any]) -> tuple:

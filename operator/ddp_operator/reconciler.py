@@ -62,6 +62,8 @@ STATUS_COALESCE_SECONDS = 2.0
 STATUS_COALESCE_MAX_SECONDS = 30.0
 SIDE_BY_SIDE = (CREATE, DELETE, FORCE_DELETE)  # verbs whose runs of pod writes a pass sends side by side
 CREATED_MEMORY_SECONDS = 30.0
+# A pass for a child's event starts at least this long per pod after the job's last pass (1,000 pods: 0.1 s).
+PACE_SECONDS_PER_POD = 0.0001
 TICK_SECONDS = 1.0
 WAKE_MARGIN_SECONDS = 0.05  # a pass asked for at a due time runs this much after it (clocks read a moment apart)
 RETRY_SECONDS = 5.0
@@ -180,8 +182,7 @@ class Reconciler:
                     del created[name]
             fresh = [c.body for name, c in created.items() if name not in live_names]
         gone = [t for u, t in tombstones.items() if u not in live_names.values() and owned_by(t, uid)]
-        states = tuple(observe_pod(p) for p in live + fresh) + tuple(observe_pod(t, gone=True) for t in gone)
-        return states, set(tombstones)
+        return record.observe(live + fresh) + tuple(observe_pod(t, gone=True) for t in gone), set(tombstones)
 
     def _network_policy(self, key: Key, uid: str) -> dict[str, Any]:
         """Observed's fields of the job's NetworkPolicy: the index's (with its spec), or one just created that the watch
@@ -237,12 +238,15 @@ class Reconciler:
         """A pass for a child's event, run off kopf's worker (event_passes.py), unless one of the job's passes waits
         to start: that one reads the indexes (kopf updates them before it calls a handler) when it starts, so it sees
         this event too. One O(N) pass per pod event cost a job of N pods O(N^2); coalesced, a burst costs the pass
-        running and one more."""
+        running and one more, which starts N x PACE_SECONDS_PER_POD after the last one ended at the soonest."""
         record = self.jobs.record((namespace, name))
         with self.jobs.guard:
             if record.waiting:
                 return
             record.waiting = True
+            rest = record.last_pass + len(record.seen) * PACE_SECONDS_PER_POD - time.monotonic()
+        if rest > 0:  # paced: the ticker runs it then
+            return self.jobs.wake((namespace, name), rest)
         self.event_passes.submit((namespace, name))  # off kopf's worker: the pod's next events index at once
 
     def _reconcile(self, key: Key, body: Mapping[str, Any] | None, **found: Any) -> Plan | None:
@@ -276,9 +280,7 @@ class Reconciler:
         node_ready = {p.node: self.api.node_ready(p.node) for p in stuck_pods(job, pods, now)}
         timeout = job.spec.failure_policy.node_lost_timeout_seconds
         lost = [p.node for p in node_lost_candidates(pods, now, timeout)] if timeout else []
-        # One after the other: read side by side, a starting 1,000-node job's passes got shorter and so came more
-        # often (each O(N)): 19-25 s of the operator's CPU instead of 8-9 s (docs/scale.md).
-        nodes = {node: self.nodes.get(node, self.api.node_state) for node in lost}
+        nodes = {node: self.nodes.get(node, self.api.node_state) for node in lost}  # one by one: docs/scale.md
         clock.lap("nodes", len(nodes) + len(node_ready))
         conflicts, refusals = self.backoff.observed(key)
         observed = Observed(pods=pods, service_exists=self._service_exists(key), node_ready=node_ready,
