@@ -6,12 +6,15 @@ so a pod whose event started a pass of a 1,000-node job (seconds) held back that
 among them, while the pass ran. (This alone did not remove the node storm's late replacements in bench-scale-sim:
 jobs.force_deleted did.) Here a pass asked for runs in a pool of EVENT_WORKERS threads,
 and the handler returns at once; a job has at most one such pass waiting to start (the coalescing of
-Reconciler.child_changed), which reads the indexes when it starts and so sees every event that came before.
+Reconciler.child_changed), which reads the indexes when it starts and so sees every event that came before. It starts
+`pace(key)` seconds from now at the soonest (the Reconciler: 0.1 ms per pod after the job's last pass ended), so a
+large job's pod events do not run its O(N) passes back to back while it starts.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -22,8 +25,9 @@ EVENT_WORKERS = 16  # kopf's own executor for sync handlers had as many (handler
 class EventPasses:
     """Runs `run(*key)` for the keys submitted, EVENT_WORKERS at a time; `settle` waits for every one submitted."""
 
-    def __init__(self, run: Callable[[str, str], object], workers: int = EVENT_WORKERS):
-        self._run = run
+    def __init__(self, run: Callable[[str, str], object], workers: int = EVENT_WORKERS,
+                 pace: Callable[[Key], float] = lambda key: 0.0):
+        self._run, self._pace = run, pace
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ddp-event")
         self._pending = 0
         self._idle = threading.Condition()
@@ -38,6 +42,9 @@ class EventPasses:
 
     def _one(self, key: Key) -> None:
         try:
+            rest = self._pace(key)
+            if rest > 0:  # the events that come meanwhile join this pass (Reconciler.child_changed)
+                time.sleep(rest)
             self._run(*key)
         except Exception:  # noqa: BLE001 - logged by the pass, which also asked for a wake-up to try again
             pass

@@ -321,6 +321,12 @@ class JobRegistry:
             if record is not None and record.children_created.get(kind, ("",))[0] == uid:
                 del record.children_created[kind]
 
+    def pace_left(self, key: Key, per_pod: float) -> float:
+        """How long until the job's last pass ended `per_pod` seconds per pod it saw ago (<= 0: already)."""
+        with self.guard:
+            record = self._records.get(key)
+            return record.last_pass + len(record.seen) * per_pod - time.monotonic() if record else 0.0
+
     def wake(self, key: Key, after: float) -> None:
         """Ask for a pass of the job `after` seconds from now (the earliest of those asked for wins)."""
         due = time.monotonic() + max(0.0, after)

@@ -107,7 +107,8 @@ class Reconciler:
         self.flavors = ReadCache(FLAVOR_CACHE_SECONDS)     # Kueue's ResourceFlavors
         self.priorities = ReadCache(FLAVOR_CACHE_SECONDS)  # Kueue's WorkloadPriorityClasses
         self.due = DuePasses(lambda *key: self.reconcile(*key), self.jobs.wake, RETRY_SECONDS, TICK_SECONDS)
-        self.event_passes = EventPasses(lambda *key: self.reconcile(*key))
+        self.event_passes = EventPasses(lambda *key: self.reconcile(*key),
+                                        pace=lambda key: self.jobs.pace_left(key, PACE_SECONDS_PER_POD))
         self._swept_at = 0.0
         self._stop = threading.Event()
 
@@ -244,9 +245,6 @@ class Reconciler:
             if record.waiting:
                 return
             record.waiting = True
-            rest = record.last_pass + len(record.seen) * PACE_SECONDS_PER_POD - time.monotonic()
-        if rest > 0:  # paced: the ticker runs it then
-            return self.jobs.wake((namespace, name), rest)
         self.event_passes.submit((namespace, name))  # off kopf's worker: the pod's next events index at once
 
     def _reconcile(self, key: Key, body: Mapping[str, Any] | None, **found: Any) -> Plan | None:

@@ -48,28 +48,32 @@ def _after_a_pass(nodes):
     key = ("ml", "mnist")
     r.reconcile(*key)  # creates the pods
     r.reconcile(*key)  # sees them
-    submitted = []
-    r.event_passes.submit = submitted.append
-    return r, key, submitted
+    return r, key
 
 
-def test_a_large_jobs_event_pass_is_paced_and_a_small_jobs_is_not():
-    r, key, submitted = _after_a_pass(1000)
+def test_a_large_jobs_event_pass_waits_its_pace_and_the_events_meanwhile_join_it(monkeypatch):
+    r, key = _after_a_pass(1000)
     record = r.jobs.record(key)
     assert len(record.seen) > 900  # the fake API's UIDs repeat a little
-    before = time.monotonic()
+    pace = r.jobs.pace_left(key, PACE_SECONDS_PER_POD)
+    assert 0.05 < pace <= len(record.seen) * PACE_SECONDS_PER_POD
+    passes = []
+    real = r.reconcile
+    monkeypatch.setattr(r, "reconcile", lambda *k, **kw: passes.append((k, time.monotonic())) or real(*k, **kw))
+    t0 = time.monotonic()
+    for _ in range(5):  # a burst of pod events: one pass, started once the pace is over
+        r.child_changed(*key)
+    assert r.event_passes.settle()
+    assert [k for k, _ in passes] == [key] and passes[0][1] - t0 >= pace - 0.01
+    # Once that long has passed since the last pass, an event's pass starts at once.
+    time.sleep(len(record.seen) * PACE_SECONDS_PER_POD)
+    assert r.jobs.pace_left(key, PACE_SECONDS_PER_POD) <= 0
+    t1 = time.monotonic()
     r.child_changed(*key)
-    assert submitted == [] and record.waiting  # asked of the ticker, and later events coalesce into it
-    pace = len(record.seen) * PACE_SECONDS_PER_POD
-    assert 0.09 < pace and abs(record.wakeup - (record.last_pass + pace)) < 0.01 and record.wakeup > before
-    r.child_changed(*key)
-    assert submitted == []
-    # Once that long has passed since the last pass, an event's pass goes to the pool at once.
-    record.waiting, record.wakeup, record.last_pass = False, None, time.monotonic() - pace
-    r.child_changed(*key)
-    assert submitted == [key]
+    assert r.event_passes.settle() and len(passes) == 2 and passes[1][1] - t1 < 0.05
 
-    small, small_key, small_submitted = _after_a_pass(2)
-    time.sleep(0.005)
-    small.child_changed(*small_key)
-    assert small_submitted == [small_key]  # 3 pods: 0.3 ms, already over
+
+def test_a_small_jobs_event_pass_is_not_held():
+    r, key = _after_a_pass(2)
+    assert r.jobs.pace_left(key, PACE_SECONDS_PER_POD) < 0.001  # 3 pods: 0.3 ms
+    assert r.jobs.pace_left(("ml", "unknown"), PACE_SECONDS_PER_POD) == 0.0
