@@ -335,10 +335,6 @@ def test_a_pod_bound_less_than_the_timeout_ago_costs_no_node_read_and_wakes_the_
     starting = plan(job, status, obs, later(130))
     assert starting.actions == () and starting.requeue_after == 30  # bound at 100: no loss before 160
     assert [p.name for p in node_lost_candidates(obs.pods, later(160), 60)] == ["mnist-1"]
-    # Pods bound over a while: one wake-up, when the last of them could be lost (not one per second bound).
-    spread = observed(rdzv(), _bound_at(trainer(0, node="node-1", ready=False, uid="n0"), format_time(later(120))),
-                      fresh)
-    assert plan(job, status, spread, later(130)).requeue_after == 50
     # It tolerated the not-ready taint and landed on a node NotReady since before: acted on once read, at 160.
     dead = observed(rdzv(), trainer(0), fresh, nodes={"node-2": NodeState(ready=False, since=later(50))})
     assert _acts(plan(job, status, dead, later(160))) == [(FORCE_DELETE, "mnist-1")]

@@ -16,10 +16,8 @@
   shell reads the nodes of the pods `node_lost_candidates` names: not Ready, and bound to their node at least
   nodeLostTimeoutSeconds ago. The scheduler binds no pod to a NotReady node (the node controller's not-ready
   taint), so a pod's node cannot have been NotReady that long any sooner: a starting pod (a 1,000-node job's, or a
-  storm's replacements) costs no node read, and the pass wakes once the last of them could be lost (one wake-up,
-  not one per second in which a pod was bound). A pod that tolerates the taint and lands on a NotReady node, or
-  whose node is lost while it starts, is acted on that much later: at most the timeout, plus the spread of the
-  binding times of the pods that were starting beside it.
+  storm's replacements) costs no node read, and the pass wakes when the soonest such pod could be lost. (A pod
+  that tolerates the taint and lands on a NotReady node is acted on that much later, at most the timeout.)
 """
 
 from __future__ import annotations
@@ -119,12 +117,11 @@ def node_lost(ctx: Pass) -> None:
         return
     pods: list[PodState] = []
     lost: dict[str, tuple[str, list[str]]] = {}  # node -> (its message, its pods force-deleted for the first time)
-    young: list[datetime] = []  # lost_no_sooner of the pods whose node was not read for it
     for p in ctx.observed.pods:
         node = ctx.observed.nodes.get(p.node) if p.node else None
         if node is None and _watched(p) and p.group == ctx.group and \
                 (soonest := lost_no_sooner(p, ctx.now, timeout)) and ctx.now < soonest:
-            young.append(soonest)
+            ctx.due_in(soonest)  # not read yet: the shell reads its node from then on
         if (not _watched(p) or p.group != ctx.group or node is None or node.ready
                 or (node.since is None and not node.gone)):
             pods.append(p)
@@ -141,10 +138,6 @@ def node_lost(ctx: Pass) -> None:
             lost.setdefault(p.node, (message, []))[1].append(p.name)
         pods.append(replace(p, phase="Failed", deleting=True, disruption=names.REASON_NODE_LOST,
                             reason=names.REASON_NODE_LOST, message=message))
-    if young:
-        # One wake-up when the last of them could be lost, not one per second in which a pod was bound: a hundred
-        # starting jobs would each pass again for every such second. Their nodes are read from then on.
-        ctx.due_in(max(young))
     ctx.observed = replace(ctx.observed, pods=tuple(pods))
     for message, lost_pods in lost.values():  # one Event a node: 50 lost nodes are 50 Events, not one per pod
         ctx.extra_events.append(Event("Warning", names.REASON_NODE_LOST,
