@@ -89,8 +89,6 @@ class PodState:
     nodes_annotation: str | None = None
     # The fields of the termination-log report that were invalid and dropped (status.valid_report).
     report_invalid: tuple[str, ...] = ()
-    # When the scheduler bound the pod to its node (PodScheduled True), or None (not bound, or a bad time).
-    scheduled_at: datetime | None = None
     # The main container's waiting reason while it waits without a startup error (ContainerCreating,
     # PodInitializing; a reason that is not one word is dropped), else "": the startup timeout names it.
     waiting: str = ""
@@ -272,16 +270,7 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
         else None,
         report_invalid=report_invalid,
         waiting=_waiting_reason(state),
-        scheduled_at=_scheduled_at(status),
     )
-
-
-def _scheduled_at(status: Mapping[str, Any]) -> datetime | None:
-    conditions = status.get("conditions")
-    for cond in conditions if isinstance(conditions, list) else ():
-        if isinstance(cond, Mapping) and cond.get("type") == "PodScheduled" and cond.get("status") == "True":
-            return parse_time(cond.get("lastTransitionTime"))
-    return None
 
 
 def _waiting_reason(state: Mapping[str, Any]) -> str:

@@ -13,8 +13,8 @@ spec.progressPeriodSeconds, only when the step moved forward. A child that canno
 schedule (backoff.py) while the rest of the pass goes on. The plan holds every pod back until the job's own
 NetworkPolicy exists: a pass creates a missing policy first and plans again on the outcome, so a fresh job still
 gets its policy and its pods in one pass (one status write), and a refused or foreign policy is reported at once.
-Node states for the node-loss rule are read for the pods plan.node_lost_candidates names (not Ready, and not bound
-just now), each node at most once per NODE_CACHE_SECONDS. Each pass's stages are timed (pass_clock.py).
+Node states for the node-loss rule are read for the pods plan.node_lost_candidates names, each node at most once
+per NODE_CACHE_SECONDS. Each pass's stages are timed (pass_clock.py).
 
 One job cannot stall the others: the ticker that serves every job's wake-ups (deadlines, TTL, force-deletes) never
 waits on a pod, and an error in one job's pass is logged and re-armed for that job alone. What is kept per job lives
@@ -276,8 +276,7 @@ class Reconciler:
         pods, seen_tombstones = self._observe(key, uid)
         clock.lap("observe", len(pods))
         node_ready = {p.node: self.api.node_ready(p.node) for p in stuck_pods(job, pods, now)}
-        timeout = job.spec.failure_policy.node_lost_timeout_seconds
-        lost = [p.node for p in node_lost_candidates(pods, now, timeout)] if timeout else []
+        lost = [p.node for p in node_lost_candidates(pods)] if job.spec.failure_policy.node_lost_timeout_seconds else []
         nodes = {node: self.nodes.get(node, self.api.node_state) for node in lost}  # one by one: docs/scale.md
         clock.lap("nodes", len(nodes) + len(node_ready))
         conflicts, refusals = self.backoff.observed(key)

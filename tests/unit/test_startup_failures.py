@@ -2,7 +2,7 @@
 what a user sees in status and Events, when the job gives up, and what is deleted and recreated."""
 
 from ddp_operator import names
-from ddp_operator.observed import NodeState, format_time, observe_node, observe_pod
+from ddp_operator.observed import NodeState, observe_node, observe_pod
 from ddp_operator.plan import CREATE, DELETE, FORCE_DELETE, node_lost_candidates, plan
 
 from ddp_builders import NOW, later, make_job, observed, rdzv, trainer
@@ -298,7 +298,7 @@ def test_pods_on_a_node_notready_past_the_timeout_are_lost_and_recreated():
     job, status = _running()
     dead = {"node-2": NodeState(ready=False, since=later(0))}
     obs = observed(rdzv(), trainer(0), _on_dead_node(1), nodes=dead)
-    assert [p.name for p in node_lost_candidates(obs.pods, later(0), 60)] == ["mnist-1"]
+    assert [p.name for p in node_lost_candidates(obs.pods)] == ["mnist-1"]
     early = plan(job, status, obs, later(30))
     assert early.actions == () and early.requeue_after == 30
     lost = plan(job, status, obs, later(60))
@@ -316,33 +316,6 @@ def test_pods_on_a_node_notready_past_the_timeout_are_lost_and_recreated():
     # Gone: recreated under the same name (the scheduler places it once a node is Ready).
     gone = plan(job, again.status, observed(rdzv(), trainer(0), gone=[_on_dead_node(1)]), later(62))
     assert _acts(gone) == [(CREATE, "mnist-1")]
-
-
-def _bound_at(pod, when):
-    pod["status"]["conditions"].append({"type": "PodScheduled", "status": "True", "lastTransitionTime": when})
-    return pod
-
-
-def test_a_pod_bound_less_than_the_timeout_ago_costs_no_node_read_and_wakes_the_job_when_it_could_be_lost():
-    """A 1,000-node job's starting pods (not Ready yet) made every pass read their 250 nodes, 1.1-1.6 s of a pass on
-    the kwok simulation. The scheduler binds no pod to a NotReady node, so a pod bound t seconds ago cannot be on a
-    node lost for the timeout before timeout - t seconds: no read until then, and a wake-up then."""
-    job, status = _running()  # nodeLostTimeoutSeconds 60
-    fresh = _bound_at(trainer(1, node="node-2", ready=False, uid="new"), format_time(later(100)))
-    assert observe_pod(fresh).scheduled_at == later(100)
-    obs = observed(rdzv(), trainer(0), fresh)
-    assert node_lost_candidates(obs.pods, later(130), 60) == []  # nothing to read
-    starting = plan(job, status, obs, later(130))
-    assert starting.actions == () and starting.requeue_after == 30  # bound at 100: no loss before 160
-    assert [p.name for p in node_lost_candidates(obs.pods, later(160), 60)] == ["mnist-1"]
-    # It tolerated the not-ready taint and landed on a node NotReady since before: acted on once read, at 160.
-    dead = observed(rdzv(), trainer(0), fresh, nodes={"node-2": NodeState(ready=False, since=later(50))})
-    assert _acts(plan(job, status, dead, later(160))) == [(FORCE_DELETE, "mnist-1")]
-    # A binding time that is not one, or later than now, is not trusted: the node is read as before.
-    for when in ("yesterday", format_time(later(10**6))):
-        odd = observe_pod(_bound_at(trainer(1, node="node-2", ready=False), when))
-        assert [p.name for p in node_lost_candidates((odd,), later(130), 60)] == ["mnist-1"]
-    assert observe_pod(_bound_at(trainer(1), ["2025"])).scheduled_at is None
 
 
 def test_a_lost_node_gets_one_event_naming_its_pods_not_one_per_pod():

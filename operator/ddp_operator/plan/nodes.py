@@ -13,11 +13,7 @@
 - Node loss: a live current trainer or store pod on a node NotReady (Ready False or Unknown) for
   failurePolicy.nodeLostTimeoutSeconds, or on a node that no longer exists, is force-deleted and handled as a
   disruption (reason NodeLost) by the ordinary failure rules; nodes of unknown state (no RBAC) are left alone. The
-  shell reads the nodes of the pods `node_lost_candidates` names: not Ready, and bound to their node at least
-  nodeLostTimeoutSeconds ago. The scheduler binds no pod to a NotReady node (the node controller's not-ready
-  taint), so a pod's node cannot have been NotReady that long any sooner: a starting pod (a 1,000-node job's, or a
-  storm's replacements) costs no node read, and the pass wakes when the soonest such pod could be lost. (A pod
-  that tolerates the taint and lands on a NotReady node is acted on that much later, at most the timeout.)
+  shell reads the nodes of the pods `node_lost_candidates` names.
 """
 
 from __future__ import annotations
@@ -40,21 +36,10 @@ def stuck_pods(job: Job, pods: tuple[PodState, ...], now: datetime) -> list[PodS
             and now >= p.deletion_time + timeout]
 
 
-def _watched(p: PodState) -> bool:
-    """Live, not ended nor deleting, on a node, and not Ready (the node controller marks the pods of a NotReady node
-    not Ready, so healthy pods cost no reads)."""
-    return not p.gone and not p.terminal and not p.deleting and bool(p.node) and not p.ready
-
-
-def lost_no_sooner(p: PodState, now: datetime, timeout: int) -> datetime | None:
-    """The soonest `p`'s node can have been NotReady for `timeout` seconds: `timeout` after the pod was bound to it
-    (module docstring); None when the binding time is unknown or after `now` (a clock or a status not to trust)."""
-    return p.scheduled_at + timedelta(seconds=timeout) if p.scheduled_at and p.scheduled_at <= now else None
-
-
-def node_lost_candidates(pods: tuple[PodState, ...], now: datetime, timeout: int) -> list[PodState]:
-    """Pods whose node the shell looks up for the node-loss rule: watched, and past lost_no_sooner (or unknown)."""
-    return [p for p in pods if _watched(p) and not ((soonest := lost_no_sooner(p, now, timeout)) and now < soonest)]
+def node_lost_candidates(pods: tuple[PodState, ...]) -> list[PodState]:
+    """Pods whose node the shell looks up for the node-loss rule: live, not ended nor deleting, on a node, and not
+    Ready (the node controller marks the pods of a NotReady node not Ready, so healthy pods cost no reads)."""
+    return [p for p in pods if not p.gone and not p.terminal and not p.deleting and p.node and not p.ready]
 
 
 def stuck(ctx: Pass) -> None:
@@ -113,16 +98,13 @@ def node_lost(ctx: Pass) -> None:
     them as ended disruptions (reason NodeLost): recorded, counted per countDisruptions, recreated once the
     object is gone (a store pod as the store-loss rule says). Nodes of unknown state are left alone."""
     timeout = ctx.job.spec.failure_policy.node_lost_timeout_seconds
-    if not timeout:
+    if not timeout or not ctx.observed.nodes:
         return
     pods: list[PodState] = []
     lost: dict[str, tuple[str, list[str]]] = {}  # node -> (its message, its pods force-deleted for the first time)
     for p in ctx.observed.pods:
         node = ctx.observed.nodes.get(p.node) if p.node else None
-        if node is None and _watched(p) and p.group == ctx.group and \
-                (soonest := lost_no_sooner(p, ctx.now, timeout)) and ctx.now < soonest:
-            ctx.due_in(soonest)  # not read yet: the shell reads its node from then on
-        if (not _watched(p) or p.group != ctx.group or node is None or node.ready
+        if (p not in node_lost_candidates((p,)) or p.group != ctx.group or node is None or node.ready
                 or (node.since is None and not node.gone)):
             pods.append(p)
             continue
