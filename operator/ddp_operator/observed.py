@@ -274,7 +274,8 @@ def observe_pod(pod: Mapping[str, Any], *, gone: bool = False) -> PodState:
 
 
 def _waiting_reason(state: Mapping[str, Any]) -> str:
-    reason = (state.get("waiting") or {}).get("reason") if isinstance(state.get("waiting"), Mapping) else None
+    waiting = state.get("waiting")
+    reason = waiting.get("reason") if isinstance(waiting, Mapping) else None
     return reason if isinstance(reason, str) and _WAITING_REASON.fullmatch(reason) else ""
 
 

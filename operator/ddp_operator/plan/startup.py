@@ -77,10 +77,14 @@ def create_refusals(ctx: Pass) -> None:
         ctx.cond(names.COND_REPLICA_FAILURE, False, names.REASON_CHILDREN_CREATED, "every child was created")
 
 
+def _starting(ctx: Pass, p: PodState) -> bool:
+    """A pod of this run that the job waits for: not being deleted, the store pod or a current trainer."""
+    return not p.deleting and p.group == ctx.group and (p.role == names.ROLE_RDZV or ctx.current(p))
+
+
 def blocked(ctx: Pass, *, unschedulable: bool) -> list[PodState]:
     """Current pods that cannot start (PodState.startup_error), by name; Unschedulable ones only if asked."""
-    return sorted((p for p in ctx.live if p.startup_error and not p.deleting and p.group == ctx.group
-                   and (p.role == names.ROLE_RDZV or ctx.current(p))
+    return sorted((p for p in ctx.live if p.startup_error and _starting(ctx, p)
                    and (unschedulable or p.startup_error[0] != names.REASON_UNSCHEDULABLE)),
                   key=lambda p: p.name)
 
@@ -123,8 +127,7 @@ def not_started(ctx: Pass) -> list[str]:
     """Where the first pod that is not running stands when nothing says why (the kubelet posts a pull error
     only after its first retry, often seconds after the pull failed): its container's waiting reason, or that
     it has no node yet. Trainers first, then the store pod; [] when every pod runs or none exists."""
-    pods = sorted((p for p in ctx.live if not p.running and not p.deleting and p.group == ctx.group
-                   and (ctx.current(p) or p.role == names.ROLE_RDZV)),
+    pods = sorted((p for p in ctx.live if not p.running and _starting(ctx, p)),
                   key=lambda p: (p.role == names.ROLE_RDZV, p.name))
     if not pods:
         return []
