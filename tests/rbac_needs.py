@@ -4,7 +4,7 @@ manifests grant.
 Three sources, each read from the code rather than restated:
 - operator/ddp_operator/k8s.py, the only module with client calls: every `self.<api>.<method>(...)`, with
   `<api>` one of the kubernetes client classes built in `Api.__init__`. The method name says the verb and the
-  resource (`create_namespaced_network_policy` -> create networkpolicies). Calls inside the methods that
+  resource (`create_namespaced_network_policy` -> create networkpolicies; `list_node(watch=True)` -> watch nodes). Calls inside the methods that
   leader.py uses are the leader-election needs (a Role in the release namespace); calls on non-namespaced
   resources need a ClusterRole.
 - operator/ddp_operator/handlers.py, the kopf registrations: every watched or indexed resource needs list and
@@ -113,16 +113,19 @@ def _client_calls(needs: Needs, names) -> None:
                 resource = plural(resource)
             if status:
                 resource += "/status"
-            rule = (group, resource, VERBS[verb])
+            rules = {(group, resource, VERBS[verb])}
+            if verb == "list" and any(k.arg == "watch" and isinstance(k.value, ast.Constant) and k.value.value is True
+                                      for k in call.keywords):  # list_*(watch=True) is a watch
+                rules = {(group, resource, "watch")}
             needs.calls.append(f"{fn.name}: {cls}.{method}")
             if kueue:
-                needs.kueue.add(rule)
+                needs.kueue |= rules
             elif fn.name in leader:
-                needs.leader.add(rule)
+                needs.leader |= rules
             elif namespaced:
-                needs.namespaced.add(rule)
+                needs.namespaced |= rules
             else:
-                needs.cluster.add(rule)
+                needs.cluster |= rules
 
 
 def _literal(node: ast.AST, module) -> list[str]:

@@ -61,6 +61,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # With leader election, every write is fenced by this replica's Lease (leader.write_fence).
     memo.reconciler = r = Reconciler(k8s.Api(fence=leader.write_fence()), config)
     threading.Thread(target=r.run_ticker, name="ddp-ticker", daemon=True).start()
+    threading.Thread(target=r.nodes.run, name="ddp-node-watch", daemon=True).start()
 
 
 @kopf.on.cleanup()

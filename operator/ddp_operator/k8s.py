@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 from datetime import datetime, timezone
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"
 REQUEST_TIMEOUT_SECONDS = 30.0
 CONNECTIONS = 64  # kept open to the API server (see Api.__init__)
+NODE_PAGE = 500  # Nodes per page of a listing (node_watch.py keeps a few bytes of each)
 
 
 class ChildConflict(Exception):
@@ -364,11 +365,6 @@ class Api:
             log.warning("could not post event %s for %s/%s: %s", reason, meta["namespace"], meta["name"], e.reason)
 
     # --- nodes ------------------------------------------------------------------------------------
-    def node_ready(self, name: str) -> bool | None:
-        """False if the node is gone or its Ready condition is not True; None if Nodes may not be read."""
-        state = self.node_state(name)
-        return None if state is None else state.ready
-
     def node_state(self, name: str) -> NodeState | None:
         """The node's readiness and since when (observed.observe_node); None if Nodes may not be read.
 
@@ -390,6 +386,32 @@ class Api:
                 return None
             raise
         return observe_node(node)
+
+    def list_nodes(self, after: str = "") -> tuple[list, str, str]:
+        """One page of the Nodes, raw: (items, the listing's resourceVersion, the next page's token or "")."""
+        doc = _json(self.core.list_node(limit=NODE_PAGE, _continue=after or None,
+                                        _request_timeout=REQUEST_TIMEOUT_SECONDS, _preload_content=False))
+        meta = doc.get("metadata") if isinstance(doc, dict) else None
+        meta = meta if isinstance(meta, dict) else {}
+        items = doc.get("items") if isinstance(doc, dict) else None
+        return items if isinstance(items, list) else [], str(meta.get("resourceVersion") or ""), \
+            str(meta.get("continue") or "")
+
+    def watch_nodes(self, resource_version: str, seconds: int) -> Iterator[bytes]:
+        """The lines (one JSON event each) of a watch of the Nodes from `resource_version`, with bookmarks; the API
+        server ends it after `seconds`, and a connection silent past that is dropped (the read timeout)."""
+        response = self.core.list_node(watch=True, resource_version=resource_version, allow_watch_bookmarks=True,
+                                       timeout_seconds=seconds, _request_timeout=(REQUEST_TIMEOUT_SECONDS, seconds + 15),
+                                       _preload_content=False)
+        try:
+            rest = b""
+            for chunk in response.stream(amt=None, decode_content=False):
+                *lines, rest = (rest + chunk).split(b"\n")
+                yield from (line for line in lines if line.strip())
+            if rest.strip():
+                yield rest
+        finally:
+            response.release_conn()
 
     # --- leader election --------------------------------------------------------------------------
     def read_lease(self, namespace: str, name: str, *, timeout: float = REQUEST_TIMEOUT_SECONDS) -> dict | None:

@@ -23,6 +23,9 @@ PROGRESS_POLL_SECONDS = Histogram("ddpjob_progress_poll_seconds",
                                   "Duration of one job's progress poll (every trainer pod and sidecar asked).",
                                   buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120))
 PROGRESS_WRITES = Counter("ddpjob_progress_writes_total", "Status writes that only carry trainer progress.")
+NODES_WATCHED = Gauge("ddpjob_nodes_watched", "Nodes the operator's node watch holds (0: not listed yet, or no "
+                      "permission to list Nodes: each node a pass needs is read).")
+NODE_READS = Counter("ddpjob_node_reads_total", "Nodes read one by one: those the node watch could not vouch for.")
 MEMORY_ENTRIES = Gauge("ddpjob_operator_state_entries",
                        "Per-job state the operator holds in memory (job records, job objects, polls in flight), "
                        "by structure; back to its level once deleted jobs are swept.", ["structure"])

@@ -13,8 +13,8 @@ spec.progressPeriodSeconds, only when the step moved forward. A child that canno
 schedule (backoff.py) while the rest of the pass goes on. The plan holds every pod back until the job's own
 NetworkPolicy exists: a pass creates a missing policy first and plans again on the outcome, so a fresh job still
 gets its policy and its pods in one pass (one status write), and a refused or foreign policy is reported at once.
-Node states for the node-loss rule are read for the pods plan.node_lost_candidates names, each node at most once
-per NODE_CACHE_SECONDS. Each pass's stages are timed (pass_clock.py).
+Node states for the node-loss and stuck-Terminating rules come from a watch of the Nodes, or a read where the watch
+cannot vouch for a node (node_watch.NodeStates). Each pass's stages are timed (pass_clock.py).
 
 One job cannot stall the others: the ticker that serves every job's wake-ups (deadlines, TTL, force-deletes) never
 waits on a pod, and an error in one job's pass is logged and re-armed for that job alone. What is kept per job lives
@@ -41,6 +41,7 @@ from ddp_operator.jobs import Created, JobRegistry, Key, kept_pod, owned_by
 from ddp_operator.k8s import ChildConflict, NotLeading, describe_error
 from ddp_operator.kueue import WorkloadState, observe_workload
 from ddp_operator.netpol import NetworkPolicyConfig
+from ddp_operator.node_watch import NodeStates
 from ddp_operator.observed import PodState, observe_pod
 from ddp_operator.plan import (
     CREATE, DELETE, DELETE_JOB, FORCE_DELETE, PATCH, PATCH_STATUS, Observed, Plan, invalid, node_lost_candidates, plan,
@@ -68,7 +69,6 @@ TICK_SECONDS = 1.0
 WAKE_MARGIN_SECONDS = 0.05  # a pass asked for at a due time runs this much after it (clocks read a moment apart)
 RETRY_SECONDS = 5.0
 SWEEP_SECONDS = 10.0
-NODE_CACHE_SECONDS = 5.0  # a node's state read for the node-loss rule is reused (one read per node, not per pod)
 FLAVOR_CACHE_SECONDS = 30.0  # a Kueue ResourceFlavor or WorkloadPriorityClass read is reused (they rarely change)
 # Status fields that only count pods: a change in them alone may wait a moment to be batched.
 _COUNT_FIELDS = frozenset({"nodes", "nodesReady", "message"})
@@ -103,14 +103,14 @@ class Reconciler:
         self.jobs = JobRegistry(config.diagnostics, config.store_image)
         self.backoff = CreateBackoff(self.jobs, self.jobs.wake)
         self.poller = ProgressPoller(self.jobs, api, self.reconcile)
-        self.nodes = ReadCache(NODE_CACHE_SECONDS)
+        self._stop = threading.Event()
+        self.nodes = NodeStates(api, self._stop)  # its watch runs in a thread of its own (handlers.configure)
         self.flavors = ReadCache(FLAVOR_CACHE_SECONDS)     # Kueue's ResourceFlavors
         self.priorities = ReadCache(FLAVOR_CACHE_SECONDS)  # Kueue's WorkloadPriorityClasses
         self.due = DuePasses(lambda *key: self.reconcile(*key), self.jobs.wake, RETRY_SECONDS, TICK_SECONDS)
         self.event_passes = EventPasses(lambda *key: self.reconcile(*key),
                                         pace=lambda key: self.jobs.pace_left(key, PACE_SECONDS_PER_POD))
         self._swept_at = 0.0
-        self._stop = threading.Event()
 
     @property
     def indexes(self) -> dict[str, Any] | None:
@@ -275,9 +275,9 @@ class Reconciler:
         clock = PassClock()
         pods, seen_tombstones = self._observe(key, uid)
         clock.lap("observe", len(pods))
-        node_ready = {p.node: self.api.node_ready(p.node) for p in stuck_pods(job, pods, now)}
+        node_ready = {p.node: self.nodes.ready(p.node) for p in stuck_pods(job, pods, now)}
         lost = [p.node for p in node_lost_candidates(pods)] if job.spec.failure_policy.node_lost_timeout_seconds else []
-        nodes = {node: self.nodes.get(node, self.api.node_state) for node in lost}  # one by one: docs/scale.md
+        nodes = {node: self.nodes.get(node) for node in lost}
         clock.lap("nodes", len(nodes) + len(node_ready))
         conflicts, refusals = self.backoff.observed(key)
         observed = Observed(pods=pods, service_exists=self._service_exists(key), node_ready=node_ready,

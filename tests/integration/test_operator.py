@@ -428,11 +428,13 @@ def test_gracefully_deleted_pod_is_replaced_when_it_is_gone(k):
     assert not any(e.reason == "StuckPodForceDeleted" for e in k.events())
 
 
-def test_running_pod_on_a_node_that_no_longer_exists_is_lost_and_replaced(k):
+def test_running_pod_on_a_node_that_no_longer_exists_is_lost_and_replaced(k, operator):
     """failurePolicy.nodeLostTimeoutSeconds: a Running pod on a node the API server does not know (deleted with
     its machine) and that the node controller marked not Ready is force-deleted at once and recreated, as a
-    disruption: not counted."""
+    disruption: not counted. The node watch never showed that node, so the operator reads it before calling it gone
+    (a node created a moment ago may not have reached the watch yet)."""
     _running(k)
+    reads = _node_reads(operator)
     k.core.create_namespaced_pod_binding("job-1", k.ns, {
         "apiVersion": "v1", "kind": "Binding", "metadata": {"name": "job-1"},
         "target": {"apiVersion": "v1", "kind": "Node", "name": "ddp-it-vanished-node"}}, _preload_content=False)
@@ -445,12 +447,18 @@ def test_running_pod_on_a_node_that_no_longer_exists_is_lost_and_replaced(k):
     status = k.wait_phase("Running")
     assert status["restarts"] == 0 and status["disruptions"] == 1
     assert status["attempts"][-1]["reason"] == "NodeLost" and status["attempts"][-1]["counted"] is False
+    assert _node_reads(operator) > reads
 
 
-def test_running_pod_on_a_notready_node_is_lost_when_the_timeout_is_due(k):
+def _node_reads(operator):
+    return (operator.metrics() or {}).get("ddpjob_node_reads_total", 0)
+
+
+def test_running_pod_on_a_notready_node_is_lost_when_the_timeout_is_due(k, operator):
     """A Node object with no kubelet behind it (unschedulable and tainted: nothing else lands there), Ready=False
-    from now: the operator reads it for the pod the node controller marked not Ready, wakes up when
-    nodeLostTimeoutSeconds is due, force-deletes the pod and recreates it."""
+    from now: the operator's node watch shows it NotReady (no read of the node) for the pod the node controller
+    marked not Ready; the operator wakes up when nodeLostTimeoutSeconds is due, force-deletes the pod and recreates
+    it."""
     import secrets
     from datetime import datetime, timezone
     node = f"ddp-it-notready-{secrets.token_hex(3)}"
@@ -462,6 +470,8 @@ def test_running_pod_on_a_notready_node_is_lost_when_the_timeout_is_due(k):
         k.core.patch_node_status(node, {"status": {"conditions": [
             {"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "fake",
              "lastHeartbeatTime": now, "lastTransitionTime": now}]}})
+        wait_for(lambda: (operator.metrics() or {}).get("ddpjob_nodes_watched", 0) >= 2, 10, what="node watched")
+        reads = _node_reads(operator)
         _running(k, failurePolicy={"nodeLostTimeoutSeconds": 4})
         k.core.create_namespaced_pod_binding("job-1", k.ns, {
             "apiVersion": "v1", "kind": "Binding", "metadata": {"name": "job-1"},
@@ -475,6 +485,7 @@ def test_running_pod_on_a_notready_node_is_lost_when_the_timeout_is_due(k):
         k.wait_events("NodeLost", lambda e: f"node {node} has been NotReady since {now}" in e.message)
         status = k.status()
         assert status["attempts"][-1]["reason"] == "NodeLost" and status["restarts"] == 0
+        assert _node_reads(operator) == reads  # the watch's state, not a read
     finally:
         k.core.delete_node(node)
 

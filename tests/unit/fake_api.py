@@ -8,6 +8,7 @@ import copy
 
 from ddp_operator import names
 from ddp_operator.k8s import ChildConflict
+from ddp_operator.observed import NodeState
 from ddp_operator.reconciler import Reconciler
 
 from ddp_builders import job_body
@@ -76,8 +77,8 @@ class FakeApi:
     def post_event(self, job, type_, reason, message, component):
         self.events.append((job["metadata"]["name"], type_, reason, message))
 
-    def node_ready(self, name):
-        return True
+    def node_state(self, name):
+        return NodeState(ready=True)
 
 
 def fake_reconciler(*jobs: dict, policies: bool = False) -> Reconciler:

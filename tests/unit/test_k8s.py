@@ -1,4 +1,5 @@
-"""k8s.Api.node_ready: how a node's state is read, and what a 403 (namespace-scoped RBAC) means."""
+"""k8s.Api: how a node's state is read (and what a 403, namespace-scoped RBAC, means), the Nodes listed and watched;
+request timeouts, 409s, and writes whose answers are read raw."""
 
 import json
 import logging
@@ -37,23 +38,23 @@ def _node(ready):
 
 
 def test_ready_not_ready_and_missing():
-    assert _api(_node("True")).node_ready("n") is True
-    assert _api(_node("Unknown")).node_ready("n") is False
-    assert _api(ApiException(status=404, reason="Not Found")).node_ready("n") is False
+    assert _api(_node("True")).node_state("n").ready is True
+    assert _api(_node("Unknown")).node_state("n").ready is False
+    assert _api(ApiException(status=404, reason="Not Found")).node_state("n").ready is False
 
 
 def test_forbidden_is_unknown_logged_once_and_not_asked_again(caplog):
     api = _api(ApiException(status=403, reason="Forbidden"))
     with caplog.at_level(logging.DEBUG, logger="ddp_operator.k8s"):
-        assert api.node_ready("n") is None
-        assert api.node_ready("m") is None
+        assert api.node_state("n") is None
+        assert api.node_state("m") is None
     assert api.core.calls == 1
     assert len([r for r in caplog.records if "permission to read Nodes" in r.message]) == 1
 
 
 def test_other_errors_are_raised():
     with pytest.raises(ApiException):
-        _api(ApiException(status=500, reason="boom")).node_ready("n")
+        _api(ApiException(status=500, reason="boom")).node_state("n")
 
 
 # --- timeouts and 409s --------------------------------------------------------------------------------------------
@@ -98,11 +99,12 @@ def test_every_call_has_a_request_timeout():
     api.delete_job("ns", "job", "uid")
     api.patch_status("ns", "job", {"phase": "Running"})
     api.post_event({"metadata": {"name": "job", "namespace": "ns"}}, "Normal", "R", "m", "c")
-    api.node_ready("n")
+    api.node_state("n")
+    api.list_nodes()
     api.read_lease("ns", "l")
     api.write_lease("ns", {"metadata": {"name": "l"}}, create=True)
     api.write_lease("ns", {"metadata": {"name": "l"}}, create=False)
-    assert len(calls) == 12
+    assert len(calls) == 13
     for name, kwargs in calls:
         assert 0 < kwargs.get("_request_timeout", 0) <= k8s.REQUEST_TIMEOUT_SECONDS, name
     api.read_lease("ns", "l", timeout=1.5)

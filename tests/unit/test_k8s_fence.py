@@ -40,8 +40,9 @@ CALLS = {
     "workload_priority": lambda api: api.workload_priority("p"),
     "patch_status": lambda api: api.patch_status("ns", "job", {"phase": "Running"}),
     "post_event": lambda api: api.post_event(JOB, "Normal", "R", "m", "c"),
-    "node_ready": lambda api: api.node_ready("n"),
     "node_state": lambda api: api.node_state("n"),
+    "list_nodes": lambda api: api.list_nodes(),
+    "watch_nodes": lambda api: list(api.watch_nodes("1", 60)),
     "read_config_map": lambda api: api.read_config_map("ns", "job-history"),
     "write_config_map": lambda api: (api.write_config_map(_config_map(), replace=False),
                                      api.write_config_map(_config_map(), replace=True)),
@@ -58,7 +59,8 @@ def _answer(name, args, kwargs):
         return {"spec": {}, "value": 1}
     if name.startswith("create_namespaced_custom_object"):
         return {}
-    return SimpleNamespace(status=SimpleNamespace(conditions=[]), data=b"{}")
+    return SimpleNamespace(status=SimpleNamespace(conditions=[]), data=b"{}", stream=lambda **_: iter([b"{}\n"]),
+                           release_conn=lambda: None)
 
 
 def _api(fence=None):
@@ -79,7 +81,12 @@ def test_every_api_call_has_a_request_timeout():
         call(api)
         assert calls, name
         for method, kwargs in calls:
-            assert 0 < kwargs.get("_request_timeout", 0) <= k8s.REQUEST_TIMEOUT_SECONDS, (name, method)
+            timeout = kwargs.get("_request_timeout", 0)
+            if name == "watch_nodes":  # (connect, read): a watch's answer is as long as it asked the server for
+                connect, read = timeout
+                assert 0 < connect <= k8s.REQUEST_TIMEOUT_SECONDS and kwargs["timeout_seconds"] < read <= 120
+                continue
+            assert 0 < timeout <= k8s.REQUEST_TIMEOUT_SECONDS, (name, method)
 
 
 def _leaders():
@@ -114,7 +121,7 @@ def test_a_replica_that_could_not_renew_in_time_writes_nothing():
             CALLS[name](api)
     assert calls == []
     # Reads still work (nothing they do can harm the new leader).
-    api.node_ready("n")
+    api.node_state("n")
     assert [c[0] for c in calls] == ["read_node"]
 
 

@@ -153,6 +153,6 @@ def test_node_states_are_read_once_per_node_and_cache_period():
     r.reconcile(*key)
     r.reconcile(*key)
     assert r.api.node_reads == ["node-2"]
-    r.nodes.entries["node-2"] = (r.nodes.entries["node-2"][0], 0.0)  # the cache period is over
+    r.nodes.reads.entries["node-2"] = (r.nodes.reads.entries["node-2"][0], 0.0)  # the cache period is over
     r.reconcile(*key)
     assert r.api.node_reads == ["node-2", "node-2"]
