@@ -15,6 +15,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ddp_builders import job_body
 from fake_api import fake_reconciler
+from test_leader import Clock
 
 from ddp_operator.k8s import Api
 from ddp_operator.node_watch import FRESH_SECONDS, NodeWatch, WatchEvent, parse_event
@@ -63,14 +64,6 @@ def test_a_node_with_odd_conditions_is_not_ready():
 
 
 # --- the watch, on a fake API ----------------------------------------------------------------------------------------
-class _Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
 class _Nodes:
     """list_nodes in pages of two; watch_nodes answers the next scripted list of lines (or raises it)."""
 
@@ -102,7 +95,7 @@ def test_listing_then_events_keep_each_nodes_state():
         _line("ADDED", _node("n9", rv="103")),
         _line("BOOKMARK", {"metadata": {"resourceVersion": "150"}}),
     ]])
-    watch = NodeWatch(api, threading.Event(), clock=_Clock())
+    watch = NodeWatch(api, threading.Event(), clock=Clock())
     assert watch.state("n0") is None  # not listed yet: read the node
     version = watch.relist()
     assert version == "100" and len(watch) == 5 and watch.state("n0").ready is True
@@ -114,12 +107,12 @@ def test_listing_then_events_keep_each_nodes_state():
 
 
 def test_a_silent_watch_is_not_trusted():
-    clock = _Clock()
+    clock = Clock()
     watch = NodeWatch(_Nodes([_node("n0")]), threading.Event(), clock=clock)
     watch.relist()
-    clock.now += FRESH_SECONDS - 1
+    clock.t += FRESH_SECONDS - 1
     assert watch.state("n0").ready is True
-    clock.now += 2
+    clock.t += 2
     assert watch.state("n0") is None
 
 
