@@ -18,7 +18,9 @@ at most once per READ_SECONDS, as before the watch). The watch cannot vouch:
   after the first 403, and every state is read (k8s.Api.node_state, which says None when that is forbidden too).
 
 Every event is validated (parse_event): one that is not a well-formed Node event is dropped and counted in the log,
-never raised; the watch goes on.
+never raised; the watch goes on. A failed request or an error the API server ends a watch with is retried after
+RETRY_SECONDS, and a watch request that ended within MIN_WATCH_SECONDS is not followed by the next at once: an API
+server that answers oddly never gets a loop of requests from here.
 """
 
 from __future__ import annotations
@@ -40,14 +42,19 @@ log = logging.getLogger(__name__)
 WATCH_SECONDS = 60  # each watch request's length: the API server ends it, and the next resumes where it stopped
 FRESH_SECONDS = WATCH_SECONDS + 30.0  # watched states are used only while the watch spoke this recently
 RETRY_SECONDS = 5.0  # after a failed listing or watch request
+MIN_WATCH_SECONDS = 1.0  # a watch request that ends sooner is not followed by the next at once (no request loop)
 MAX_NAME = 253  # a Node's name is a DNS subdomain
 READ_SECONDS = 5.0  # a node's state read (not watched) is reused: one read per node, not per pod
 
 
+class WatchError(Exception):
+    """The API server ended a watch with an error other than an expired resourceVersion."""
+
+
 @dataclass(frozen=True)
 class WatchEvent:
-    """One line of a watch, validated. kind: ADDED, MODIFIED, DELETED, BOOKMARK, or EXPIRED (the resourceVersion is
-    too old: list again)."""
+    """One line of a watch, validated. kind: ADDED, MODIFIED, DELETED, BOOKMARK, EXPIRED (the resourceVersion is
+    too old: list again) or ERROR (any other error the API server ends the watch with: retried after a while)."""
     kind: str
     name: str = ""
     state: NodeState | None = None
@@ -77,7 +84,7 @@ def parse_event(line: bytes | str) -> WatchEvent | None:
     kind, obj = doc.get("type"), doc.get("object")
     if kind == "ERROR":  # a Status: 410 Gone when the watch's resourceVersion is no longer kept
         code = obj.get("code") if isinstance(obj, Mapping) else None
-        return WatchEvent("EXPIRED") if code == 410 else None
+        return WatchEvent("EXPIRED" if code == 410 else "ERROR")
     if kind == "BOOKMARK":
         rv = _version(obj)
         return WatchEvent(kind, resource_version=rv) if rv else None
@@ -117,7 +124,10 @@ class NodeWatch:
             try:
                 if not version:
                     version = self.relist()
+                started = self._clock()
                 version = self.follow(version)
+                if self._clock() - started < MIN_WATCH_SECONDS:
+                    self._stop.wait(MIN_WATCH_SECONDS)
             except ApiException as e:
                 if e.status == 403:
                     self._heard_at = None
@@ -167,6 +177,8 @@ class NodeWatch:
                 continue
             if event.kind == "EXPIRED":
                 return ""
+            if event.kind == "ERROR":
+                raise WatchError("the API server ended the node watch with an error")
             if event.kind == "DELETED":
                 self._states.pop(event.name, None)
             elif event.state is not None:

@@ -7,6 +7,7 @@ import http.server
 import json
 import logging
 import threading
+import time
 from urllib.parse import parse_qs, urlparse
 
 import pytest
@@ -42,6 +43,7 @@ def test_node_events_become_states():
     assert parse_event(_line("BOOKMARK", {"metadata": {"resourceVersion": "12"}})) == WatchEvent(
         "BOOKMARK", resource_version="12")
     assert parse_event(_line("ERROR", {"kind": "Status", "code": 410, "reason": "Expired"})).kind == "EXPIRED"
+    assert parse_event(_line("ERROR", {"code": 500})).kind == parse_event(_line("ERROR", "odd")).kind == "ERROR"
 
 
 @pytest.mark.parametrize("line", [
@@ -51,7 +53,6 @@ def test_node_events_become_states():
     _line("ADDED", {"metadata": {"name": "n" * 254, "resourceVersion": "1"}}),
     _line("ADDED", {"metadata": {"name": "n1", "resourceVersion": ["1"]}}),
     _line("SURPRISE", _node("n1")), _line("BOOKMARK", {"metadata": {}}),
-    _line("ERROR", {"code": 500}), _line("ERROR", "gone"),
 ])
 def test_a_malformed_event_is_dropped_not_raised(line):
     assert parse_event(line) is None
@@ -118,6 +119,7 @@ def test_a_silent_watch_is_not_trusted():
 
 def test_an_expired_version_lists_again_and_a_failed_request_is_retried(monkeypatch):
     monkeypatch.setattr("ddp_operator.node_watch.RETRY_SECONDS", 0.01)
+    monkeypatch.setattr("ddp_operator.node_watch.MIN_WATCH_SECONDS", 0.01)
     stop = threading.Event()
     expired = [_line("ERROR", {"kind": "Status", "code": 410})]
     api = _Nodes([_node("n0"), _node("n1")], [expired, ConnectionResetError("reset"), ApiException(status=410)])
@@ -227,3 +229,22 @@ def test_the_api_lists_a_page_and_streams_the_watchs_lines():
     assert listing["continue"] == ["token"] and "limit" in listing
     assert watching["resourceVersion"] == ["5"] and watching["allowWatchBookmarks"] == ["true"]
     assert watching["timeoutSeconds"] == ["60"]
+
+
+def test_a_watch_that_ends_at_once_or_with_an_error_is_not_asked_again_in_a_loop(monkeypatch):
+    """An API server that ends every watch at once, or with an error, gets at most one watch request a second (or
+    one per RETRY_SECONDS after an error), never a tight loop of them."""
+    monkeypatch.setattr("ddp_operator.node_watch.RETRY_SECONDS", 0.3)
+    monkeypatch.setattr("ddp_operator.node_watch.MIN_WATCH_SECONDS", 0.2)
+    stop = threading.Event()
+    error = [_line("ERROR", {"kind": "Status", "code": 500, "reason": "InternalError"})]
+    api = _Nodes([_node("n0")], [[], [], error, []] * 100)
+    watch = NodeWatch(api, stop)
+    thread = threading.Thread(target=watch.run)
+    thread.start()
+    time.sleep(1.5)
+    stop.set()
+    thread.join(5)
+    # 1.5 s: two empty watches (0.2 s each), an error (0.3 s), an empty one, and so on: about 5, never hundreds.
+    assert 3 <= len(api.watched_from) <= 8, len(api.watched_from)
+    assert watch.state("n0").ready is True
