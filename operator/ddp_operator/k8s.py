@@ -391,9 +391,9 @@ class Api:
         """One page of the Nodes, raw: (items, the listing's resourceVersion, the next page's token or "")."""
         doc = _json(self.core.list_node(limit=NODE_PAGE, _continue=after or None,
                                         _request_timeout=REQUEST_TIMEOUT_SECONDS, _preload_content=False))
-        meta = doc.get("metadata") if isinstance(doc, dict) else None
-        meta = meta if isinstance(meta, dict) else {}
-        items = doc.get("items") if isinstance(doc, dict) else None
+        doc = doc if isinstance(doc, dict) else {}
+        meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+        items = doc.get("items")
         return items if isinstance(items, list) else [], str(meta.get("resourceVersion") or ""), \
             str(meta.get("continue") or "")
 
@@ -401,8 +401,8 @@ class Api:
         """The lines (one JSON event each) of a watch of the Nodes from `resource_version`, with bookmarks; the API
         server ends it after `seconds`, and a connection silent past that is dropped (the read timeout)."""
         response = self.core.list_node(watch=True, resource_version=resource_version, allow_watch_bookmarks=True,
-                                       timeout_seconds=seconds, _request_timeout=(REQUEST_TIMEOUT_SECONDS, seconds + 15),
-                                       _preload_content=False)
+                                       timeout_seconds=seconds, _preload_content=False,
+                                       _request_timeout=(REQUEST_TIMEOUT_SECONDS, seconds + 15))
         try:
             rest = b""
             for chunk in response.stream(amt=None, decode_content=False):

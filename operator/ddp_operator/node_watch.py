@@ -61,15 +61,18 @@ class WatchEvent:
     resource_version: str = ""
 
 
-def _name(node: Any) -> str:
+def _metadata(node: Any) -> Mapping[str, Any]:
     meta = node.get("metadata") if isinstance(node, Mapping) else None
-    name = meta.get("name") if isinstance(meta, Mapping) else None
+    return meta if isinstance(meta, Mapping) else {}
+
+
+def _name(node: Any) -> str:
+    name = _metadata(node).get("name")
     return name if isinstance(name, str) and 0 < len(name) <= MAX_NAME else ""
 
 
 def _version(node: Any) -> str:
-    meta = node.get("metadata") if isinstance(node, Mapping) else None
-    rv = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
+    rv = _metadata(node).get("resourceVersion")
     return rv if isinstance(rv, str) and rv.isascii() and 0 < len(rv) <= 64 else ""
 
 

@@ -1,5 +1,6 @@
 """Reads of cluster-wide objects reused for a while: a node's state the node watch cannot vouch for (one read per node,
-not per pod; node_watch.py), a Kueue ResourceFlavor or WorkloadPriorityClass (they rarely change). Thread-safe: passes run side by side."""
+not per pod; node_watch.py), a Kueue ResourceFlavor or WorkloadPriorityClass (they rarely change). Thread-safe:
+passes run side by side."""
 
 from __future__ import annotations
 
