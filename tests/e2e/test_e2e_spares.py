@@ -67,8 +67,7 @@ def test_spare_takes_a_lost_members_place_and_is_replenished(kubectl, ns):
     assert after["worldSize"] == 2 and spare_index in new_members and victim_index not in new_members, after
     # The victim's pod is recreated (a new UID). The recovery above does not wait for it, and on two busy cores
     # the operator's pass may come after rank 0's first report: wait for it rather than read it once.
-    h.wait_for_or_raise(lambda: _uids(kubectl, ns, job).get(victim) not in (None, before[victim]), 60,
-                        f"{victim} recreated", h.PhaseError)
+    h.wait_for(lambda: _uids(kubectl, ns, job).get(victim) not in (None, before[victim]), 60, f"{victim} recreated")
     h.log(f"hot spare: {victim} recreated {time.time() - killed_at:.1f} s after the kill (or sooner)")
     st = _status_is(kubectl, ns, job, "2/2 +1", 120)
     assert h.progress(kubectl, ns, victim) is None  # the recreated pod waits: it runs no worker
