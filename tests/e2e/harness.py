@@ -56,7 +56,7 @@ from tests.support.kube import (  # noqa: E402  the suite's cluster helpers, sha
 from tests.support.kube import connect as _connect  # noqa: E402
 from tests.support.processes import OperatorProcess  # noqa: E402
 from tests.support.suite import OWN_OPERATOR_NS_PREFIXES  # noqa: E402
-from tests.support.waiting import wait_for  # noqa: E402
+from tests.support.waiting import WaitTimeout, wait_for  # noqa: E402
 
 TAG = "0.1.0"
 OPERATOR_IMAGE = f"localhost/ddp-operator:{TAG}"
@@ -412,6 +412,25 @@ def job(k: Kubectl, namespace: str, name: str) -> dict:
 
 def status(k: Kubectl, namespace: str, name: str) -> dict:
     return job(k, namespace, name).get("status") or {}
+
+
+def job_kube_events(k: Kubectl, namespace: str, name: str) -> list[tuple[str, str, str]]:
+    """The Kubernetes Events of DDPJob `name`: (type, reason, message), in the API server's order."""
+    items = k.json("get", "events", "-n", namespace, "--field-selector",
+                   f"involvedObject.kind=DDPJob,involvedObject.name={name}")["items"]
+    return [(e.get("type", ""), e.get("reason", ""), e.get("message", "")) for e in items]
+
+
+def wait_job_event(k: Kubectl, namespace: str, name: str, match: Callable[[tuple[str, str, str]], bool],
+                   what: str, timeout: float = 30) -> tuple[str, str, str]:
+    """The first Event of DDPJob `name` that `match`es, waiting for it: the operator posts a pass's Events after the
+    status write that a test saw, so on a busy machine they come a moment later. Fails listing the Events there."""
+    try:
+        return wait_for(lambda: next((e for e in job_kube_events(k, namespace, name) if match(e)), None), timeout,
+                        f"{namespace}/{name}: the Event {what}")
+    except WaitTimeout:
+        raise AssertionError(f"no Event {what} within {timeout:.0f} s: {job_kube_events(k, namespace, name)}") \
+            from None
 
 
 def wait_phase(k: Kubectl, namespace: str, name: str, phase: str, timeout: float,

@@ -22,7 +22,6 @@ import time
 
 from tests.benchmarks import rounds
 from tests.e2e import harness as h
-from tests.support.waiting import WaitTimeout, wait_for
 
 STEP_DELAY = 0.15
 SUCCEED_TIMEOUT = 300
@@ -143,12 +142,6 @@ def test_a_plain_scripts_permanent_exit_code_fails_the_job_at_once(kubectl, ns):
         f"worker exit codes {PERMANENT_EXIT}" in st.get("message", ""), st.get("message")
     failed = next(c for c in st.get("conditions") or [] if c["type"] == "Failed")
     assert failed["status"] == "True" and failed["reason"] == "PermanentExitCode", failed
-    def events():  # posted after the status write that shows Failed: a moment later on a busy machine
-        return kubectl.json("get", "events", "-n", ns, "--field-selector",
-                            "involvedObject.kind=DDPJob,involvedObject.name=plain")["items"]
-    try:
-        wait_for(lambda: any(e["reason"] == "PermanentExitCode" and e["type"] == "Warning" for e in events()), 20,
-                 "the Warning Event PermanentExitCode")
-    except WaitTimeout:
-        raise AssertionError([(e["type"], e["reason"]) for e in events()]) from None
+    h.wait_job_event(kubectl, ns, "plain", lambda e: e[:2] == ("Warning", "PermanentExitCode"),
+                     "Warning PermanentExitCode")
     print(f"plain script exit {PERMANENT_EXIT}: {st.get('message')}")

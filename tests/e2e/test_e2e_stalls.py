@@ -213,9 +213,9 @@ def test_plain_scripts_that_never_form_the_group_or_block_a_rank_are_diagnosed(k
             ranks = (st.get("diagnosis") or {}).get("ranks") or []
             joined = [r for r in ranks if r.get("phase") == "init"]
             assert joined and all("torch/distributed/" in (r.get("frame") or "") for r in joined), ranks
-            events = [(e["type"], e["reason"], e.get("message", "")) for e in kubectl.json(
-                "get", "events", "-n", ns, "--field-selector", f"involvedObject.kind=DDPJob,involvedObject.name={name}")["items"]]
-            assert any(e[:2] == ("Warning", "ProcessGroupNeverFormed") and expect[0] in e[2] for e in events), events
+            h.wait_job_event(kubectl, ns, name,
+                             lambda e: e[:2] == ("Warning", "ProcessGroupNeverFormed") and expect[0] in e[2],
+                             f"Warning ProcessGroupNeverFormed naming {expect[0]!r}")
             print(f"{name}: Stalled {took:.1f} s after its first rank called init_process_group "
                   f"({init_at[name] - running[name]:.1f} s after every pod ran): {stalled['message']}")
 

@@ -114,7 +114,7 @@ def test_startup_timeout_fails_the_job(kubectl, ns):
     assert st["reason"] == "StartupTimeoutExceeded", st
     assert f"startupTimeoutSeconds={TIMEOUT_SECONDS}" in st["message"], st
     assert any(r in st["message"] for r in PULL_REASONS), st
-    assert _events(kubectl, ns, "timeout", "StartupTimeoutExceeded")
+    h.wait_job_event(kubectl, ns, "timeout", lambda e: e[1] == "StartupTimeoutExceeded", "StartupTimeoutExceeded")
     # Nothing of the job keeps trying to start.
     h.wait_for(lambda: not [p for p in kubectl.json("get", "pods", "-n", ns)["items"]
                             if not p["metadata"].get("deletionTimestamp")], 60, "the job's pods deleted")
