@@ -82,7 +82,9 @@ def test_quota_refusal_is_reported_once_and_the_job_starts_when_the_quota_goes(k
     assert "exceeded quota: one-pod" in cond["message"], cond
     st = h.status(kubectl, ns, "quota")
     assert st["reason"] == "FailedCreate" and "exceeded quota" in st["message"], st
-    # The operator keeps retrying (1 s, 2 s, 4 s, 8 s ...) without posting an Event per retry.
+    # The operator keeps retrying (1 s, 2 s, 4 s, 8 s ...) without posting an Event per retry. The condition's Event
+    # is posted after the status write that showed it (a moment later on a busy machine): waited for, then counted.
+    h.wait_job_event(kubectl, ns, "quota", lambda e: e[1] == "FailedCreate", "FailedCreate")
     first = len(_events(kubectl, ns, "quota", "FailedCreate"))
     time.sleep(12)
     events = _events(kubectl, ns, "quota", "FailedCreate")
