@@ -414,23 +414,22 @@ def status(k: Kubectl, namespace: str, name: str) -> dict:
     return job(k, namespace, name).get("status") or {}
 
 
-def job_kube_events(k: Kubectl, namespace: str, name: str) -> list[tuple[str, str, str]]:
-    """The Kubernetes Events of DDPJob `name`: (type, reason, message), in the API server's order."""
-    items = k.json("get", "events", "-n", namespace, "--field-selector",
-                   f"involvedObject.kind=DDPJob,involvedObject.name={name}")["items"]
-    return [(e.get("type", ""), e.get("reason", ""), e.get("message", "")) for e in items]
+def job_kube_events(k: Kubectl, namespace: str, name: str) -> list[dict]:
+    """The Kubernetes Events of DDPJob `name`, in the API server's order."""
+    return k.json("get", "events", "-n", namespace, "--field-selector",
+                  f"involvedObject.kind=DDPJob,involvedObject.name={name}")["items"]
 
 
-def wait_job_event(k: Kubectl, namespace: str, name: str, match: Callable[[tuple[str, str, str]], bool],
-                   what: str, timeout: float = 30) -> tuple[str, str, str]:
+def wait_job_event(k: Kubectl, namespace: str, name: str, match: Callable[[dict], bool], what: str,
+                   timeout: float = 30) -> dict:
     """The first Event of DDPJob `name` that `match`es, waiting for it: the operator posts a pass's Events after the
     status write that a test saw, so on a busy machine they come a moment later. Fails listing the Events there."""
     try:
         return wait_for(lambda: next((e for e in job_kube_events(k, namespace, name) if match(e)), None), timeout,
                         f"{namespace}/{name}: the Event {what}")
     except WaitTimeout:
-        raise AssertionError(f"no Event {what} within {timeout:.0f} s: {job_kube_events(k, namespace, name)}") \
-            from None
+        seen = [(e.get("type"), e.get("reason"), e.get("message")) for e in job_kube_events(k, namespace, name)]
+        raise AssertionError(f"no Event {what} within {timeout:.0f} s: {seen}") from None
 
 
 def wait_phase(k: Kubectl, namespace: str, name: str, phase: str, timeout: float,

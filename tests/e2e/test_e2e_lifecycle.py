@@ -142,6 +142,6 @@ def test_a_plain_scripts_permanent_exit_code_fails_the_job_at_once(kubectl, ns):
         f"worker exit codes {PERMANENT_EXIT}" in st.get("message", ""), st.get("message")
     failed = next(c for c in st.get("conditions") or [] if c["type"] == "Failed")
     assert failed["status"] == "True" and failed["reason"] == "PermanentExitCode", failed
-    h.wait_job_event(kubectl, ns, "plain", lambda e: e[:2] == ("Warning", "PermanentExitCode"),
+    h.wait_job_event(kubectl, ns, "plain", lambda e: (e.get("type"), e.get("reason")) == ("Warning", "PermanentExitCode"),
                      "Warning PermanentExitCode")
     print(f"plain script exit {PERMANENT_EXIT}: {st.get('message')}")

@@ -214,7 +214,8 @@ def test_plain_scripts_that_never_form_the_group_or_block_a_rank_are_diagnosed(k
             joined = [r for r in ranks if r.get("phase") == "init"]
             assert joined and all("torch/distributed/" in (r.get("frame") or "") for r in joined), ranks
             h.wait_job_event(kubectl, ns, name,
-                             lambda e: e[:2] == ("Warning", "ProcessGroupNeverFormed") and expect[0] in e[2],
+                             lambda e: (e.get("type"), e.get("reason")) == ("Warning", "ProcessGroupNeverFormed")
+                             and expect[0] in e.get("message", ""),
                              f"Warning ProcessGroupNeverFormed naming {expect[0]!r}")
             print(f"{name}: Stalled {took:.1f} s after its first rank called init_process_group "
                   f"({init_at[name] - running[name]:.1f} s after every pod ran): {stalled['message']}")

@@ -38,9 +38,7 @@ def _condition(st: dict, type_: str) -> dict | None:
 
 
 def _events(kubectl, ns: str, name: str, reason: str | None = None) -> list[dict]:
-    items = kubectl.json("get", "events", "-n", ns, "--field-selector",
-                         f"involvedObject.kind=DDPJob,involvedObject.name={name}")["items"]
-    return [e for e in items if reason is None or e["reason"] == reason]
+    return [e for e in h.job_kube_events(kubectl, ns, name) if reason is None or e["reason"] == reason]
 
 
 def test_missing_image_is_reported_within_seconds(kubectl, ns):
@@ -84,7 +82,7 @@ def test_quota_refusal_is_reported_once_and_the_job_starts_when_the_quota_goes(k
     assert st["reason"] == "FailedCreate" and "exceeded quota" in st["message"], st
     # The operator keeps retrying (1 s, 2 s, 4 s, 8 s ...) without posting an Event per retry. The condition's Event
     # is posted after the status write that showed it (a moment later on a busy machine): waited for, then counted.
-    h.wait_job_event(kubectl, ns, "quota", lambda e: e[1] == "FailedCreate", "FailedCreate")
+    h.wait_job_event(kubectl, ns, "quota", lambda e: e.get("reason") == "FailedCreate", "FailedCreate")
     first = len(_events(kubectl, ns, "quota", "FailedCreate"))
     time.sleep(12)
     events = _events(kubectl, ns, "quota", "FailedCreate")
@@ -116,7 +114,7 @@ def test_startup_timeout_fails_the_job(kubectl, ns):
     assert st["reason"] == "StartupTimeoutExceeded", st
     assert f"startupTimeoutSeconds={TIMEOUT_SECONDS}" in st["message"], st
     assert any(r in st["message"] for r in PULL_REASONS), st
-    h.wait_job_event(kubectl, ns, "timeout", lambda e: e[1] == "StartupTimeoutExceeded", "StartupTimeoutExceeded")
+    h.wait_job_event(kubectl, ns, "timeout", lambda e: e.get("reason") == "StartupTimeoutExceeded", "StartupTimeoutExceeded")
     # Nothing of the job keeps trying to start.
     h.wait_for(lambda: not [p for p in kubectl.json("get", "pods", "-n", ns)["items"]
                             if not p["metadata"].get("deletionTimestamp")], 60, "the job's pods deleted")
